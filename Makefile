@@ -1,0 +1,37 @@
+# Each target installs what it needs into .venv first, so a fresh clone needs only `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build that lies on this machine; set TORCH_SPEC to another requirement elsewhere.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# Keep a torch that is already installed; only a missing one is installed (never a CUDA build by accident).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 recipes/demo_ddp.py
+
+bench: $(STAMP)
+	$(PY) bench/ddp_overlap.py --json bench/results/ddp_overlap.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check overlapkit tests recipes bench
+	$(VENV)/bin/ruff format --check overlapkit tests recipes bench
+
+clean:
+	rm -rf $(VENV) runs bench/results .pytest_cache

@@ -1,0 +1,284 @@
+"""``ok.GradBucketer``: bucketed asynchronous gradient all-reduce for models not wrapped in DDP.
+
+The overlap loop::
+
+    loss.backward()      # each parameter's post-accumulate-grad hook copies its gradient into
+                         # its bucket; a full bucket's all-reduce is issued at once (async)
+    bucketer.wait()      # issue what is left, wait, gradients now hold the average
+    optimizer.step()
+
+Buckets are issued in bucket order on every rank, because gloo and NCCL match collectives by the
+order they are issued in. The first step uses reverse registration order (the usual order of
+readiness); after it, the buckets are rebuilt once in the order rank 0 saw gradients become ready
+and every rank adopts that layout. Flat buffers are allocated per layout, never per step, and after
+``wait()`` each ``param.grad`` is a view into its bucket, so the next backward accumulates in place
+and needs no copy (unless the optimizer sets gradients to None, in which case one copy is made).
+
+A parameter that gets no gradient on a rank in a step contributes zeros. Each bucket carries one
+"used" flag per parameter, reduced with the gradients, so every rank agrees on which parameters
+got a gradient somewhere: those receive the average; parameters unused on every rank keep their
+``.grad`` unchanged (None stays None), as DDP does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
+from overlapkit.process_group import resolve_process_group
+from overlapkit.validation import trainable_parameters, validate_bucket_mb
+
+logger = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+
+class _Bucket:
+    """Parameters reduced together: one flat buffer of their gradients plus one flag each.
+
+    A flag is 1 while its parameter has a gradient this step and 0 once it is known to have none;
+    after the all-reduce it is positive exactly when some rank had a gradient.
+    """
+
+    __slots__ = ("flags", "flat", "grad_bytes", "indices", "pending", "views", "work")
+
+    def __init__(self, indices: list[int], params: list[torch.nn.Parameter]):
+        self.indices = indices
+        numels = [params[i].numel() for i in indices]
+        first = params[indices[0]]
+        grad_numel = sum(numels)
+        self.flat = torch.zeros(grad_numel + len(indices), dtype=first.dtype, device=first.device)
+        self.flags = self.flat[grad_numel:]
+        self.flags.fill_(1)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for i, numel in zip(indices, numels, strict=True):
+            self.views.append(self.flat[offset : offset + numel].view_as(params[i]))
+            offset += numel
+        self.grad_bytes = grad_numel * first.element_size()
+        self.pending = len(indices)
+        self.work: dist.Work | None = None
+
+
+class GradBucketer:
+    """Average gradients across a process group with bucketed all-reduces issued during backward.
+
+    Args:
+        model (nn.Module): the local replica; its trainable parameters are reduced.
+        bucket_mb (float): bucket size in MiB; a bucket is closed once it would exceed this.
+            Defaults to 25.
+        process_group (ProcessGroup | None): group to average over (for example the ``dp`` group
+            of a device mesh); None means the world.
+
+    Raises:
+        ValueError: ``bucket_mb <= 0`` or the model has no trainable parameters.
+        RuntimeError: torch.distributed is not initialised.
+
+    Example::
+        >>> bucketer = ok.GradBucketer(model, bucket_mb=4)
+        >>> loss_fn(model(x), y).backward()
+        >>> bucketer.wait()
+        >>> optimizer.step()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        bucket_mb: float = 25,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        self.bucket_mb = validate_bucket_mb(bucket_mb, caller="ok.GradBucketer")
+        self.process_group = resolve_process_group(process_group, caller="ok.GradBucketer")
+        self._params = trainable_parameters(model, caller="ok.GradBucketer")
+        ids = {id(p) for p in self._params}
+        self._names = [n for n, p in model.named_parameters() if id(p) in ids]
+        self._group_size = self.process_group.size()
+        self._recorder = CommRecorder(device=self._params[0].device)
+        self._sync = True
+        self._in_step = False
+        self._ready = [False] * len(self._params)
+        self._ready_order: list[int] | None = []
+        self._next_to_launch = 0
+        self._build(list(reversed(range(len(self._params)))))
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self._params)
+        ]
+        register_recorder(self, self._recorder)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def bucket_parameter_names(self) -> list[list[str]]:
+        """The parameter names in each bucket, in launch order."""
+        return [[self._names[i] for i in b.indices] for b in self._buckets]
+
+    def _build(self, order: list[int]) -> None:
+        cap = self.bucket_mb * MiB
+        groups: list[list[int]] = []
+        size = 0
+        for i in order:
+            p = self._params[i]
+            nbytes = p.numel() * p.element_size()
+            if groups:
+                last = self._params[groups[-1][0]]
+                same_kind = last.dtype == p.dtype and last.device == p.device
+                if same_kind and size + nbytes <= cap:
+                    groups[-1].append(i)
+                    size += nbytes
+                    continue
+            groups.append([i])
+            size = nbytes
+        self._buckets = [_Bucket(g, self._params) for g in groups]
+        self._bucket_of = [(0, 0)] * len(self._params)
+        for b, bucket in enumerate(self._buckets):
+            for pos, i in enumerate(bucket.indices):
+                self._bucket_of[i] = (b, pos)
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(index, param)
+
+        return hook
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        if self._ready[index]:
+            raise RuntimeError(
+                f"ok.GradBucketer: parameter {self._names[index]!r} got a second gradient before "
+                "wait(); call bucketer.wait() after each backward, or accumulate micro-batches "
+                "inside `with bucketer.no_sync():`"
+            )
+        self._ready[index] = True
+        self._in_step = True
+        if self._ready_order is not None:
+            self._ready_order.append(index)
+        b, pos = self._bucket_of[index]
+        bucket = self._buckets[b]
+        view = bucket.views[pos]
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+        bucket.pending -= 1
+        if bucket.pending == 0 and b == self._next_to_launch:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Issue every ready bucket from the next one in order, stopping at the first not ready."""
+        while (
+            self._next_to_launch < len(self._buckets)
+            and self._buckets[self._next_to_launch].pending == 0
+        ):
+            self._launch(self._next_to_launch)
+            self._next_to_launch += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self._buckets[b]
+        # Divide before summing, as DDP does, so low-precision buckets do not overflow.
+        bucket.flat.div_(self._group_size)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+        wire_bytes = bucket.flat.numel() * bucket.flat.element_size()
+        slot = self._recorder.launch(b, bucket.grad_bytes, wire_bytes)
+        self._recorder.watch(slot, bucket.work.get_future())
+
+    def wait(self) -> None:
+        """Finish this step's reduction; afterwards every ``.grad`` holds the group average.
+
+        Raises:
+            RuntimeError: no backward has produced gradients since the last ``wait()``.
+        """
+        if not self._in_step:
+            raise RuntimeError(
+                "ok.GradBucketer.wait() was called but no backward has produced gradients since "
+                "the last wait() (or all ran inside no_sync()); call loss.backward() first"
+            )
+        missing = self._zero_missing_gradients()
+        self._launch_ready()
+        self._recorder.end_step()
+        for bucket in self._buckets:
+            bucket.work.wait()
+            bucket.work = None
+        for bucket in self._buckets:
+            # Flags are read back only where this rank lacked a gradient: a parameter it used
+            # itself is used somewhere by definition, and skipping the read avoids a device sync.
+            used = bucket.flags.tolist() if any(i in missing for i in bucket.indices) else None
+            for pos, i in enumerate(bucket.indices):
+                param, view = self._params[i], bucket.views[pos]
+                if i not in missing or used[pos] > 0:
+                    if param.grad is not view:
+                        param.grad = view
+                elif missing[i] is not None:
+                    view.copy_(missing[i])
+            bucket.flags.fill_(1)
+            bucket.pending = len(bucket.indices)
+        self._ready = [False] * len(self._params)
+        self._next_to_launch = 0
+        self._in_step = False
+        if self._ready_order is not None:
+            self._adopt_rank0_order()
+
+    def _zero_missing_gradients(self) -> dict[int, torch.Tensor | None]:
+        """Mark parameters with no gradient this step ready, contributing zeros.
+
+        Returns them by index, with a copy of the old ``.grad`` where it lives in the bucket (so
+        it can be put back if no rank used the parameter), else None.
+        """
+        kept: dict[int, torch.Tensor | None] = {}
+        for i, ready in enumerate(self._ready):
+            if ready:
+                continue
+            b, pos = self._bucket_of[i]
+            bucket = self._buckets[b]
+            view = bucket.views[pos]
+            grad = self._params[i].grad
+            in_bucket = grad is not None and grad.data_ptr() == view.data_ptr()
+            kept[i] = view.clone() if in_bucket else None
+            view.zero_()
+            bucket.flags[pos] = 0
+            bucket.pending -= 1
+        return kept
+
+    def _adopt_rank0_order(self) -> None:
+        """Rebuild the buckets once in the gradient-ready order rank 0 observed."""
+        seen = self._ready_order
+        order = seen + [i for i in reversed(range(len(self._params))) if i not in set(seen)]
+        self._ready_order = None
+        order_t = torch.tensor(order, dtype=torch.int64, device=self._buckets[0].flat.device)
+        dist.broadcast(order_t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        old_grads = [p.grad for p in self._params]
+        self._build(order_t.tolist())
+        for i, grad in enumerate(old_grads):
+            if grad is not None:
+                b, pos = self._bucket_of[i]
+                view = self._buckets[b].views[pos]
+                view.copy_(grad)
+                self._params[i].grad = view
+        logger.info(
+            "ok.GradBucketer: rebuilt %d buckets in rank 0's gradient-ready order",
+            len(self._buckets),
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backwards inside the block issue no communication.
+
+        The first backward after the block reduces everything accumulated.
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def remove(self) -> None:
+        """Detach the gradient hooks; the bucketer stops reducing."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,117 @@
+"""``ok.ddp``: DistributedDataParallel with an instrumented comm hook."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.ddp import hooks
+from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
+from overlapkit.process_group import backend_of, resolve_process_group
+from overlapkit.validation import trainable_parameters, validate_bucket_mb
+
+logger = logging.getLogger(__name__)
+
+COMPRESSIONS = (None, "bf16", "fp16", "powersgd")
+MiB = 1024 * 1024
+
+def _check_powersgd_fits(params: list[torch.nn.Parameter], bucket_mb: float, backend: str) -> None:
+    """On backends other than NCCL, PowerSGD only works with a single bucket.
+
+    PyTorch's ``powerSGD_hook`` issues its second all-reduce from a future callback. With gloo,
+    the callbacks of different buckets interleave with the next bucket's launch in a different
+    order on each rank, so the collectives mismatch and the job hangs until the timeout.
+    """
+    if backend == "nccl":
+        return
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    one_dtype = len({p.dtype for p in params}) == 1
+    if one_dtype and grad_bytes <= bucket_mb * MiB:
+        return
+    raise ValueError(
+        f"ok.ddp: compress='powersgd' on the {backend!r} backend needs every gradient in one "
+        f"bucket, but bucket_mb={bucket_mb:g} splits this model's "
+        f"{grad_bytes / MiB:.2f} MiB of gradients"
+        + ("" if one_dtype else " (and its parameters have several dtypes)")
+        + f". Use bucket_mb >= {grad_bytes / MiB:.2f}, compress='bf16', or the NCCL backend "
+        "(PyTorch's powerSGD_hook deadlocks gloo once buckets overlap)."
+    )
+
+
+def ddp(
+    model: torch.nn.Module,
+    *,
+    bucket_mb: float = 25,
+    compress: str | None = None,
+    process_group: torch.distributed.ProcessGroup | None = None,
+    powersgd_options: Mapping[str, Any] | None = None,
+    **ddp_kwargs: Any,
+) -> DistributedDataParallel:
+    """Wrap ``model`` in DistributedDataParallel with an overlapkit comm hook.
+
+    Args:
+        model (nn.Module): the local replica (already on its device).
+        bucket_mb (float): DDP bucket size in MiB (``bucket_cap_mb``); it also sets the first
+            bucket, because DDP's 1 MiB first bucket applies only when ``bucket_cap_mb`` is None.
+            Defaults to 25.
+        compress (str | None): None (fp32 all-reduce, instrumented), ``"bf16"``, ``"fp16"``
+            (cast, all-reduce, cast back; gloo and NCCL) or ``"powersgd"`` (PyTorch's hook).
+        process_group (ProcessGroup | None): group to average over; None means the world.
+        powersgd_options (Mapping | None): keyword arguments of ``PowerSGDState`` (for example
+            ``matrix_approximation_rank``, ``start_powerSGD_iter``); only with ``"powersgd"``.
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (``device_ids``,
+            ``find_unused_parameters``, ``gradient_as_bucket_view``...).
+
+    Returns:
+        DistributedDataParallel: the wrapped model; ``ok.comm_stats(model)`` reads its timings.
+
+    Raises:
+        ValueError: ``bucket_mb <= 0``, unknown ``compress``, no trainable parameters, or
+            PowerSGD on gloo with more than one bucket.
+        RuntimeError: torch.distributed is not initialised.
+    """
+    bucket_mb = validate_bucket_mb(bucket_mb, caller="ok.ddp")
+    if compress not in COMPRESSIONS:
+        raise ValueError(
+            f"ok.ddp: unknown compress={compress!r}; choose one of {list(COMPRESSIONS)}"
+        )
+    if powersgd_options is not None and compress != "powersgd":
+        raise ValueError(
+            f"ok.ddp: powersgd_options is only used with compress='powersgd', got "
+            f"compress={compress!r}"
+        )
+    if "bucket_cap_mb" in ddp_kwargs:
+        raise TypeError("ok.ddp: pass the bucket size as bucket_mb=..., not bucket_cap_mb")
+    group = resolve_process_group(process_group, caller="ok.ddp")
+    params = trainable_parameters(model, caller="ok.ddp")
+    backend = backend_of(group)
+    if compress == "powersgd":
+        _check_powersgd_fits(params, bucket_mb, backend)
+
+    wrapped = DistributedDataParallel(
+        model, bucket_cap_mb=bucket_mb, process_group=group, **ddp_kwargs
+    )
+    recorder = CommRecorder(device=params[0].device)
+    if compress == "powersgd":
+        state = hooks.PowerSGDHookState(
+            powersgd.PowerSGDState(process_group=group, **(powersgd_options or {})), recorder
+        )
+        wrapped.register_comm_hook(state, hooks.powersgd_hook)
+    else:
+        hook = {
+            None: hooks.allreduce_hook,
+            "bf16": hooks.bf16_compress_hook,
+            "fp16": hooks.fp16_compress_hook,
+        }[compress]
+        wrapped.register_comm_hook(hooks.CommHookState(group, recorder), hook)
+    register_recorder(wrapped, recorder)
+    logger.info(
+        "ok.ddp: %d parameters, bucket_mb=%g, compress=%s, backend=%s, group size %d",
+        len(params), bucket_mb, compress, backend, group.size(),
+    )
+    return wrapped
