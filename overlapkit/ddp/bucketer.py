@@ -94,8 +94,8 @@ class GradBucketer:
         process_group: dist.ProcessGroup | None = None,
     ):
         self.bucket_mb = validate_bucket_mb(bucket_mb, caller="ok.GradBucketer")
-        self.process_group = resolve_process_group(process_group, caller="ok.GradBucketer")
         self._params = trainable_parameters(model, caller="ok.GradBucketer")
+        self.process_group = resolve_process_group(process_group, caller="ok.GradBucketer")
         ids = {id(p) for p in self._params}
         self._names = [n for n, p in model.named_parameters() if id(p) in ids]
         self._group_size = self.process_group.size()
@@ -251,7 +251,9 @@ class GradBucketer:
         order = seen + [i for i in reversed(range(len(self._params))) if i not in set(seen)]
         self._ready_order = None
         order_t = torch.tensor(order, dtype=torch.int64, device=self._buckets[0].flat.device)
-        dist.broadcast(order_t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        dist.broadcast(
+            order_t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group
+        )
         old_grads = [p.grad for p in self._params]
         self._build(order_t.tolist())
         for i, grad in enumerate(old_grads):

@@ -6,10 +6,13 @@ completion time into the state's ``CommRecorder`` (no device sync; see ``comm_st
 
 The compression hooks differ from PyTorch's ``fp16_compress_hook``/``bf16_compress_hook`` in two
 ways: they work on gloo as well as NCCL, and they reuse one low-precision buffer per bucket
-instead of allocating one every step.
+instead of allocating one every step. They are named ``*_allreduce_hook`` because
+``DistributedDataParallel.register_comm_hook`` refuses any hook *named* ``bf16_compress_hook``
+unless CUDA and NCCL are present, whatever the hook does.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at
+# registration and needs ``dist.GradBucket`` itself, not its string.
 
 import logging
 
@@ -23,8 +26,8 @@ __all__ = [
     "CommHookState",
     "PowerSGDHookState",
     "allreduce_hook",
-    "bf16_compress_hook",
-    "fp16_compress_hook",
+    "bf16_allreduce_hook",
+    "fp16_allreduce_hook",
     "powersgd_hook",
 ]
 
@@ -47,7 +50,9 @@ class CommHookState:
         self.recorder = recorder
         self._wire_buffers: dict[int, torch.Tensor] = {}
 
-    def wire_buffer(self, bucket_index: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def wire_buffer(
+        self, bucket_index: int, like: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """A reusable ``dtype`` buffer shaped like ``like`` for ``bucket_index``.
 
         Reallocated only when the bucket changes size (DDP's rebuild after the first step).
@@ -134,7 +139,7 @@ def _compress_hook(
     return _allreduce_fut(state, bucket, wire).then(decompress)
 
 
-def bf16_compress_hook(
+def bf16_allreduce_hook(
     state: CommHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in bfloat16: cast, all-reduce, cast back; divided by group size.
@@ -144,21 +149,21 @@ def bf16_compress_hook(
     element, plus one rounding per reduction step).
 
     Example::
-        >>> ddp_model.register_comm_hook(CommHookState(pg, CommRecorder()), bf16_compress_hook)
+        >>> ddp_model.register_comm_hook(CommHookState(pg, CommRecorder()), bf16_allreduce_hook)
     """
     return _compress_hook(torch.bfloat16, state, bucket)
 
 
-def fp16_compress_hook(
+def fp16_allreduce_hook(
     state: CommHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in float16: cast, all-reduce, cast back; divided by group size.
 
-    Like ``bf16_compress_hook`` with 11 mantissa bits but a narrower range: gradients above
+    Like ``bf16_allreduce_hook`` with 11 mantissa bits but a narrower range: gradients above
     65504 / group_size overflow.
 
     Example::
-        >>> ddp_model.register_comm_hook(CommHookState(pg, CommRecorder()), fp16_compress_hook)
+        >>> ddp_model.register_comm_hook(CommHookState(pg, CommRecorder()), fp16_allreduce_hook)
     """
     return _compress_hook(torch.float16, state, bucket)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 COMPRESSIONS = (None, "bf16", "fp16", "powersgd")
 MiB = 1024 * 1024
 
+
 def _check_powersgd_fits(params: list[torch.nn.Parameter], bucket_mb: float, backend: str) -> None:
     """On backends other than NCCL, PowerSGD only works with a single bucket.
 
@@ -33,12 +35,14 @@ def _check_powersgd_fits(params: list[torch.nn.Parameter], bucket_mb: float, bac
     one_dtype = len({p.dtype for p in params}) == 1
     if one_dtype and grad_bytes <= bucket_mb * MiB:
         return
+    # Rounded up, so the suggested value really holds every gradient.
+    needed_mb = math.ceil(grad_bytes / MiB * 1e4) / 1e4
     raise ValueError(
         f"ok.ddp: compress='powersgd' on the {backend!r} backend needs every gradient in one "
         f"bucket, but bucket_mb={bucket_mb:g} splits this model's "
-        f"{grad_bytes / MiB:.2f} MiB of gradients"
+        f"{grad_bytes / MiB:.4g} MiB of gradients"
         + ("" if one_dtype else " (and its parameters have several dtypes)")
-        + f". Use bucket_mb >= {grad_bytes / MiB:.2f}, compress='bf16', or the NCCL backend "
+        + f". Use bucket_mb >= {needed_mb:g}, compress='bf16', or the NCCL backend "
         "(PyTorch's powerSGD_hook deadlocks gloo once buckets overlap)."
     )
 
@@ -87,8 +91,8 @@ def ddp(
         )
     if "bucket_cap_mb" in ddp_kwargs:
         raise TypeError("ok.ddp: pass the bucket size as bucket_mb=..., not bucket_cap_mb")
-    group = resolve_process_group(process_group, caller="ok.ddp")
     params = trainable_parameters(model, caller="ok.ddp")
+    group = resolve_process_group(process_group, caller="ok.ddp")
     backend = backend_of(group)
     if compress == "powersgd":
         _check_powersgd_fits(params, bucket_mb, backend)
@@ -105,13 +109,17 @@ def ddp(
     else:
         hook = {
             None: hooks.allreduce_hook,
-            "bf16": hooks.bf16_compress_hook,
-            "fp16": hooks.fp16_compress_hook,
+            "bf16": hooks.bf16_allreduce_hook,
+            "fp16": hooks.fp16_allreduce_hook,
         }[compress]
         wrapped.register_comm_hook(hooks.CommHookState(group, recorder), hook)
     register_recorder(wrapped, recorder)
     logger.info(
         "ok.ddp: %d parameters, bucket_mb=%g, compress=%s, backend=%s, group size %d",
-        len(params), bucket_mb, compress, backend, group.size(),
+        len(params),
+        bucket_mb,
+        compress,
+        backend,
+        group.size(),
     )
     return wrapped

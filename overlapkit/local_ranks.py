@@ -1,0 +1,173 @@
+"""Run a function on N local gloo ranks in spawned processes (tests, benchmarks, doctor).
+
+``run_on_ranks(fn, world_size=2)`` starts ``world_size`` processes, joins them into a gloo process
+group whose collectives time out after ``collective_timeout_s`` seconds, calls
+``fn(rank, world_size, *args)`` on each and returns the per-rank results (rank order).
+
+It never hangs: the parent owns the rendezvous store (no free-port race), watches every child,
+and when one fails or dies it gives the others one collective timeout to notice and then kills
+them. A failure raises ``RankFailure`` whose message carries each failing rank's traceback or
+exit status, so a test shows the child's error, not a bare "process exited".
+
+``fn`` and its arguments must be picklable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 10.0
+DEFAULT_TOTAL_TIMEOUT_S = 120.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or timed out; the message holds their tracebacks."""
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    collective_timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    env: dict[str, str],
+    threads_per_rank: int,
+    results: mp.Queue,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+    )
+    torch.set_num_threads(threads_per_rank)
+    timeout = timedelta(seconds=collective_timeout_s)
+    try:
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        value = fn(rank, world_size, *args)
+        # Pickled by value here: tensors sent through a torch queue are shared through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException:  # report everything, including KeyboardInterrupt-like exits
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    total_timeout_s: float = DEFAULT_TOTAL_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks and return their results.
+
+    Args:
+        fn (Callable): module-level function; its return value must be picklable.
+        world_size (int): number of ranks (processes). Defaults to 2.
+        collective_timeout_s (float): gloo collective timeout in seconds. Defaults to 10.
+        total_timeout_s (float): wall-clock limit for the whole run in seconds. Defaults to 120.
+        env (dict): extra environment variables for the children.
+        threads_per_rank (int): torch intra-op threads per rank. Defaults to 1, so that ranks
+            sharing a few cores do not oversubscribe them.
+
+    Returns:
+        list: ``fn``'s return value per rank, in rank order.
+
+    Raises:
+        RankFailure: a rank raised, exited without a result, or the run exceeded its time.
+    """
+    ctx = mp.get_context("spawn")
+    timeout = timedelta(seconds=collective_timeout_s)
+    # The parent holds the store, so the port is bound before any child needs it.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+    results: mp.Queue = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(
+                rank,
+                world_size,
+                store.port,
+                collective_timeout_s,
+                fn,
+                args,
+                env or {},
+                threads_per_rank,
+                results,
+            ),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+
+    outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + total_timeout_s
+    first_failure_at: float | None = None
+    try:
+        while len(outcomes) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                break
+            if first_failure_at is not None and now > first_failure_at + collective_timeout_s + 5:
+                break
+            try:
+                rank, status, value = results.get(timeout=0.1)
+                outcomes[rank] = (status, value)
+                if status == "error" and first_failure_at is None:
+                    first_failure_at = time.monotonic()
+                continue
+            except queue.Empty:
+                pass
+            for rank, proc in enumerate(procs):
+                if rank not in outcomes and not proc.is_alive() and first_failure_at is None:
+                    # Give its result a moment to arrive through the queue before judging it dead.
+                    first_failure_at = time.monotonic()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        del store
+
+    failures = []
+    for rank, proc in enumerate(procs):
+        status, value = outcomes.get(rank, (None, None))
+        if status == "error":
+            failures.append(f"--- rank {rank} raised ---\n{value}")
+        elif status is None:
+            why = (
+                f"exit code {proc.exitcode}"
+                if proc.exitcode not in (None, -9)
+                else "no result before the time limit (killed)"
+            )
+            failures.append(f"--- rank {rank} returned nothing: {why} ---")
+    if failures:
+        raise RankFailure("\n".join(failures))
+    return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]

@@ -1,0 +1,61 @@
+"""Small models, deterministic data and single-process reference gradients for DDP-style tests.
+
+A data-parallel step on R ranks, each with the mean loss over its own equal-sized batch, must give
+every rank the gradient of the mean loss over the concatenated batch: that is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IN_FEATURES = 16
+OUT_FEATURES = 4
+
+
+def make_mlp(seed: int = 0, hidden: int = 32, layers: int = 3) -> nn.Sequential:
+    """An MLP whose initial weights depend only on ``seed`` (same on every rank)."""
+    torch.manual_seed(seed)
+    mods: list[nn.Module] = [nn.Linear(IN_FEATURES, hidden), nn.ReLU()]
+    for _ in range(layers - 2):
+        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
+    mods.append(nn.Linear(hidden, OUT_FEATURES))
+    return nn.Sequential(*mods)
+
+
+def make_batches(steps: int, world_size: int, per_rank: int = 8, seed: int = 1):
+    """``steps`` global batches ``(x, y)`` of ``world_size * per_rank`` rows each."""
+    g = torch.Generator().manual_seed(seed)
+    n = world_size * per_rank
+    return [
+        (torch.randn(n, IN_FEATURES, generator=g), torch.randn(n, OUT_FEATURES, generator=g))
+        for _ in range(steps)
+    ]
+
+
+def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int):
+    """Rank ``rank``'s contiguous slice of a global batch."""
+    x, y = batch
+    per_rank = x.shape[0] // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    return x[rows], y[rows]
+
+
+def reference_grads(model: nn.Module, batches, lr: float = 0.1) -> list[dict[str, torch.Tensor]]:
+    """Per step, the gradients of the mean MSE over the whole batch; SGD(lr) between steps."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        out.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return out
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Name → a copy of each gradient (None stays None), without DDP's ``module.`` prefix."""
+    return {
+        n.removeprefix("module."): (None if p.grad is None else p.grad.detach().clone())
+        for n, p in model.named_parameters()
+    }

@@ -1,0 +1,140 @@
+"""ok.ddp: gradients equal a single-process reference; compression within tolerance; comm_stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import overlapkit as ok
+from tests.multiproc import run_on_ranks
+from tests.reference import grads_of, make_batches, make_mlp, reference_grads, shard
+
+STEPS = 3
+LR = 0.1
+# A few KiB: several buckets for the 32-wide MLP after DDP's rebuild.
+SMALL_BUCKET_MB = 0.004
+
+
+def _train_ddp(rank, world_size, ddp_kwargs):
+    model = ok.ddp(make_mlp(), **ddp_kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    grads = []
+    for batch in make_batches(STEPS, world_size):
+        x, y = shard(batch, rank, world_size)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        grads.append(grads_of(model))
+        opt.step()
+    stats = ok.comm_stats(model)
+    return grads, stats
+
+
+def _assert_grads_match(per_rank, rtol, atol_scale):
+    reference = reference_grads(make_mlp(), make_batches(STEPS, len(per_rank)), lr=LR)
+    for rank, (grads, _) in enumerate(per_rank):
+        for step, expected in enumerate(reference):
+            for name, ref in expected.items():
+                torch.testing.assert_close(
+                    grads[step][name],
+                    ref,
+                    rtol=rtol,
+                    atol=atol_scale * ref.abs().max(),
+                    msg=lambda m, r=rank, s=step, n=name: f"rank {r} step {s} {n}: {m}",
+                )
+
+
+@pytest.mark.slow
+def test_default_hook_gradients_equal_single_process_reference():
+    per_rank = run_on_ranks(_train_ddp, 2, {"bucket_mb": SMALL_BUCKET_MB})
+    _assert_grads_match(per_rank, rtol=1e-6, atol_scale=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "compress, unit_roundoff",
+    [("bf16", 2.0**-8), ("fp16", 2.0**-11)],
+)
+def test_compressed_allreduce_is_within_rounding_of_reference(compress, unit_roundoff):
+    # Each rank's gradient is rounded once on the way out and the sum once more: a few unit
+    # roundoffs of the largest gradient bound the error.
+    per_rank = run_on_ranks(_train_ddp, 2, {"bucket_mb": SMALL_BUCKET_MB, "compress": compress})
+    _assert_grads_match(per_rank, rtol=4 * unit_roundoff, atol_scale=4 * unit_roundoff)
+
+
+@pytest.mark.slow
+def test_comm_stats_cover_every_gradient_byte_across_ddp_rebuild():
+    per_rank = run_on_ranks(_train_ddp, 2, {"bucket_mb": SMALL_BUCKET_MB})
+    grad_bytes = sum(p.numel() * p.element_size() for p in make_mlp().parameters())
+    for _, stats in per_rank:
+        steps = sorted({r.step for r in stats.records})
+        assert steps == list(range(STEPS))
+        for step in steps:
+            rows = [r for r in stats.records if r.step == step]
+            assert sum(r.nbytes for r in rows) == grad_bytes
+            assert all(r.done_ms is not None and r.comm_ms >= 0 for r in rows)
+        # DDP reduces iteration 0 as one bucket, then rebuilds into several.
+        assert len([r for r in stats.records if r.step == 0]) == 1
+        latest = stats.by_bucket()
+        assert len(latest) > 1
+        assert sum(b.nbytes for b in latest) == grad_bytes
+        assert all(b.steps == STEPS - 1 for b in latest)
+
+
+def _powersgd_steps(rank, world_size, bucket_mb):
+    model = ok.ddp(
+        make_mlp(),
+        bucket_mb=bucket_mb,
+        compress="powersgd",
+        powersgd_options={"matrix_approximation_rank": 1, "start_powerSGD_iter": 2},
+    )
+    losses = []
+    for batch in make_batches(4, world_size):
+        x, y = shard(batch, rank, world_size)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+    return [p.grad.isfinite().all().item() for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_powersgd_runs_on_gloo_with_one_bucket():
+    for finite in run_on_ranks(_powersgd_steps, 2, 25):
+        assert all(finite)
+
+
+def _powersgd_several_buckets(rank, world_size):
+    with pytest.raises(ValueError, match=r"bucket_mb=0.004 splits .*Use bucket_mb >= 0\.0067,"):
+        ok.ddp(make_mlp(), bucket_mb=SMALL_BUCKET_MB, compress="powersgd")
+
+
+@pytest.mark.slow
+def test_powersgd_with_several_buckets_on_gloo_is_refused_not_hung():
+    run_on_ranks(_powersgd_several_buckets, 2)
+
+
+@pytest.mark.parametrize("bucket_mb", [0, -1, float("nan")])
+def test_nonpositive_bucket_mb_is_rejected_with_its_value(bucket_mb):
+    with pytest.raises(ValueError, match=f"bucket_mb must be > 0 MiB, got {bucket_mb}"):
+        ok.ddp(make_mlp(), bucket_mb=bucket_mb)
+
+
+def test_unknown_compress_is_rejected_with_the_valid_choices():
+    with pytest.raises(ValueError, match=r"compress='int8'.*\[None, 'bf16', 'fp16', 'powersgd'\]"):
+        ok.ddp(make_mlp(), compress="int8")
+
+
+def test_model_without_trainable_parameters_is_rejected():
+    frozen = make_mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ok.ddp(frozen)
+
+
+def test_missing_process_group_says_how_to_initialise():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ok.ddp(make_mlp())
+
+
+def test_comm_stats_of_a_plain_module_is_a_type_error():
+    with pytest.raises(TypeError, match="Sequential"):
+        ok.comm_stats(make_mlp())
