@@ -70,8 +70,8 @@ class GradBucketer:
 
     Args:
         model (nn.Module): the local replica; its trainable parameters are reduced.
-        bucket_mb (float): bucket size in MiB; a bucket is closed once it would exceed this.
-            Defaults to 25.
+        bucket_mb (float): bucket size in MiB; a bucket is closed once it holds at least this
+            much (DDP's rule). Defaults to 25.
         process_group (ProcessGroup | None): group to average over (for example the ``dp`` group
             of a device mesh); None means the world.
 
@@ -121,21 +121,22 @@ class GradBucketer:
         return [[self._names[i] for i in b.indices] for b in self._buckets]
 
     def _build(self, order: list[int]) -> None:
+        # DDP's rule: a bucket takes parameters until it holds at least ``bucket_mb`` (so a bias
+        # joins its weight instead of travelling alone); dtype or device changes start a new one.
         cap = self.bucket_mb * MiB
         groups: list[list[int]] = []
-        size = 0
+        size = cap
         for i in order:
             p = self._params[i]
-            nbytes = p.numel() * p.element_size()
             if groups:
                 last = self._params[groups[-1][0]]
-                same_kind = last.dtype == p.dtype and last.device == p.device
-                if same_kind and size + nbytes <= cap:
-                    groups[-1].append(i)
-                    size += nbytes
-                    continue
-            groups.append([i])
-            size = nbytes
+                if last.dtype != p.dtype or last.device != p.device:
+                    size = cap
+            if size >= cap:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += p.numel() * p.element_size()
         self._buckets = [_Bucket(g, self._params) for g in groups]
         self._bucket_of = [(0, 0)] * len(self._params)
         for b, bucket in enumerate(self._buckets):

@@ -1,0 +1,244 @@
+"""How much gradient all-reduce each data-parallel path hides behind backward, side by side.
+
+Two gloo ranks run every case interleaved in one process group (round-robin, so machine noise hits
+all cases alike), behind an emulated scale-out link by default (``--rate 8gbit``; ``--rate none``
+for plain loopback). Each timed step starts after a barrier; a step's time is the slower rank's.
+
+Cases:
+    compute_only     forward + backward, no communication (also gives the forward time)
+    comm_only        one all-reduce of all gradient bytes, no compute
+    no_overlap       backward, then one flat all-reduce of the gradients
+    ddp_default      torch DistributedDataParallel with its defaults (the baseline)
+    ok_ddp           ok.ddp(model) with overlapkit's default bucket size
+    bucketer         ok.GradBucketer(model) with its default bucket size
+    ok_ddp_bf16      ok.ddp(model, compress="bf16")
+
+Overlap efficiency is ``(T_no_overlap - T) / (T_no_overlap - T_bound)`` with
+``T_bound = max(T_compute, T_forward + T_comm)``, all medians from this run.
+
+Example::
+
+    python bench/ddp_overlap.py --json bench/results/ddp_overlap.json
+    python bench/ddp_overlap.py --rate none --layers 4 --width 512
+    python bench/ddp_overlap.py --sweep 1,2,4,8,25   # ok_ddp / bucketer at these bucket sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from emulated_link import current_link, enter_emulated_link
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import overlapkit as ok
+from overlapkit.local_ranks import run_on_ranks
+
+BASELINE = "ddp_default"
+
+
+def make_mlp(layers: int, width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def _flat_allreduce(flat: torch.Tensor) -> None:
+    dist.all_reduce(flat)
+    flat.div_(dist.get_world_size())
+
+
+def _build_cases(cfg: dict, x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """Step functions by case name; each runs one full step and returns when it is done."""
+
+    def new_model() -> nn.Module:
+        return make_mlp(cfg["layers"], cfg["width"])
+
+    def loss(model: nn.Module) -> torch.Tensor:
+        return (model(x) - y).pow(2).mean()
+
+    plain = new_model()
+    grad_numel = sum(p.numel() for p in plain.parameters())
+    flat = torch.zeros(grad_numel)
+    forward_ms: list[float] = []
+
+    def compute_only() -> None:
+        plain.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        out = loss(plain)
+        forward_ms.append((time.perf_counter() - start) * 1e3)
+        out.backward()
+
+    def no_overlap() -> None:
+        plain.zero_grad(set_to_none=True)
+        loss(plain).backward()
+        torch.cat([p.grad.view(-1) for p in plain.parameters()], out=flat)
+        _flat_allreduce(flat)
+        offset = 0
+        for p in plain.parameters():
+            p.grad.view(-1).copy_(flat[offset : offset + p.numel()])
+            offset += p.numel()
+
+    def ddp_step(model: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss(model).backward()
+
+        return step
+
+    def bucketer_step(bucket_mb: float | None) -> Callable[[], None]:
+        model = new_model()
+        kwargs = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+        bucketer = ok.GradBucketer(model, **kwargs)
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss(model).backward()
+            bucketer.wait()
+
+        return step
+
+    cases = {
+        "compute_only": compute_only,
+        "comm_only": lambda: _flat_allreduce(flat),
+        "no_overlap": no_overlap,
+        BASELINE: ddp_step(DistributedDataParallel(new_model())),
+        "ok_ddp": ddp_step(ok.ddp(new_model())),
+        "bucketer": bucketer_step(None),
+        "ok_ddp_bf16": ddp_step(ok.ddp(new_model(), compress="bf16")),
+    }
+    for mb in cfg["sweep"]:
+        cases[f"ok_ddp@{mb:g}MB"] = ddp_step(ok.ddp(new_model(), bucket_mb=mb))
+        cases[f"bucketer@{mb:g}MB"] = bucketer_step(mb)
+    cases["_forward_ms"] = forward_ms  # read back by the caller, not a case
+    return cases
+
+
+def _rank_main(rank: int, world_size: int, cfg: dict) -> dict[str, list[float]]:
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    y = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    cases = _build_cases(cfg, x, y)
+    forward_ms = cases.pop("_forward_ms")
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for round_index in range(cfg["rounds"]):
+        for name, step in cases.items():
+            for i in range(cfg["steps"]):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                elapsed_ms = (time.perf_counter() - start) * 1e3
+                if round_index > 0 or i >= cfg["warmup"]:
+                    times[name].append(elapsed_ms)
+        if rank == 0:
+            print(f"  round {round_index + 1}/{cfg['rounds']} done", flush=True)
+    times["forward"] = forward_ms[len(forward_ms) - len(times["compute_only"]) :]
+    return times
+
+
+def summarize(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
+    """Median over steps of the slowest rank's time, per case, in ms."""
+    medians = {}
+    for name in per_rank[0]:
+        slowest = [max(step) for step in zip(*(r[name] for r in per_rank), strict=True)]
+        medians[name] = statistics.median(slowest)
+    return medians
+
+
+def build_report(medians: dict[str, float], cfg: dict) -> dict:
+    t_compute, t_comm = medians["compute_only"], medians["comm_only"]
+    t_bound = max(t_compute, medians["forward"] + t_comm)
+    t_no_overlap = medians["no_overlap"]
+    cases = []
+    for name, t in medians.items():
+        if name == "forward":
+            continue
+        overlapping = name not in ("compute_only", "comm_only", "no_overlap")
+        efficiency = (t_no_overlap - t) / (t_no_overlap - t_bound) if overlapping else None
+        cases.append(
+            {
+                "name": name,
+                "median_ms": round(t, 2),
+                "overlap_efficiency": None if efficiency is None else round(efficiency, 3),
+                "speedup_vs_baseline": round(medians[BASELINE] / t, 3),
+            }
+        )
+    link = current_link() or {"rate": "none (loopback)", "delay": "0ms"}
+    return {
+        "cases": cases,
+        "baseline": BASELINE,
+        "link": link,
+        "forward_ms": round(medians["forward"], 2),
+        "t_bound_ms": round(t_bound, 2),
+        "config": cfg,
+    }
+
+
+def print_table(report: dict) -> None:
+    link = report["link"]
+    print(
+        f"\nlink: {link['rate']} delay {link['delay']}; forward {report['forward_ms']} ms; "
+        f"T_bound {report['t_bound_ms']} ms; model MLP {report['config']['layers']}x"
+        f"{report['config']['width']}, batch {report['config']['batch']} per rank"
+    )
+    print(f"{'case':<20} {'median ms':>10} {'overlap eff':>12} {'vs ' + BASELINE:>16}")
+    for case in report["cases"]:
+        eff = case["overlap_efficiency"]
+        print(
+            f"{case['name']:<20} {case['median_ms']:>10.1f} "
+            f"{'-' if eff is None else f'{eff:.2f}':>12} {case['speedup_vs_baseline']:>15.2f}x"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="8gbit", help="tc rate of the emulated link, or 'none'")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (needs netem)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64, help="rows per rank")
+    parser.add_argument("--steps", type=int, default=5, help="steps per case per round")
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin passes over the cases")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps in the first round")
+    parser.add_argument("--sweep", default="", help="comma-separated extra bucket sizes in MiB")
+    parser.add_argument("--json", type=Path, help="write the report here as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    enter_emulated_link(args.rate, args.delay_ms)
+    cfg = {
+        "layers": args.layers,
+        "width": args.width,
+        "batch": args.batch,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "sweep": [float(s) for s in args.sweep.split(",") if s],
+    }
+    print(f"ddp_overlap: 2 gloo ranks, {cfg}", flush=True)
+    per_rank = run_on_ranks(_rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600)
+    report = build_report(summarize(per_rank), cfg)
+    print_table(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
