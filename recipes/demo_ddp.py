@@ -1,4 +1,4 @@
-"""Demo: train a small MLP regressor on 2 local gloo ranks with ``ok.ddp`` and show its comm timings.
+"""Demo: train a small MLP on 2 local gloo ranks with ``ok.ddp`` and show its comm timings.
 
 Run with ``make demo``, or directly::
 
