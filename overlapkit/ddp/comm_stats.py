@@ -145,12 +145,13 @@ class CommRecorder:
         self._done: list[float | None] = [None] * capacity
         self._sizes_this_step: list[int] = []
         self._sizes_last_step: list[int] = []
+        # CUDA events are created on a slot's first use, not all up front.
         use_events = device is not None and device.type == "cuda"
-        self._launch_event = (
-            [torch.cuda.Event(enable_timing=True) for _ in range(capacity)] if use_events else None
+        self._launch_event: list[torch.cuda.Event | None] | None = (
+            [None] * capacity if use_events else None
         )
-        self._done_event = (
-            [torch.cuda.Event(enable_timing=True) for _ in range(capacity)] if use_events else None
+        self._done_event: list[torch.cuda.Event | None] | None = (
+            [None] * capacity if use_events else None
         )
         self._origin_event = None
         self._origin_ms = 0.0
@@ -173,6 +174,9 @@ class CommRecorder:
                 self._origin_event = torch.cuda.Event(enable_timing=True)
                 self._origin_event.record()
                 self._origin_ms = time.perf_counter() * 1e3
+            if self._launch_event[slot] is None:
+                self._launch_event[slot] = torch.cuda.Event(enable_timing=True)
+                self._done_event[slot] = torch.cuda.Event(enable_timing=True)
             self._launch_event[slot].record()
         return slot
 
