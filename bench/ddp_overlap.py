@@ -13,6 +13,9 @@ Cases:
     bucketer         ok.GradBucketer(model) with its default bucket size
     ok_ddp_bf16      ok.ddp(model, compress="bf16")
 
+Models: ``--model mlp`` (default: 8 blocks of Linear(1024) + ReLU, 64 rows per rank) or
+``--model gpt_tiny`` (4 blocks, width 256, 2 sequences of 64 tokens per rank).
+
 Overlap efficiency is ``(T_no_overlap - T) / (T_no_overlap - T_bound)`` with
 ``T_bound = max(T_compute, T_forward + T_comm)``, all medians from this run.
 
@@ -20,6 +23,7 @@ Example::
 
     python bench/ddp_overlap.py --json bench/results/ddp_overlap.json
     python bench/ddp_overlap.py --rate none --layers 4 --width 512
+    python bench/ddp_overlap.py --model gpt_tiny
     python bench/ddp_overlap.py --sweep 1,2,4,8,25   # ok_ddp / bucketer at these bucket sizes
 """
 
@@ -43,16 +47,39 @@ from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
 from overlapkit.local_ranks import run_on_ranks
+from overlapkit.train.models import GPT, MLP, GPTConfig, MLPConfig
 
 BASELINE = "ddp_default"
+MODEL_DEFAULTS = {
+    "mlp": {"layers": 8, "width": 1024, "batch": 64},
+    "gpt_tiny": {"layers": 4, "width": 256, "batch": 2},
+}
 
 
-def make_mlp(layers: int, width: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks)
+def make_workload(cfg: dict, rank: int) -> tuple[Callable[[], nn.Module], Callable]:
+    """A model factory (same weights on every rank) and ``loss(model)`` on this rank's batch."""
+    g = torch.Generator().manual_seed(rank)
+    if cfg["model"] == "mlp":
+        mlp_config = MLPConfig(width=cfg["width"], n_layer=cfg["layers"])
+        x = torch.randn(cfg["batch"], cfg["width"], generator=g)
+        y = torch.randn(cfg["batch"], cfg["width"], generator=g)
+
+        def new_mlp() -> nn.Module:
+            torch.manual_seed(0)
+            return MLP(mlp_config)
+
+        return new_mlp, lambda model: (model(x) - y).pow(2).mean()
+
+    gpt_config = GPTConfig(n_layer=cfg["layers"], n_embd=cfg["width"], block_size=cfg["seq_len"])
+    tokens = torch.randint(
+        0, gpt_config.vocab_size, (cfg["batch"], cfg["seq_len"] + 1), generator=g
+    )
+
+    def new_gpt() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(gpt_config)
+
+    return new_gpt, lambda model: GPT.loss(model(tokens[:, :-1]), tokens[:, 1:])
 
 
 def _flat_allreduce(flat: torch.Tensor) -> None:
@@ -60,15 +87,9 @@ def _flat_allreduce(flat: torch.Tensor) -> None:
     flat.div_(dist.get_world_size())
 
 
-def _build_cases(cfg: dict, x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], None]]:
+def _build_cases(cfg: dict, rank: int) -> dict[str, Callable[[], None]]:
     """Step functions by case name; each runs one full step and returns when it is done."""
-
-    def new_model() -> nn.Module:
-        return make_mlp(cfg["layers"], cfg["width"])
-
-    def loss(model: nn.Module) -> torch.Tensor:
-        return (model(x) - y).pow(2).mean()
-
+    new_model, loss = make_workload(cfg, rank)
     plain = new_model()
     grad_numel = sum(p.numel() for p in plain.parameters())
     flat = torch.zeros(grad_numel)
@@ -123,15 +144,14 @@ def _build_cases(cfg: dict, x: torch.Tensor, y: torch.Tensor) -> dict[str, Calla
         cases[f"ok_ddp@{mb:g}MB"] = ddp_step(ok.ddp(new_model(), bucket_mb=mb))
         cases[f"bucketer@{mb:g}MB"] = bucketer_step(mb)
     cases["_forward_ms"] = forward_ms  # read back by the caller, not a case
+    cases["_grad_numel"] = grad_numel
     return cases
 
 
-def _rank_main(rank: int, world_size: int, cfg: dict) -> dict[str, list[float]]:
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
-    y = torch.randn(cfg["batch"], cfg["width"], generator=g)
-    cases = _build_cases(cfg, x, y)
+def _rank_main(rank: int, world_size: int, cfg: dict) -> tuple[dict[str, list[float]], int]:
+    cases = _build_cases(cfg, rank)
     forward_ms = cases.pop("_forward_ms")
+    grad_numel = cases.pop("_grad_numel")
     times: dict[str, list[float]] = {name: [] for name in cases}
     for round_index in range(cfg["rounds"]):
         for name, step in cases.items():
@@ -145,7 +165,7 @@ def _rank_main(rank: int, world_size: int, cfg: dict) -> dict[str, list[float]]:
         if rank == 0:
             print(f"  round {round_index + 1}/{cfg['rounds']} done", flush=True)
     times["forward"] = forward_ms[len(forward_ms) - len(times["compute_only"]) :]
-    return times
+    return times, grad_numel * 4
 
 
 def summarize(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
@@ -157,7 +177,7 @@ def summarize(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
     return medians
 
 
-def build_report(medians: dict[str, float], cfg: dict) -> dict:
+def build_report(medians: dict[str, float], cfg: dict, grad_bytes: int) -> dict:
     t_compute, t_comm = medians["compute_only"], medians["comm_only"]
     t_bound = max(t_compute, medians["forward"] + t_comm)
     t_no_overlap = medians["no_overlap"]
@@ -182,16 +202,17 @@ def build_report(medians: dict[str, float], cfg: dict) -> dict:
         "link": link,
         "forward_ms": round(medians["forward"], 2),
         "t_bound_ms": round(t_bound, 2),
+        "grad_mib": round(grad_bytes / 2**20, 2),
         "config": cfg,
     }
 
 
 def print_table(report: dict) -> None:
-    link = report["link"]
+    link, cfg = report["link"], report["config"]
     print(
-        f"\nlink: {link['rate']} delay {link['delay']}; forward {report['forward_ms']} ms; "
-        f"T_bound {report['t_bound_ms']} ms; model MLP {report['config']['layers']}x"
-        f"{report['config']['width']}, batch {report['config']['batch']} per rank"
+        f"\nlink: {link['rate']} delay {link['delay']}; model {cfg['model']} {cfg['layers']} "
+        f"layers x {cfg['width']}, batch {cfg['batch']} per rank, {report['grad_mib']} MiB of "
+        f"gradients; forward {report['forward_ms']} ms; T_bound {report['t_bound_ms']} ms"
     )
     print(f"{'case':<20} {'median ms':>10} {'overlap eff':>12} {'vs ' + BASELINE:>16}")
     for case in report["cases"]:
@@ -206,9 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="8gbit", help="tc rate of the emulated link, or 'none'")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (needs netem)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=64, help="rows per rank")
+    parser.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="mlp")
+    parser.add_argument("--layers", type=int, help="blocks (default per model)")
+    parser.add_argument("--width", type=int, help="block width (default per model)")
+    parser.add_argument("--batch", type=int, help="rows or sequences per rank (default per model)")
+    parser.add_argument("--seq-len", type=int, default=64, help="gpt_tiny tokens per sequence")
     parser.add_argument("--steps", type=int, default=5, help="steps per case per round")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin passes over the cases")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps in the first round")
@@ -220,18 +243,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     enter_emulated_link(args.rate, args.delay_ms)
+    defaults = MODEL_DEFAULTS[args.model]
     cfg = {
-        "layers": args.layers,
-        "width": args.width,
-        "batch": args.batch,
+        "model": args.model,
+        "layers": args.layers or defaults["layers"],
+        "width": args.width or defaults["width"],
+        "batch": args.batch or defaults["batch"],
+        "seq_len": args.seq_len,
         "steps": args.steps,
         "rounds": args.rounds,
         "warmup": args.warmup,
         "sweep": [float(s) for s in args.sweep.split(",") if s],
     }
     print(f"ddp_overlap: 2 gloo ranks, {cfg}", flush=True)
-    per_rank = run_on_ranks(_rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600)
-    report = build_report(summarize(per_rank), cfg)
+    results = run_on_ranks(_rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600)
+    report = build_report(summarize([times for times, _ in results]), cfg, results[0][1])
     print_table(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

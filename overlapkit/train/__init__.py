@@ -1,0 +1,1 @@
+"""Training loop and model zoo used by the recipes."""
