@@ -1,0 +1,170 @@
+"""Exposed communication as ``ok.profile`` measures it: the no-overlap loop vs ``ok.ddp``.
+
+Two gloo ranks train the same MLP twice, each run under ``ok.profile`` into its own logdir:
+
+    no_overlap   backward, then one flat all-reduce of all gradients (nothing can hide it)
+    ok_ddp       ok.ddp(model): bucketed all-reduces issued during backward
+
+Behind an emulated scale-out link (``--rate 8gbit``, the default) communication costs wire time
+and the ranks' cores are free to compute meanwhile, so ``ok_ddp`` should leave a clearly smaller
+share of its communication exposed. The numbers come from ``overlapkit report`` on each logdir.
+
+Example::
+
+    python bench/profile_exposed.py --out runs/profile_exposed
+    overlapkit report runs/profile_exposed/ok_ddp --png ddp.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from emulated_link import current_link, enter_emulated_link
+from torch import nn
+
+import overlapkit as ok
+from overlapkit.local_ranks import run_on_ranks
+from overlapkit.profiling.analysis import analyze_run, rank_totals
+
+CASES = ("no_overlap", "ok_ddp")
+
+
+def make_mlp(layers: int, width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def profiled_training(rank: int, world_size: int, case: str, logdir: str, cfg: dict) -> dict:
+    """Run ``cfg["steps"]`` profiled steps of ``case`` on this rank; return DDP's own timings."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    y = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    model = make_mlp(cfg["layers"], cfg["width"])
+    if case == "ok_ddp":
+        model = ok.ddp(model, bucket_mb=cfg["bucket_mb"])
+    elif case != "no_overlap":
+        raise ValueError(f"unknown case {case!r}; choose one of {CASES}")
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    with ok.profile(logdir, wait=1, warmup=1, active=cfg["steps"], record_shapes=True) as prof:
+        for _ in range(2 + cfg["steps"]):
+            optimizer.zero_grad(set_to_none=True)
+            (model(x) - y).pow(2).mean().backward()
+            if case == "no_overlap":
+                torch.cat([p.grad.view(-1) for p in params], out=flat)
+                dist.all_reduce(flat)
+                flat.div_(world_size)
+                offset = 0
+                for p in params:
+                    p.grad.view(-1).copy_(flat[offset : offset + p.numel()])
+                    offset += p.numel()
+            optimizer.step()
+            prof.step()
+    # DDP's own (private) logging: averages over its sampled iterations, in ns.
+    logging_data = model._get_ddp_logging_data() if case == "ok_ddp" else {}
+    return {
+        key: logging_data[key]
+        for key in (
+            "avg_backward_comm_time",
+            "avg_backward_compute_comm_overlap_time",
+            "avg_backward_compute_time",
+            "iteration",
+        )
+        if key in logging_data
+    }
+
+
+def _all_cases(rank: int, world_size: int, root: str, cfg: dict) -> dict[str, dict]:
+    return {
+        case: profiled_training(rank, world_size, case, str(Path(root) / case), cfg)
+        for case in CASES
+    }
+
+
+def run_cases(root: Path, cfg: dict) -> dict[str, list[dict]]:
+    """Profile every case on 2 gloo ranks into ``root/<case>``; DDP logging data per rank."""
+    per_rank = run_on_ranks(
+        _all_cases, 2, str(root), cfg, collective_timeout_s=60, total_timeout_s=600
+    )
+    return {case: [r[case] for r in per_rank] for case in CASES}
+
+
+def exposed_share(logdir: Path) -> dict:
+    """Whole-run exposed share and median step time from ``overlapkit report``'s analysis."""
+    report = analyze_run(logdir)
+    totals = rank_totals(report.steps)
+    comm = sum(t["comm_ms"] for t in totals)
+    exposed = sum(t["exposed_comm_ms"] for t in totals)
+    return {
+        "exposed_share": exposed / comm if comm else None,
+        "comm_ms_per_step": comm / len(report.steps),
+        "exposed_comm_ms_per_step": exposed / len(report.steps),
+        "median_ms": statistics.median(r.step_ms for r in report.steps),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="8gbit", help="tc rate of the emulated link, or 'none'")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64, help="rows per rank")
+    parser.add_argument("--steps", type=int, default=4, help="profiled (active) steps")
+    parser.add_argument("--bucket-mb", type=float, default=4.0, help="ok.ddp bucket size, MiB")
+    parser.add_argument("--out", type=Path, default=Path("runs/profile_exposed"))
+    parser.add_argument("--json", type=Path, help="write the results here as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    enter_emulated_link(args.rate)
+    cfg = {
+        "layers": args.layers,
+        "width": args.width,
+        "batch": args.batch,
+        "steps": args.steps,
+        "bucket_mb": args.bucket_mb,
+    }
+    link = current_link() or {"rate": "none (loopback)", "delay": "0ms"}
+    print(f"profile_exposed: 2 gloo ranks, link {link['rate']}, {cfg}", flush=True)
+    for case in CASES:
+        if any((args.out / case).glob("*.pt.trace.json*")):
+            raise SystemExit(f"{args.out / case} already holds traces; pass a fresh --out")
+    ddp_logging = run_cases(args.out, cfg)
+    results = {
+        case: {
+            **exposed_share(args.out / case),
+            "logdir": str(args.out / case),
+            "ddp_logging": ddp_logging[case],
+        }
+        for case in CASES
+    }
+    print(f"\n{'case':<12} {'step ms':>8} {'comm ms':>8} {'exposed ms':>11} {'exposed share':>14}")
+    for case, r in results.items():
+        print(
+            f"{case:<12} {r['median_ms']:>8.1f} {r['comm_ms_per_step']:>8.1f} "
+            f"{r['exposed_comm_ms_per_step']:>11.1f} {r['exposed_share']:>14.0%}"
+        )
+    print(f"\nper step detail: overlapkit report {args.out / 'ok_ddp'}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"link": link, "config": cfg, "cases": results}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

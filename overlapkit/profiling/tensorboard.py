@@ -1,0 +1,60 @@
+"""TensorBoard scalars of the per-step overlap metrics, one TensorBoard run per rank.
+
+Tags (x axis: the profiler step number):
+``overlap/exposed_comm_ms``, ``overlap/comm_ms``, ``overlap/compute_ms``, ``overlap/tail_ms``,
+``overlap/ratio`` (omitted for steps without communication, where it is undefined).
+
+Each rank writes to ``<logdir>/overlap/rank<R>``, so TensorBoard draws the ranks as separate
+runs on one chart per tag, next to the profiler traces of the same logdir.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from overlapkit.profiling.analysis import StepMetrics
+
+SCALARS_DIR = "overlap"
+TAGS = (
+    "overlap/exposed_comm_ms",
+    "overlap/comm_ms",
+    "overlap/compute_ms",
+    "overlap/tail_ms",
+    "overlap/ratio",
+)
+
+
+def scalar_dir(logdir: str | Path, rank: int) -> Path:
+    """Where rank ``rank``'s scalars go inside ``logdir``."""
+    return Path(logdir) / SCALARS_DIR / f"rank{rank}"
+
+
+def write_scalars(logdir: str | Path, steps: Iterable[StepMetrics]) -> list[Path]:
+    """Write the overlap scalars of ``steps`` (any ranks) as TensorBoard event files.
+
+    Returns:
+        list[Path]: the per-rank directories written.
+    """
+    from torch.utils.tensorboard import SummaryWriter  # imports tensorboard; only when used
+
+    by_rank: dict[int, list[StepMetrics]] = {}
+    for row in steps:
+        by_rank.setdefault(row.rank, []).append(row)
+    written = []
+    for rank, rows in sorted(by_rank.items()):
+        directory = scalar_dir(logdir, rank)
+        with SummaryWriter(log_dir=str(directory)) as writer:
+            for row in sorted(rows, key=lambda r: r.step):
+                values = {
+                    "overlap/exposed_comm_ms": row.exposed_comm_ms,
+                    "overlap/comm_ms": row.comm_ms,
+                    "overlap/compute_ms": row.compute_ms,
+                    "overlap/tail_ms": row.tail_ms,
+                    "overlap/ratio": row.overlap_ratio,
+                }
+                for tag, value in values.items():
+                    if value is not None:
+                        writer.add_scalar(tag, value, global_step=row.step)
+        written.append(directory)
+    return written

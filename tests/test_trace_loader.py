@@ -1,0 +1,104 @@
+"""The streaming trace reader: same events as json.load, any chunking; broken files named."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from overlapkit.profiling import trace_loader
+from overlapkit.profiling.trace_loader import TraceFormatError, read_trace
+
+SAMPLE = {
+    "schemaVersion": 1,
+    "distributedInfo": {"backend": "gloo", "rank": 3, "world_size": 4},
+    "traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1.5, "dur": 2e3, "args": {}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": 'a "b" ]}'}},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 123456789012.25, "dur": 7, "pid": 0},
+    ],
+    "traceName": "x",
+    "baseTimeNanoseconds": 1700000000000000000,
+}
+
+
+def _read(path):
+    events = []
+    header = read_trace(path, events.append)
+    return header, events
+
+
+@pytest.mark.parametrize("chunk_chars", [1, 3, 7, 64, 1 << 22])
+@pytest.mark.parametrize("suffix", [".pt.trace.json", ".pt.trace.json.gz"])
+def test_events_and_header_equal_json_load_for_any_chunk_size(
+    tmp_path, monkeypatch, chunk_chars, suffix
+):
+    monkeypatch.setattr(trace_loader, "CHUNK_CHARS", chunk_chars)
+    path = tmp_path / f"rank3{suffix}"
+    text = json.dumps(SAMPLE, indent=1)
+    if suffix.endswith(".gz"):
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    header, events = _read(path)
+    assert events == SAMPLE["traceEvents"]
+    expected = {k: v for k, v in SAMPLE.items() if k != "traceEvents"}
+    assert header == {**expected, "_event_count": 3}
+
+
+def test_an_empty_event_list_is_a_trace(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('{"traceEvents": [ ]}')
+    assert _read(path) == ({"_event_count": 0}, [])
+
+
+@pytest.mark.parametrize("cut", [1, 40, 150, 260, -2, -1])
+def test_a_truncated_file_is_reported_by_name_as_truncated(tmp_path, monkeypatch, cut):
+    monkeypatch.setattr(trace_loader, "CHUNK_CHARS", 16)
+    text = json.dumps(SAMPLE)
+    path = tmp_path / "rank0.123.pt.trace.json"
+    path.write_text(text[:cut])
+    pattern = r"rank0\.123\.pt\.trace\.json: .*(truncated|ends early)"
+    with pytest.raises(TraceFormatError, match=pattern):
+        _read(path)
+
+
+def test_a_truncated_gzip_stream_is_reported_by_name(tmp_path):
+    path = tmp_path / "rank1.9.pt.trace.json.gz"
+    data = gzip.compress(json.dumps(SAMPLE).encode())
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceFormatError, match=r"rank1\.9\.pt\.trace\.json\.gz: .*truncated"):
+        _read(path)
+
+
+def test_json_without_trace_events_is_not_a_trace(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"lr": 0.1, "steps": 10}))
+    with pytest.raises(TraceFormatError, match=r"config\.json: not a profiler trace.*lr, steps"):
+        _read(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty file"),
+        ("[1, 2]", "top level is not a JSON object"),
+        ('{"traceEvents": [{"ph": "X"} {"ph": "X"}]}', r"expected ',' or '\]'"),
+        ('{"traceEvents": [{"ph": "X", "ts": nope}], "x": 1}', "invalid JSON in traceEvents"),
+        ('{"traceEvents": []} trailing', "unexpected data after"),
+    ],
+)
+def test_malformed_json_names_the_file_and_the_problem(tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(TraceFormatError, match=rf"bad\.json: .*{message}"):
+        _read(path)
+
+
+def test_a_file_that_is_not_utf8_is_reported(tmp_path):
+    path = tmp_path / "binary.json"
+    path.write_bytes(b'{"traceEvents": ["\xff\xfe"]}')
+    with pytest.raises(TraceFormatError, match=r"binary\.json: not UTF-8"):
+        _read(path)
