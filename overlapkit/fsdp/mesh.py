@@ -1,0 +1,67 @@
+"""The data-parallel mesh of ``ok.fsdp``: 1-D (FSDP) or 2-D (HSDP), checked against the world.
+
+FSDP2's convention, which ``ok.fsdp`` keeps: on a 2-D mesh, **axis 0 replicates and axis 1
+shards** (placements ``(Replicate(), Shard(0))``). Gradients are reduce-scattered over axis 1 and
+all-reduced over axis 0, so axis 1 should be the fast (intra-node) one. A planner mesh with named
+axes is passed as ``mesh["dp_replicate", "dp_shard"]``; an axis whose name says "shard" on
+axis 0 (or "replicate" on axis 1) is rejected rather than silently sharding over the wrong ranks.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def _check_axis_names(names: tuple[str, ...] | None) -> None:
+    if not names or len(names) != 2:
+        return
+    replicate_name, shard_name = names
+    if "shard" in replicate_name.lower() or "replicate" in shard_name.lower():
+        raise ValueError(
+            f"ok.fsdp: mesh axes are named {names}, but a 2-D mesh must be (replicate, shard): "
+            "axis 0 replicates and axis 1 shards (FSDP2's HSDP convention); build the mesh "
+            "with the replicate axis first"
+        )
+
+
+def resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
+    """Return ``mesh`` after checking it, or a 1-D mesh over the world when it is None.
+
+    Args:
+        mesh (DeviceMesh | None): 1-D (shard over all its ranks) or 2-D (replicate, shard).
+            It must span the world, or be a slice (``mesh["dp"]``) of a mesh that does.
+        device_type (str): the model's device type (``"cpu"``, ``"cuda"``), for the default.
+
+    Raises:
+        TypeError: ``mesh`` is not a DeviceMesh.
+        ValueError: wrong number of axes, axis names in the wrong order, a mesh whose size does
+            not match the world, or a mesh that does not contain this rank.
+    """
+    world = dist.get_world_size()
+    if mesh is None:
+        return init_device_mesh(device_type, (world,))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"ok.fsdp: mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}"
+        )
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"ok.fsdp: mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D "
+            f"with shape {tuple(mesh.shape)}; slice the data-parallel axes out first"
+        )
+    if mesh.device_type != device_type:
+        raise ValueError(
+            f"ok.fsdp: mesh device type {mesh.device_type!r} differs from the model's "
+            f"parameters' device type {device_type!r}"
+        )
+    _check_axis_names(mesh.mesh_dim_names)
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root.size() != world:
+        raise ValueError(
+            f"ok.fsdp: mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}) but the world "
+            f"has {world}; pass a mesh over all {world} ranks, or a slice of one"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"ok.fsdp: rank {dist.get_rank()} is not in the mesh {mesh.mesh.tolist()}")
+    return mesh

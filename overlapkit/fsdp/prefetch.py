@@ -1,0 +1,71 @@
+"""Explicit forward/backward prefetch lists; the next step's first gathers after the optimizer.
+
+Forward: block i prefetches blocks i+1 .. i+d, and the root prefetches blocks 0 .. d-1, so while
+block i computes the all-gathers of the next d blocks are in flight. Backward: block i
+prefetches i-1 .. i-d and the root (whose pre-backward runs first) the last d blocks. Each
+explicit list replaces FSDP2's implicit one-block backward prefetch; lists of two "use more
+reserved memory" (FSDP2's docstring): ``d`` more blocks are unsharded at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.hooks import RemovableHandle
+
+from overlapkit.fsdp.state import state_of
+
+
+def set_explicit_prefetch(root: FSDPModule, blocks: Sequence[FSDPModule], depth: int) -> None:
+    """Install depth-``depth`` forward and backward prefetch on ``blocks`` (forward order)."""
+    if depth == 0:
+        return
+    blocks = list(blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth) : i][::-1])
+    root.set_modules_to_forward_prefetch(blocks[:depth])
+    root.set_modules_to_backward_prefetch(blocks[::-1][:depth])
+
+
+def overlap_optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> RemovableHandle:
+    """Start the next step's first all-gathers as soon as ``optimizer.step()`` returns.
+
+    On CUDA this is FSDP2's ``set_post_optim_event``: a step post-hook records an event on
+    the current stream, and the root's pre-forward makes the all-gather streams wait on that
+    event only (not on whatever else the current stream runs after the optimizer). On host
+    devices (gloo), where streams do not exist, the hook issues the all-gathers of the root and
+    of the first ``max(prefetch, 1)`` blocks asynchronously, so they run while the host zeroes
+    gradients, loads the next batch and logs; the next forward finds them in flight.
+
+    Args:
+        model (nn.Module): the model returned by ``ok.fsdp``.
+        optimizer (torch.optim.Optimizer): the optimizer stepping its sharded parameters.
+
+    Returns:
+        RemovableHandle: ``handle.remove()`` turns it off.
+
+    Raises:
+        TypeError: ``model`` was not returned by ``ok.fsdp``.
+
+    Example:
+        >>> model = ok.fsdp(model, prefetch=1)
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> overlap_optimizer_step(model, optimizer)
+    """
+    state = state_of(model, caller="overlap_optimizer_step")
+    first_blocks = state.blocks[: max(state.prefetch, 1)]
+
+    def issue_next_gathers(*_: object) -> None:
+        if state.device_type == "cpu":
+            for module in (state.root, *first_blocks):
+                module.unshard(async_op=True)
+        else:
+            stream = torch.get_device_module(state.device_type).current_stream()
+            state.root.set_post_optim_event(stream.record_event())
+
+    return optimizer.register_step_post_hook(issue_next_gathers)

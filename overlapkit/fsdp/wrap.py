@@ -1,0 +1,263 @@
+"""``ok.fsdp``: FSDP2 (``fully_shard``) per block, then the root, with prefetch that overlaps."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.fsdp.blocks import BlockSpec, resolve_blocks
+from overlapkit.fsdp.comms import BlockAllGather
+from overlapkit.fsdp.mesh import resolve_mesh
+from overlapkit.fsdp.prefetch import set_explicit_prefetch
+from overlapkit.fsdp.reduce_scatter import BlockReduceScatter, PendingReductions
+from overlapkit.fsdp.state import OverlapState, is_registered, register_state
+from overlapkit.fsdp.stats import ROOT, UnshardRecorder
+from overlapkit.process_group import resolve_process_group
+
+logger = logging.getLogger(__name__)
+
+PREFETCH_DEPTHS = (0, 1, 2)
+MIXED_PRECISIONS = (None, "bf16")
+
+
+def resolve_mixed_precision(
+    mixed_precision: str | MixedPrecisionPolicy | None,
+) -> MixedPrecisionPolicy:
+    """Map ``mixed_precision`` to FSDP2's ``MixedPrecisionPolicy``.
+
+    ``"bf16"`` all-gathers and computes in bfloat16 and reduce-scatters gradients in float32
+    (summing bf16 gradients across ranks loses precision); the sharded parameters and the
+    optimizer stay in their own dtype. A ``MixedPrecisionPolicy`` is used as given.
+    """
+    match mixed_precision:
+        case None:
+            return MixedPrecisionPolicy()
+        case "bf16":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        case MixedPrecisionPolicy():
+            return mixed_precision
+        case _:
+            raise ValueError(
+                f"ok.fsdp: unknown mixed_precision={mixed_precision!r}; choose one of "
+                f"{list(MIXED_PRECISIONS)} or pass a torch.distributed.fsdp.MixedPrecisionPolicy"
+            )
+
+
+def _validate_prefetch(prefetch: int) -> int:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(
+            f"ok.fsdp: prefetch must be an int in {list(PREFETCH_DEPTHS)}, got {prefetch!r}"
+        )
+    if prefetch not in PREFETCH_DEPTHS:
+        raise ValueError(
+            f"ok.fsdp: prefetch={prefetch} is not supported; choose one of "
+            f"{list(PREFETCH_DEPTHS)} (0 = FSDP2's default, d = all-gathers of the next d "
+            "blocks in flight while one computes; each adds one unsharded block of memory)"
+        )
+    return prefetch
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    if is_registered(model):
+        raise ValueError("ok.fsdp: this model was already returned by ok.fsdp(); wrap it once")
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            "ok.fsdp: the model is wrapped in DistributedDataParallel; pass the plain module "
+            "(model.module) instead"
+        )
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            where = f"sub-module {name!r}" if name else "the model"
+            raise ValueError(
+                f"ok.fsdp: {where} ({type(module).__name__}) is already sharded with "
+                "fully_shard; pass a model that FSDP has not been applied to"
+            )
+
+
+def _check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"ok.fsdp: {name} must be a bool, got {value!r}")
+    return value
+
+
+def _device_type(model: nn.Module) -> str:
+    devices = {p.device.type for p in model.parameters()}
+    if not devices:
+        raise ValueError(f"ok.fsdp: the model ({type(model).__name__}) has no parameters")
+    if len(devices) > 1:
+        raise ValueError(
+            f"ok.fsdp: the model's parameters are on several device types {sorted(devices)}; "
+            "move the model to one device first"
+        )
+    return devices.pop()
+
+
+def _unsharded_bytes(module: nn.Module, policy: MixedPrecisionPolicy) -> int:
+    """Bytes of ``module``'s parameters when all-gathered (in ``param_dtype`` if set)."""
+    return sum(p.numel() * (policy.param_dtype or p.dtype).itemsize for p in module.parameters())
+
+
+def _own_parameters(root: nn.Module, blocks: list[nn.Module]) -> Callable[[], list[nn.Parameter]]:
+    """A function returning the root's parameters outside every block, as registered now."""
+    block_ids = {id(b) for b in blocks}
+
+    def params() -> list[nn.Parameter]:
+        found: list[nn.Parameter] = []
+        stack = [root]
+        while stack:
+            module = stack.pop()
+            found.extend(module.parameters(recurse=False))
+            stack.extend(c for c in module.children() if id(c) not in block_ids)
+        return found
+
+    return params
+
+
+def fsdp(
+    model: nn.Module,
+    *,
+    prefetch: int = 1,
+    mesh: DeviceMesh | None = None,
+    mixed_precision: str | MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    blocks: BlockSpec = None,
+    overlap_reduce_scatter: bool = True,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2, block by block, with all-gather prefetch that overlaps.
+
+    Each block is ``fully_shard``-ed, then the root. With ``prefetch=d >= 1``, while block i
+    computes, the all-gathers of blocks i+1..i+d are in flight (backward: i-1..i-d). On CUDA
+    this is FSDP2's explicit prefetch on its streams. On host devices (gloo) FSDP2's streams
+    are no-ops and its unshard waits for the collective, so ``ok.fsdp`` also installs comms that
+    issue the all-gathers (and, when safe, reduce-scatters) asynchronously; see
+    ``overlapkit.fsdp.comms``.
+
+    Args:
+        model (nn.Module): the model, on its device, not yet sharded; changed in place.
+        prefetch (int): 0 (FSDP2's default behaviour, nothing added), 1 or 2 blocks of
+            all-gathers in flight ahead of the computing one. Defaults to 1.
+        mesh (DeviceMesh | None): 1-D (FSDP over its ranks) or 2-D (HSDP; axis 0 replicates,
+            axis 1 shards). None means a 1-D mesh over the world.
+        mixed_precision (str | MixedPrecisionPolicy | None): None (parameter dtype),
+            ``"bf16"`` (bf16 parameters in compute, fp32 gradient reduction) or a policy.
+        reshard_after_forward (bool): free each block's unsharded parameters after its forward
+            and gather them again in backward. Defaults to True.
+        blocks: which modules to shard one by one (see ``overlapkit.fsdp.blocks``); None finds
+            the largest list of same-class modules. Blocks must run in this order.
+        overlap_reduce_scatter (bool): on host devices with ``prefetch >= 1``, use overlapkit's
+            reduce-scatter (``overlapkit.fsdp.reduce_scatter``): all-to-all based on gloo, and
+            running while backward continues (1-D meshes). Defaults to True.
+
+    Returns:
+        nn.Module: ``model`` itself, now an ``FSDPModule``; ``ok.fsdp_stats(model)`` reads its
+        memory accounting.
+
+    Raises:
+        ValueError: ``prefetch`` not in {0, 1, 2}, unknown ``mixed_precision``, ``blocks``
+            matching nothing, a mesh of the wrong size or shape, or a model already wrapped.
+        TypeError: an argument of the wrong type.
+        RuntimeError: torch.distributed is not initialised.
+
+    Example:
+        >>> model = ok.fsdp(model, prefetch=1, mixed_precision="bf16")
+        >>> loss = model(x).sum(); loss.backward(); optimizer.step()
+        >>> ok.fsdp_stats(model).steps[-1].forward_peak_blocks   # <= 1 + prefetch
+    """
+    prefetch = _validate_prefetch(prefetch)
+    reshard_after_forward = _check_bool(reshard_after_forward, "reshard_after_forward")
+    overlap_reduce_scatter = _check_bool(overlap_reduce_scatter, "overlap_reduce_scatter")
+    policy = resolve_mixed_precision(mixed_precision)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ok.fsdp: model must be an nn.Module, got {type(model).__name__}")
+    _check_not_wrapped(model)
+    block_list = resolve_blocks(model, blocks)
+    device_type = _device_type(model)
+    resolve_process_group(None, caller="ok.fsdp")
+    mesh = resolve_mesh(mesh, device_type)
+
+    names = {id(m): name for name, m in model.named_modules()}
+    block_names = tuple(names[id(b)] for b in block_list)
+    block_bytes = tuple(_unsharded_bytes(b, policy) for b in block_list)
+    own_params = _own_parameters(model, block_list)
+
+    for block in block_list:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # The root keeps FSDP2's automatic choice (not resharded: backward needs it at once).
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    set_explicit_prefetch(model, block_list, prefetch)
+
+    recorder = UnshardRecorder(block_list, block_bytes)
+    pending = PendingReductions()
+    host = device_type == "cpu"
+    async_gather = host and prefetch > 0
+    host_reduce = async_gather and overlap_reduce_scatter
+    comm_targets = [(i, b, b.parameters) for i, b in enumerate(block_list)]
+    comm_targets.append((ROOT, model, own_params))
+    for index, module, params in comm_targets:
+        module.set_custom_all_gather(BlockAllGather(index, recorder, force_async=async_gather))
+        if host_reduce:
+            module.set_custom_reduce_scatter(
+                BlockReduceScatter(
+                    lambda params=params: list(params()),
+                    pending,
+                    block_names[index] if index >= 0 else "root",
+                    # On a 2-D mesh FSDP2 all-reduces the output at once, even over 1 replica.
+                    allow_async=mesh.ndim == 1,
+                )
+            )
+    _install_hooks(model, block_list, recorder, pending)
+
+    register_state(
+        model,
+        OverlapState(
+            root=model,
+            blocks=block_list,
+            block_names=block_names,
+            block_bytes=block_bytes,
+            prefetch=prefetch,
+            device_type=device_type,
+            reshard_after_forward=reshard_after_forward,
+            recorder=recorder,
+            pending=pending,
+        ),
+    )
+    logger.info(
+        "ok.fsdp: %d blocks (%s), prefetch=%d, mesh %s, mixed_precision=%s, "
+        "async all-gather=%s, overlapkit reduce-scatter=%s",
+        len(block_list),
+        type(block_list[0]).__name__,
+        prefetch,
+        tuple(mesh.shape),
+        mixed_precision if not isinstance(mixed_precision, MixedPrecisionPolicy) else policy,
+        async_gather,
+        host_reduce,
+    )
+    return model
+
+
+def _install_hooks(
+    root: nn.Module,
+    blocks: list[nn.Module],
+    recorder: UnshardRecorder,
+    pending: PendingReductions,
+) -> None:
+    """The recorder's hooks. The block hooks are registered after ``fully_shard``'s, so they run
+    after FSDP2's: just before the block computes, just after it reshards. The root's pre-hook is
+    prepended, so it runs before FSDP2's root pre-forward."""
+
+    def root_pre_forward(*_: object) -> None:
+        # Reduce-scatters of a backward that raised are still pending; never leave them behind.
+        pending.wait_all()
+        recorder.root_pre_forward()
+
+    root.register_forward_pre_hook(root_pre_forward, prepend=True)
+    root.register_forward_hook(lambda *_: recorder.root_post_forward())
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: recorder.compute_start(i))
+        block.register_forward_hook(lambda _m, _in, out, i=i: recorder.block_post_forward(i, out))
