@@ -1,0 +1,378 @@
+"""Load topologies from YAML: shipped presets, ``<preset>x<N>`` multi-node forms, and files.
+
+A topology file describes identical nodes (see ``presets/*.yaml`` for commented examples)::
+
+    name: dgx-h100
+    library: nccl                 # whose achieved-bandwidth model applies: nccl | gloo | ideal
+    nodes: 1
+    devices_per_node: 8
+    device_kind: gpu              # gpu | cpu | tpu | accelerator
+    scale_up:
+      kind: nvlink                # nvlink | ualink | ici | none
+      nodes_per_domain: 1         # 18 for a GB200 NVL72 rack (its trays are nodes)
+      links: 18
+      link_bandwidth: 25GB/s      # per link and direction; or `bandwidth:` per device
+      latency: 3.4us              # per collective step
+      efficiency: 0.824           # achieved / specified bandwidth
+      in_network_reduction: true
+    scale_out:
+      kind: rail-optimized        # none | fat-tree | rail-optimized | dragonfly
+      transport: infiniband       # infiniband | roce | ultra-ethernet | ethernet
+      nics_per_node: 8
+      nic_bandwidth: 400Gbit/s
+      latency: 14us
+
+Every error names the file, the line and the key (``dgx.yaml:12: scale_up.links: ...``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from overlapkit.topology.model import (
+    DeviceKind,
+    DomainKind,
+    FabricKind,
+    Library,
+    ScaleOutFabric,
+    ScaleUpDomain,
+    Topology,
+    Transport,
+    uniform_topology,
+)
+from overlapkit.topology.units import parse_bandwidth, parse_duration
+
+PRESET_DIR = Path(__file__).parent / "presets"
+_MULTI_NODE = re.compile(r"^(?P<base>.+)x(?P<count>\d+)$")
+
+_KEYS = {
+    "": {
+        "name",
+        "description",
+        "library",
+        "nodes",
+        "devices_per_node",
+        "device_kind",
+        "scale_up",
+        "scale_out",
+    },
+    "scale_up": {
+        "kind",
+        "nodes_per_domain",
+        "links",
+        "link_bandwidth",
+        "bandwidth",
+        "latency",
+        "efficiency",
+        "in_network_reduction",
+        "torus",
+        "wraparound",
+    },
+    "scale_out": {
+        "kind",
+        "transport",
+        "nics_per_node",
+        "nic_bandwidth",
+        "latency",
+        "efficiency",
+        "oversubscription",
+        "nodes_per_leaf",
+        "nodes_per_group",
+        "global_taper",
+        "in_network_reduction",
+    },
+}
+_REQUIRED = object()
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets (without the ``x<N>`` multi-node forms)."""
+    return sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
+
+
+def load_topology(name_or_path: str | Path, *, fabric: str | None = None) -> Topology:
+    """A topology from a preset name, ``<preset>x<N>`` (N nodes of it) or a YAML file.
+
+    Args:
+        name_or_path (str | Path): ``"dgx-h100"``, ``"dgx-h100x4"``, ``"gb200-nvl72x2"`` or a
+            path to a ``.yaml`` file.
+        fabric (str): switch the scale-out fabric to ``fat-tree``, ``rail-optimized`` or
+            ``dragonfly``. Defaults to what the file says.
+
+    Returns:
+        Topology: the validated topology.
+
+    Raises:
+        ValueError: unknown preset (the message suggests the nearest names), malformed YAML,
+            unknown keys or bad values (file, line and key named).
+        FileNotFoundError: a path that does not exist.
+    """
+    text = str(name_or_path)
+    multiplier = 1
+    if isinstance(name_or_path, Path) or text.endswith((".yaml", ".yml")) or "/" in text:
+        path = Path(text)
+        if not path.is_file():
+            raise FileNotFoundError(f"topology file {text!r} does not exist")
+        source, name = str(path), None
+    else:
+        presets = preset_names()
+        match = _MULTI_NODE.match(text)
+        if text not in presets and match and match["base"] in presets:
+            multiplier = int(match["count"])
+            if multiplier < 1:
+                raise ValueError(f"topology {text!r}: the node count after 'x' must be >= 1")
+            text = match["base"]
+        if text not in presets:
+            raise ValueError(_unknown_preset_message(str(name_or_path), presets))
+        path = PRESET_DIR / f"{text}.yaml"
+        source = f"preset {text} ({path.name})"
+        name = str(name_or_path)
+    return parse_topology_yaml(
+        path.read_text(), source=source, node_multiplier=multiplier, name=name, fabric=fabric
+    )
+
+
+def _unknown_preset_message(name: str, presets: list[str]) -> str:
+    base = _MULTI_NODE.match(name)
+    candidates = difflib.get_close_matches(base["base"] if base else name, presets, n=3, cutoff=0.4)
+    hint = f" Did you mean {', '.join(candidates)}?" if candidates else ""
+    return (
+        f"unknown topology preset {name!r}.{hint} Presets: {', '.join(presets)}; add "
+        "'x<N>' for N nodes (dgx-h100x4), or pass a .yaml file"
+    )
+
+
+def parse_topology_yaml(
+    text: str,
+    *,
+    source: str,
+    node_multiplier: int = 1,
+    name: str | None = None,
+    fabric: str | None = None,
+) -> Topology:
+    """Build a topology from YAML ``text``; errors name ``source``, the line and the key."""
+    reader = _Reader.from_text(text, source)
+    nodes = reader.value("nodes", _integer(1), default=1) * node_multiplier
+    scale_up = reader.section("scale_up")
+    reader.section("scale_out")
+    links = reader.value("scale_up.links", _integer(0), default=1)
+    domain = ScaleUpDomain(
+        kind=reader.value("scale_up.kind", _choice(DomainKind)),
+        ranks=(0,),
+        bandwidth_GBps=_domain_bandwidth(reader, scale_up, links),
+        latency_us=reader.value("scale_up.latency", _microseconds),
+        links=links,
+        in_network_reduction=reader.value("scale_up.in_network_reduction", _boolean, default=False),
+        efficiency=reader.value("scale_up.efficiency", _fraction, default=1.0),
+        torus=reader.value("scale_up.torus", _int_tuple, default=None),
+        wraparound=reader.value("scale_up.wraparound", _bool_tuple, default=None),
+    )
+    fabric_kind = reader.value("scale_out.kind", _choice(FabricKind))
+    if fabric is not None:
+        fabric_kind = FabricKind.parse(fabric, what="--fabric")
+    nodes_per_leaf = reader.value("scale_out.nodes_per_leaf", _integer(1), default=None)
+    out = ScaleOutFabric(
+        kind=fabric_kind,
+        transport=reader.value("scale_out.transport", _choice(Transport)),
+        nics_per_node=reader.value("scale_out.nics_per_node", _integer(0)),
+        nic_GBps=reader.value("scale_out.nic_bandwidth", _bandwidth),
+        latency_us=reader.value("scale_out.latency", _microseconds),
+        efficiency=reader.value("scale_out.efficiency", _fraction, default=1.0),
+        oversubscription=reader.value("scale_out.oversubscription", _real(1.0), default=1.0),
+        nodes_per_leaf=nodes_per_leaf,
+        # A preset switched to dragonfly by --fabric groups nodes like its leaves.
+        nodes_per_group=reader.value(
+            "scale_out.nodes_per_group", _integer(1), default=nodes_per_leaf
+        ),
+        global_taper=reader.value("scale_out.global_taper", _fraction, default=1.0),
+        in_network_reduction=reader.value(
+            "scale_out.in_network_reduction", _boolean, default=False
+        ),
+    )
+    nodes_per_domain = reader.value("scale_up.nodes_per_domain", _integer(1), default=1)
+    base_name = reader.value("name", _string, default=source)
+    if name is None:
+        name = base_name if node_multiplier == 1 else f"{base_name}x{node_multiplier}"
+    return uniform_topology(
+        name=name,
+        nodes=nodes,
+        devices_per_node=reader.value("devices_per_node", _integer(1)),
+        device_kind=reader.value("device_kind", _choice(DeviceKind), default=DeviceKind.GPU),
+        domain=domain,
+        nodes_per_domain=nodes_per_domain,
+        fabric=out,
+        library=reader.value("library", _choice(Library), default=Library.NCCL),
+        source=source,
+    )
+
+
+def _domain_bandwidth(reader: _Reader, scale_up: dict, links: int) -> float:
+    if "bandwidth" in scale_up and "link_bandwidth" in scale_up:
+        raise ValueError(
+            f"{reader.where('scale_up.bandwidth')}: give either bandwidth (per "
+            "device) or link_bandwidth (per link), not both"
+        )
+    if "link_bandwidth" in scale_up:
+        if links < 1:
+            raise ValueError(f"{reader.where('scale_up.links')}: link_bandwidth needs links >= 1")
+        return links * reader.value("scale_up.link_bandwidth", _bandwidth)
+    return reader.value("scale_up.bandwidth", _bandwidth)
+
+
+class _Reader:
+    """Typed access to a parsed YAML document that knows each key's line."""
+
+    def __init__(self, data: dict, lines: dict[str, int], source: str) -> None:
+        self.data, self.lines, self.source = data, lines, source
+
+    @classmethod
+    def from_text(cls, text: str, source: str) -> _Reader:
+        try:
+            data = yaml.safe_load(text)
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"{source}:{mark.line + 1}" if mark is not None else source
+            problem = getattr(err, "problem", None) or str(err)
+            raise ValueError(f"{where}: not valid YAML: {problem}") from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{source}: a topology file must be a mapping of keys (name, "
+                f"scale_up, ...), got {type(data).__name__}"
+            )
+        lines: dict[str, int] = {}
+        _record_lines(node, "", lines, source)
+        reader = cls(data, lines, source)
+        reader._check_keys("", data)
+        return reader
+
+    def where(self, key: str) -> str:
+        line = self.lines.get(key)
+        return f"{self.source}:{line}: {key}" if line else f"{self.source}: {key}"
+
+    def _check_keys(self, section: str, mapping: dict) -> None:
+        allowed = _KEYS[section]
+        for key in mapping:
+            if key not in allowed:
+                path = f"{section}.{key}" if section else str(key)
+                close = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(
+                    f"{self.where(path)}: unknown key{hint}; valid keys"
+                    f"{' in ' + section if section else ''}: "
+                    f"{', '.join(sorted(allowed))}"
+                )
+
+    def section(self, name: str) -> dict:
+        if name not in self.data:
+            raise ValueError(f"{self.source}: missing section {name!r}")
+        value = self.data[name]
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.where(name)}: must be a mapping of keys, got {value!r}")
+        self._check_keys(name, value)
+        return value
+
+    def value(self, key: str, convert: Callable[[Any], Any], *, default: Any = _REQUIRED) -> Any:
+        container: Any = self.data
+        *parents, last = key.split(".")
+        for part in parents:
+            container = container.get(part, {}) if isinstance(container, dict) else {}
+        if last not in container or container[last] is None:
+            if default is _REQUIRED:
+                raise ValueError(f"{self.where(key)}: missing required key")
+            return default
+        try:
+            return convert(container[last])
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{self.where(key)}: {err}") from None
+
+
+def _record_lines(node: yaml.Node, path: str, lines: dict[str, int], source: str) -> None:
+    lines[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            child = f"{path}.{key}" if path else key
+            if key in seen:
+                raise ValueError(
+                    f"{source}:{key_node.start_mark.line + 1}: {child}: key appears twice"
+                )
+            seen.add(key)
+            _record_lines(value_node, child, lines, source)
+
+
+def _integer(minimum: int) -> Callable[[Any], int]:
+    def convert(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return convert
+
+
+def _real(minimum: float) -> Callable[[Any], float]:
+    def convert(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"expected a number, got {value!r}")
+        if not value >= minimum:
+            raise ValueError(f"must be >= {minimum:g}, got {value}")
+        return float(value)
+
+    return convert
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"expected a fraction in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _choice(enum: type) -> Callable[[Any], Any]:
+    def convert(value: Any) -> Any:
+        return enum.parse(value)
+
+    return convert
+
+
+def _bandwidth(value: Any) -> float:
+    return parse_bandwidth(value, what="")
+
+
+def _microseconds(value: Any) -> float:
+    if not isinstance(value, str):
+        # A bare number is ambiguous here (seconds? microseconds?), so a unit is required.
+        raise ValueError(f"expected a duration with a unit like 3.4us or 0.5ms, got {value!r}")
+    return round(parse_duration(value, what="") * 1e6, 9)
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"expected a list of integers like [4, 4, 4], got {value!r}")
+    return tuple(_integer(1)(v) for v in value)
+
+
+def _bool_tuple(value: Any) -> tuple[bool, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"expected a list of true/false, got {value!r}")
+    return tuple(_boolean(v) for v in value)

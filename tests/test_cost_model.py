@@ -1,0 +1,238 @@
+"""The collective cost model against hand-worked alpha-beta formulas and NCCL's tuning rules."""
+
+import dataclasses
+import math
+
+import pytest
+
+from overlapkit.planner import estimate, group_shape
+from overlapkit.planner.libraries import NCCL
+from overlapkit.topology import FabricKind, bare_link, load_topology
+
+GB = 1e9
+
+
+def test_design_worked_example_at_nvlink_rate():
+    # 70e9 bf16 gradients = 140 GB; a ring all-reduce moves 2(N-1)/N x 140 GB ~ 280 GB per GPU.
+    est = estimate("all_reduce", nbytes="140GB", topology=bare_link(1800, 0, 1024))
+    assert est.algorithm == "ring"
+    assert est.time_s == pytest.approx(2 * 1023 / 1024 * 140e9 / 1800e9, rel=1e-12)
+    assert est.time_s == pytest.approx(0.1554, abs=5e-5)
+    assert est.busbw_GBps == pytest.approx(1800)
+
+
+def test_design_worked_example_at_scale_out_rate():
+    est = estimate("all_reduce", nbytes=140e9, topology=bare_link(50, 0, 1024))
+    assert est.time_s == pytest.approx(5.5945, abs=5e-4)
+    assert est.algbw_GBps == pytest.approx(140e9 / est.time_s / GB)
+
+
+def test_ring_latency_counts_two_steps_per_rank():
+    est = estimate("all_reduce", nbytes=0, topology=bare_link(100, 5.0, 8), algorithm="ring")
+    assert est.time_s == pytest.approx(2 * 7 * 5e-6)
+
+
+def test_tree_wins_small_messages_and_ring_wins_large_ones_on_a_bare_link():
+    link = bare_link(100, 10.0, 256)
+    small = estimate("all_reduce", nbytes=1e3, topology=link)
+    # Ring saves 2S/(nB) of bandwidth time but pays 2(n-1-log2 n) more steps: it wins past
+    # about n^2 x latency x bandwidth = 6.5e10 bytes here.
+    large = estimate("all_reduce", nbytes=1e12, topology=link)
+    assert small.algorithm == "tree"
+    assert small.time_s == pytest.approx(2 * 8 * 10e-6 + 2 * 1e3 / 100e9)
+    assert large.algorithm == "ring"
+
+
+@pytest.mark.parametrize(
+    ("collective", "volume", "steps", "bus"),
+    [
+        ("reduce_scatter", 7 / 8, 7, 7 / 8),
+        ("all_gather", 7 / 8, 7, 7 / 8),
+        ("broadcast", 1.0, 7, 1.0),
+        ("all_reduce", 14 / 8, 14, 14 / 8),
+    ],
+)
+def test_ring_collectives_move_nccl_tests_volumes(collective, volume, steps, bus):
+    S = 8e9
+    est = estimate(collective, nbytes=S, topology=bare_link(200, 2.0, 8), algorithm="ring")
+    assert est.time_s == pytest.approx(steps * 2e-6 + volume * S / 200e9)
+    assert est.busbw_GBps == pytest.approx(est.algbw_GBps * bus)
+
+
+def test_all_to_all_is_limited_by_the_slowest_tier():
+    topo = load_topology("dgx-h100x2")
+    S = 1e9
+    est = estimate("all_to_all", nbytes=S, topology=topo)
+    # 7/16 of S over NVLink (370.8 GB/s) and 8/16 over the rank's NIC (50 GB/s) at once.
+    nic = 8 / 16 * S / (50 * GB)
+    assert est.algorithm == "pairwise"
+    latency = (8.4 + 3.4 + 14) * 1e-6  # NCCL base + one NVLink step + one network step
+    assert est.time_s == pytest.approx(latency + nic)
+    assert est.busbw_GBps == pytest.approx(est.algbw_GBps * 15 / 16)
+
+
+def test_send_recv_inside_and_across_domains():
+    topo = load_topology("dgx-h100x2")
+    inside = estimate("send_recv", nbytes=1e9, topology=topo, group=[0, 1])
+    across = estimate("send_recv", nbytes=1e9, topology=topo, group=[0, 8])
+    assert inside.time_s == pytest.approx(8.4e-6 + 3.4e-6 + 1e9 / (18 * 20.6 * GB))
+    assert across.time_s == pytest.approx(8.4e-6 + 14e-6 + 1e9 / (50 * GB))
+    with pytest.raises(ValueError, match="exactly 2 ranks"):
+        estimate("send_recv", nbytes=1, topology=topo, group=[0, 1, 2])
+
+
+def test_in_switch_reduction_beats_ring_inside_an_nvswitch_node():
+    topo = load_topology("dgx-h100")
+    est = estimate("all_reduce", nbytes=2**30, topology=topo)
+    achieved = 18 * 20.6
+    assert est.algorithm == "switch"
+    # NVLS: every byte crosses once each way at 5/6 of NVLink (tuning.cc), 23 us latency.
+    assert est.time_s == pytest.approx(23e-6 + 2**30 / (achieved * 5 / 6 * GB))
+    ring = estimate("all_reduce", nbytes=2**30, topology=topo, algorithm="ring")
+    assert ring.time_s == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 14 / 8 * 2**30 / (achieved * GB))
+
+
+def test_a100_nodes_cannot_reduce_in_the_switch():
+    with pytest.raises(ValueError, match="switch needs scale-up domains whose switch reduces"):
+        estimate("all_reduce", nbytes=1e9, topology=load_topology("dgx-a100"), algorithm="switch")
+
+
+def test_ring_across_nodes_is_bounded_by_nvlink_or_the_nodes_nics():
+    topo = load_topology("dgx-a100x4")  # 8 x 25 GB/s NICs = 200 GB/s < 240 GB/s NVLink
+    est = estimate("all_reduce", nbytes=140e9, topology=topo, algorithm="ring")
+    assert est.busbw_GBps == pytest.approx(200, rel=1e-3)
+    shape = group_shape(topo, topo.first(32))
+    assert (shape.domains, shape.per_domain) == (4, 8)
+    assert shape.inter_ring.GBps == pytest.approx(200)
+    assert shape.inter_rank.GBps == pytest.approx(25)
+
+
+def test_one_rank_per_node_drives_one_nic():
+    topo = load_topology("dgx-h100x4")
+    shape = group_shape(topo, [0, 8, 16, 24])  # a DP group along rail 0
+    assert shape.intra is None and shape.inter_ring.GBps == pytest.approx(50)
+
+
+def test_hierarchical_is_intra_reduce_scatter_inter_all_reduce_intra_all_gather():
+    topo = load_topology("dgx-a100x4")
+    S = 1e9
+    est = estimate("all_reduce", nbytes=S, topology=topo, algorithm="hierarchical")
+    intra = 8.4e-6 + 7 * 3.4e-6 + 7 / 8 * S / (240 * GB)
+    inter = (8.4e-6 + 2 * 3 * 14e-6) * 1.4 + 2 * 3 / 4 * (S / 8) / (25 * GB)
+    assert est.time_s == pytest.approx(2 * intra + inter)
+    with pytest.raises(ValueError, match="hierarchical needs a group spanning 2\\+"):
+        estimate("all_reduce", nbytes=S, topology=topo, group_size=8, algorithm="hierarchical")
+
+
+def test_nccl_does_not_pick_hierarchical_by_itself_but_ideal_does():
+    nccl = estimate("all_reduce", nbytes=1e6, topology=load_topology("dgx-a100x4"))
+    assert "hierarchical" not in {a for a, _, _ in nccl.candidates}
+    link = bare_link(100, 5.0, 16)
+    two_level = dataclasses.replace(load_topology("dgx-a100x2"), library=link.library)
+    ideal = estimate("all_reduce", nbytes=1e6, topology=two_level)
+    assert "hierarchical" in {a for a, _, _ in ideal.candidates}
+
+
+def test_nccl_picks_low_latency_protocols_for_small_messages():
+    topo = load_topology("dgx-h100x4")
+    assert estimate("all_reduce", nbytes=1e4, topology=topo).protocol == "ll"
+    assert estimate("all_reduce", nbytes=1e10, topology=topo).protocol == "simple"
+
+
+def test_nccl_tree_medium_size_correction_follows_tuning_cc():
+    assert NCCL.size_correction("tree", "simple", 64 * 2**12) == 0.5
+    assert NCCL.size_correction("tree", "simple", 2**40) == 1.0
+    assert NCCL.size_correction("ring", "simple", 64 * 2**12) == 1.0
+
+
+def test_oversubscribed_fat_tree_halves_bandwidth_once_traffic_leaves_a_leaf():
+    topo = load_topology("dgx-h100x4", fabric="fat-tree")
+    fabric = dataclasses.replace(topo.fabric, oversubscription=2.0, nodes_per_leaf=2)
+    topo = dataclasses.replace(topo, fabric=fabric)
+    within = group_shape(topo, [0, 8])
+    across = group_shape(topo, [0, 16])
+    assert within.inter_ring.GBps == pytest.approx(50)
+    assert across.inter_ring.GBps == pytest.approx(25)
+
+
+def test_rail_optimized_cross_rail_peers_pay_the_spine():
+    topo = load_topology("dgx-h100x2")
+    topo = dataclasses.replace(topo, fabric=dataclasses.replace(topo.fabric, oversubscription=2.0))
+    assert group_shape(topo, [0, 8]).inter_ring.GBps == pytest.approx(50)  # both on rail 0
+    assert group_shape(topo, [0, 9]).inter_ring.GBps == pytest.approx(25)  # rails 0 and 1
+
+
+def test_dragonfly_global_links_taper_inter_group_traffic():
+    topo = load_topology("dgx-h100x4", fabric="dragonfly")
+    fabric = dataclasses.replace(
+        topo.fabric, kind=FabricKind.DRAGONFLY, nodes_per_group=2, global_taper=0.25
+    )
+    topo = dataclasses.replace(topo, fabric=fabric)
+    assert group_shape(topo, [0, 8]).inter_ring.GBps == pytest.approx(50)
+    assert group_shape(topo, [0, 16]).inter_ring.GBps == pytest.approx(12.5)
+
+
+def test_torus_groups_use_two_links_per_dimension_they_span():
+    topo = load_topology("tpu-v5p-cube")
+    line = group_shape(topo, topo.first(4))  # varies along one axis
+    plane = group_shape(topo, topo.first(16))
+    cube = group_shape(topo, topo.first(64))
+    assert line.intra.GBps == pytest.approx(200)
+    assert plane.intra.GBps == pytest.approx(400)
+    assert cube.intra.GBps == pytest.approx(600)
+
+
+def test_gloo_runs_ring_only_unless_forced():
+    topo = load_topology("cpu-gloo")
+    est = estimate("all_reduce", nbytes=1e6, topology=topo)
+    assert [a for a, _, _ in est.candidates] == ["ring"]
+    assert estimate("all_reduce", nbytes=1e6, topology=topo, algorithm="tree").algorithm == "tree"
+
+
+def test_group_of_one_costs_nothing():
+    est = estimate("all_reduce", nbytes=1e9, topology=load_topology("dgx-h100"), group_size=1)
+    assert est.time_s == 0.0 and est.busbw_GBps == 0.0
+
+
+def test_busbw_of_a_full_node_ring_equals_the_achieved_link_rate_for_large_sizes():
+    est = estimate("all_reduce", nbytes=1e12, topology=load_topology("dgx-a100"))
+    assert est.algorithm == "ring"
+    assert est.busbw_GBps == pytest.approx(240, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"nbytes": -5}, ValueError, "nbytes must be >= 0"),
+        ({"nbytes": 1, "group_size": 16}, ValueError, "group_size 16 must be between 1 and the 8"),
+        ({"nbytes": 1, "group": "dp"}, TypeError, "named groups come from a placement plan"),
+        ({"nbytes": 1, "group": [0, 0]}, ValueError, "names a rank twice"),
+        ({"nbytes": 1, "group": [0, 9]}, ValueError, "rank 9 is not a device"),
+        ({"nbytes": 1, "group": [0], "group_size": 1}, ValueError, "either group"),
+        ({"nbytes": 1, "algorithm": "butterfly"}, ValueError, "algorithm 'butterfly' does not run"),
+    ],
+)
+def test_bad_requests_are_rejected_with_the_offending_value(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        estimate("all_reduce", topology=load_topology("dgx-h100"), **kwargs)
+
+
+def test_unknown_collective_suggests_the_nearest_and_aliases_work():
+    with pytest.raises(ValueError, match="did you mean 'all_gather'"):
+        estimate("all_gathr", nbytes=1, topology=bare_link(1, 0, 2))
+    assert estimate("allreduce", nbytes=1, topology=bare_link(1, 0, 2)).collective == "all_reduce"
+    assert estimate("All-Gather", nbytes=1, topology=bare_link(1, 0, 2)).collective == "all_gather"
+
+
+def test_estimate_document_has_the_design_keys():
+    doc = estimate("all_reduce", nbytes=1e6, topology=load_topology("dgx-h100")).to_dict()
+    assert {
+        "collective",
+        "bytes",
+        "group_size",
+        "algorithm",
+        "time_s",
+        "algbw_GBps",
+        "busbw_GBps",
+    } <= doc.keys()
+    assert math.isclose(doc["time_s"], min(c["time_s"] for c in doc["candidates"]))
