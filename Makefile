@@ -26,8 +26,15 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 recipes/demo_ddp.py
 
+# Benchmarks print side-by-side ratios measured in one run; JSON copies go to bench/results/.
 bench: $(STAMP)
-	$(PY) bench/ddp_overlap.py --json bench/results/ddp_overlap.json
+	$(PY) bench/ddp_overlap.py --json bench/results/ddp_overlap_mlp.json
+	$(PY) bench/ddp_overlap.py --model gpt_tiny --json bench/results/ddp_overlap_gpt_tiny.json
+	$(PY) bench/fsdp_prefetch.py --json bench/results/fsdp_prefetch.json
+	$(PY) bench/fsdp_prefetch.py --rate none --json bench/results/fsdp_prefetch_loopback.json
+	$(PY) bench/cost_model.py --links none,8gbit --json bench/results/cost_model.json
+	$(PY) bench/profile_overhead.py --json bench/results/profile_overhead.json
+	$(PY) bench/profile_exposed.py --out runs/profile_exposed --json bench/results/profile_exposed.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check overlapkit tests recipes bench

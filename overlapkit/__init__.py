@@ -9,7 +9,26 @@ The public surface (see DESIGN.md)::
 """
 
 from overlapkit.ddp import BucketCommRecord, CommStats, GradBucketer, comm_stats, ddp
+from overlapkit.fsdp import fsdp, fsdp_stats
+from overlapkit.planner import Estimate, estimate
+from overlapkit.profiling import profile
+from overlapkit.topology import Topology, detect_topology, load_topology
 
 __version__ = "0.1.0"
 
-__all__ = ["BucketCommRecord", "CommStats", "GradBucketer", "__version__", "comm_stats", "ddp"]
+__all__ = [
+    "BucketCommRecord",
+    "CommStats",
+    "Estimate",
+    "GradBucketer",
+    "Topology",
+    "__version__",
+    "comm_stats",
+    "ddp",
+    "detect_topology",
+    "estimate",
+    "fsdp",
+    "fsdp_stats",
+    "load_topology",
+    "profile",
+]

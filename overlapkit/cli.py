@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input is reported as one line naming the offending value, not a traceback.
         print(f"overlapkit {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # ``overlapkit topo ... | head`` closed the pipe: not an error of ours.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
