@@ -29,9 +29,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
 from overlapkit.process_group import resolve_process_group
-from overlapkit.validation import trainable_parameters, validate_bucket_mb
+from overlapkit.validation import trainable_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,9 @@ class GradBucketer:
 
     Args:
         model (nn.Module): the local replica; its trainable parameters are reduced.
-        bucket_mb (float): bucket size in MiB; a bucket is closed once it holds at least this
-            much (DDP's rule). Defaults to 25.
+        bucket_mb (float | None): bucket size in MiB; a bucket is closed once it holds at least
+            this much (DDP's rule). None (the default) means about 1/8 of the model's gradient,
+            between 1 and 25 MiB (see ``overlapkit.ddp.bucket_size``).
         process_group (ProcessGroup | None): group to average over (for example the ``dp`` group
             of a device mesh); None means the world.
 
@@ -90,11 +92,11 @@ class GradBucketer:
         self,
         model: torch.nn.Module,
         *,
-        bucket_mb: float = 25,
+        bucket_mb: float | None = None,
         process_group: dist.ProcessGroup | None = None,
     ):
-        self.bucket_mb = validate_bucket_mb(bucket_mb, caller="ok.GradBucketer")
         self._params = trainable_parameters(model, caller="ok.GradBucketer")
+        self.bucket_mb = resolve_bucket_mb(bucket_mb, self._params, caller="ok.GradBucketer")
         self.process_group = resolve_process_group(process_group, caller="ok.GradBucketer")
         ids = {id(p) for p in self._params}
         self._names = [n for n, p in model.named_parameters() if id(p) in ids]

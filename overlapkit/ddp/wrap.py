@@ -12,9 +12,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp import hooks
+from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
 from overlapkit.process_group import backend_of, resolve_process_group
-from overlapkit.validation import trainable_parameters, validate_bucket_mb
+from overlapkit.validation import trainable_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def _check_powersgd_fits(params: list[torch.nn.Parameter], bucket_mb: float, bac
 def ddp(
     model: torch.nn.Module,
     *,
-    bucket_mb: float = 25,
+    bucket_mb: float | None = None,
     compress: str | None = None,
     process_group: torch.distributed.ProcessGroup | None = None,
     powersgd_options: Mapping[str, Any] | None = None,
@@ -60,9 +61,10 @@ def ddp(
 
     Args:
         model (nn.Module): the local replica (already on its device).
-        bucket_mb (float): DDP bucket size in MiB (``bucket_cap_mb``); it also sets the first
-            bucket, because DDP's 1 MiB first bucket applies only when ``bucket_cap_mb`` is None.
-            Defaults to 25.
+        bucket_mb (float | None): DDP bucket size in MiB (``bucket_cap_mb``); it also sets the
+            first bucket, because DDP's 1 MiB first bucket applies only when ``bucket_cap_mb`` is
+            None. None (the default) means about 1/8 of the model's gradient, between 1 and
+            25 MiB (see ``overlapkit.ddp.bucket_size``).
         compress (str | None): None (fp32 all-reduce, instrumented), ``"bf16"``, ``"fp16"``
             (cast, all-reduce, cast back; gloo and NCCL) or ``"powersgd"`` (PyTorch's hook).
         process_group (ProcessGroup | None): group to average over; None means the world.
@@ -79,7 +81,6 @@ def ddp(
             PowerSGD on gloo with more than one bucket.
         RuntimeError: torch.distributed is not initialised.
     """
-    bucket_mb = validate_bucket_mb(bucket_mb, caller="ok.ddp")
     if compress not in COMPRESSIONS:
         raise ValueError(
             f"ok.ddp: unknown compress={compress!r}; choose one of {list(COMPRESSIONS)}"
@@ -92,6 +93,7 @@ def ddp(
     if "bucket_cap_mb" in ddp_kwargs:
         raise TypeError("ok.ddp: pass the bucket size as bucket_mb=..., not bucket_cap_mb")
     params = trainable_parameters(model, caller="ok.ddp")
+    bucket_mb = resolve_bucket_mb(bucket_mb, params, caller="ok.ddp")
     group = resolve_process_group(process_group, caller="ok.ddp")
     backend = backend_of(group)
     if compress == "powersgd":
