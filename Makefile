@@ -24,7 +24,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 recipes/demo_ddp.py
+	$(VENV)/bin/overlapkit-train recipe=demo
 
 # Benchmarks print side-by-side ratios measured in one run; JSON copies go to bench/results/.
 bench: $(STAMP)

@@ -1,6 +1,6 @@
 """Demo: train a small MLP on 2 local gloo ranks with ``ok.ddp`` and show its comm timings.
 
-Run with ``make demo``, or directly::
+Run directly (``make demo`` runs the fuller Hydra recipe, ``overlapkit-train recipe=demo``)::
 
     torchrun --standalone --nproc-per-node 2 recipes/demo_ddp.py --steps 40
 
@@ -80,6 +80,9 @@ def main() -> None:
                 f"{b.bucket_index:>6} {b.nbytes / 2**20:>8.2f} "
                 f"{b.median_launch_offset_ms:>11.2f} {b.median_comm_ms:>8.2f}"
             )
+    # Free the DDP model before the group: a DDP reducer destroyed after its process group can
+    # deadlock with a gloo thread at exit.
+    del model, optimizer
     dist.destroy_process_group()
 
 

@@ -1,0 +1,177 @@
+"""Checkpoints with ``torch.distributed.checkpoint``: written atomically, resumed from the latest.
+
+A checkpoint of step ``s`` is the directory ``<root>/step_<s:08d>``. It is written as
+``step_<s:08d>.tmp`` by every rank (``dcp.save``, which returns only after rank 0 has written the
+metadata, and rank 0 writes it only after every rank's data is written) and then renamed by rank
+0. A rename is atomic, so a directory without ``.tmp`` is always complete: a job killed while
+saving leaves only a ``.tmp`` directory, which is never loaded and is removed by the next run.
+
+The saved state: the model and optimizer (``get_state_dict``, so DDP, the bucketer's plain
+module and FSDP2's sharded parameters all save the same fully qualified names and reshard on
+load), the LR scheduler, the step and data position, and each rank's RNG state (under its own
+key, ``rng_rank<R>``; a resumed job with other ranks keeps its fresh RNG for those).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from overlapkit.train.data import BatchStream
+
+logger = logging.getLogger(__name__)
+
+_COMMITTED = re.compile(r"^step_(\d{8})$")
+_PENDING_SUFFIX = ".tmp"
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives once committed."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def committed_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints under ``root`` as ``(step, path)``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _COMMITTED.match(path.name)
+        if match and path.is_dir() and (path / ".metadata").is_file():
+            found.append((int(match[1]), path))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = committed_checkpoints(root)
+    return found[-1] if found else None
+
+
+def remove_pending(root: str | Path) -> list[Path]:
+    """Delete the ``.tmp`` directories that interrupted saves left under ``root``."""
+    root = Path(root)
+    removed = (
+        [p for p in root.glob(f"step_*{_PENDING_SUFFIX}") if p.is_dir()] if root.is_dir() else []
+    )
+    for path in removed:
+        shutil.rmtree(path)
+        logger.warning("removed the incomplete checkpoint %s (a save was interrupted)", path)
+    return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_key(rank: int) -> str:
+    return f"rng_rank{rank}"
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+@dataclass(slots=True)
+class TrainingState:
+    """Everything a checkpoint holds, bound to the live objects it is saved from and loaded into."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: BatchStream
+    rank: int
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """The state at ``step`` in DCP's form (nested dicts of tensors and plain values)."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_state,
+            "optim": optim_state,
+            "scheduler": self.scheduler.state_dict(),
+            "progress": {"step": step, "data": self.stream.state_dict()},
+            _rng_key(self.rank): _rng_state(),
+        }
+
+    def save(self, root: str | Path, step: int, *, keep: int) -> Path:
+        """Save the state at ``step`` under ``root`` atomically; a collective of all ranks.
+
+        Args:
+            root (str | Path): the checkpoint directory (shared by all ranks of all nodes).
+            step (int): the optimizer steps taken so far.
+            keep (int): how many of the newest checkpoints to keep; 0 keeps all.
+
+        Returns:
+            Path: the committed checkpoint directory.
+        """
+        root = Path(root)
+        final = step_dir(root, step)
+        pending = final.with_name(final.name + _PENDING_SUFFIX)
+        if self.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(pending, ignore_errors=True)
+        dist.barrier()
+        dcp.save(self.state_dict(step), checkpoint_id=pending)
+        if self.rank == 0:
+            if final.exists():  # the same step saved again, e.g. by a rerun after a crash
+                shutil.rmtree(final)
+            os.replace(pending, final)
+            _fsync_dir(root)
+            if keep > 0:
+                for _, old in committed_checkpoints(root)[:-keep]:
+                    shutil.rmtree(old)
+            logger.info("checkpoint saved: %s", final)
+        # Nobody goes on (or reads it) before the rename.
+        dist.barrier()
+        return final
+
+    def load(self, path: str | Path) -> int:
+        """Load a committed checkpoint into the live objects; a collective of all ranks.
+
+        Returns:
+            int: the step the checkpoint was saved at.
+        """
+        path = Path(path)
+        state = self.state_dict(0)
+        saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+        rng_key = _rng_key(self.rank)
+        if not any(key.startswith(f"{rng_key}.") for key in saved_keys):
+            logger.warning(
+                "checkpoint %s has no RNG state for rank %d (saved by fewer ranks); this rank "
+                "keeps its fresh RNG state",
+                path,
+                self.rank,
+            )
+            del state[rng_key]
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stream.load_state_dict(state["progress"]["data"])
+        if rng_key in state:
+            torch.set_rng_state(state[rng_key]["cpu"])
+            if "cuda" in state[rng_key] and torch.cuda.is_available():
+                torch.cuda.set_rng_state(state[rng_key]["cuda"])
+        return int(state["progress"]["step"])

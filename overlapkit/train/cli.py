@@ -1,0 +1,153 @@
+"""``overlapkit-train``: the Hydra application that composes a run and launches its workers.
+
+::
+
+    overlapkit-train                                    # gpt_tiny, ok.ddp, 2 local ranks
+    overlapkit-train recipe=demo                        # what `make demo` runs
+    overlapkit-train parallel=fsdp train.steps=200 launcher.nproc_per_node=4
+    overlapkit-train -m parallel=ddp,bucketer,fsdp      # one launch after another
+    # two nodes: the same command on each, with its node_rank
+    overlapkit-train launcher=multinode launcher.node_rank=0 launcher.rdzv_endpoint=HOST:29500
+
+The configuration is checked here, before any worker starts, so a bad value is reported once,
+by name, without a traceback per rank. Only node 0 keeps Hydra's outputs (``.hydra/``, the log
+file): the other nodes run Hydra in a scratch directory that is deleted when they finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from overlapkit.train.checkpoint import latest_checkpoint
+from overlapkit.train.data import check_compatible
+from overlapkit.train.launch import LauncherConfig, launch
+from overlapkit.train.loop import RunPaths
+
+logger = logging.getLogger(__name__)
+
+_NODE_RANK_KEYS = ("launcher.node_rank=", "+launcher.node_rank=", "++launcher.node_rank=")
+_DETECT = "overlapkit.topology.detect_topology"
+
+
+def node_rank_from_argv(argv: list[str]) -> int:
+    """The ``launcher.node_rank=N`` given on the command line; 0 when absent or not an int.
+
+    It is read before Hydra runs because Hydra writes its outputs before calling the task.
+    A value that is not an int is left for the config check to report.
+    """
+    for arg in reversed(argv):
+        for key in _NODE_RANK_KEYS:
+            if arg.startswith(key) and arg[len(key) :].strip().isdigit():
+                return int(arg[len(key) :])
+    return 0
+
+
+def check_missing(cfg: DictConfig) -> None:
+    """Refuse a config with mandatory values (``???``) left unset.
+
+    Hydra's ``instantiate`` silently drops them (the dataclass default would be used instead,
+    for example ``node_rank=0`` on every node), so they are checked here, by name.
+
+    Raises:
+        ValueError: the unset keys, in order.
+    """
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ValueError(
+            f"{', '.join(missing)} (??? in the config) must be set on the command line, e.g. "
+            f"{missing[0]}=..."
+        )
+
+
+def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
+    """Build the cheap parts of the job once, so that bad values fail before any worker starts.
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: the first bad value, named by its key.
+    """
+    instantiate(cfg.train)
+    model_config = instantiate(cfg.model.config)
+    check_compatible(instantiate(cfg.data), model_config)
+    train_steps = cfg.train.steps
+    probe = [torch.zeros(1, requires_grad=True)]
+    optimizer = instantiate(cfg.optim.optimizer)(probe)
+    instantiate(cfg.optim.scheduler)(optimizer, total_steps=train_steps)
+    if cfg.get("profiler") is not None:
+        instantiate(cfg.profiler)(logdir="unused")  # checks the schedule; starts nothing
+    topology = cfg.get("topology")
+    if topology is not None and topology.get("_target_") != _DETECT:
+        world_size = launcher.nnodes * launcher.nproc_per_node
+        described = instantiate(topology)()
+        if described.world_size != world_size:
+            raise ValueError(
+                f"topology {described.name!r} describes {described.world_size} ranks, but "
+                f"launcher.nnodes * launcher.nproc_per_node = {world_size}; choose a preset of "
+                "that size (NAMExN for N nodes) or topology=detect"
+            )
+
+
+def check_fresh_start(cfg: DictConfig, run_dir: Path) -> None:
+    """With ``train.resume=false``, refuse to save checkpoints next to an earlier run's.
+
+    Its newer steps would otherwise survive and be resumed from later, mixed with this run's.
+
+    Raises:
+        ValueError: the run directory already holds checkpoints.
+    """
+    found = latest_checkpoint(RunPaths(run_dir, "").checkpoints)
+    if not cfg.train.resume and cfg.train.checkpoint_every > 0 and found is not None:
+        raise ValueError(
+            f"train.resume=false, but {found[1].parent} holds checkpoints (newest: step "
+            f"{found[0]}); resume (train.resume=true), choose another name=..., or remove them"
+        )
+
+
+@hydra.main(config_path="pkg://overlapkit.conf", config_name="config", version_base="1.3")
+def run(cfg: DictConfig) -> None:
+    """The Hydra task: one launch of the workers (a multirun calls it once per job)."""
+    check_missing(cfg)
+    launcher: LauncherConfig = instantiate(cfg.launcher)
+    expected = node_rank_from_argv(sys.argv[1:])
+    if launcher.node_rank != expected:
+        raise ValueError(
+            f"launcher.node_rank={launcher.node_rank} must be given on the command line "
+            "(launcher.node_rank=N), so that nodes other than 0 keep no Hydra outputs"
+        )
+    check_job(cfg, launcher)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    check_fresh_start(cfg, run_dir)
+    job = OmegaConf.to_container(cfg, resolve=True)
+    launch(job, run_dir, launcher)
+
+
+def main() -> None:
+    """Console entry point: ``overlapkit-train [overrides] [-m]``."""
+    node_rank = node_rank_from_argv(sys.argv[1:])
+    if node_rank == 0:
+        run()
+        return
+    scratch = tempfile.mkdtemp(prefix=f"overlapkit-node{node_rank}-")
+    sys.argv += [
+        f"hydra.run.dir={scratch}",
+        f"hydra.sweep.dir={scratch}",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=stdout",
+    ]
+    try:
+        run()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

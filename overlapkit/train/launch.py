@@ -1,0 +1,259 @@
+"""Start the training workers through torch elastic (torchrun's machinery), one per local rank.
+
+``launch()`` runs in the process Hydra started; it builds a ``LaunchConfig`` from the
+``launcher`` group and calls ``elastic_launch`` with ``worker_main``, which torch elastic starts
+``nproc_per_node`` times (spawned) with torchrun's environment (``RANK``, ``LOCAL_RANK``,
+``GROUP_RANK``, ``MASTER_ADDR``...). A single node uses the c10d rendezvous on a free local port,
+as ``torchrun --standalone`` does. Several nodes use the static rendezvous, as ``torchrun
+--nnodes N --node-rank R --master-addr A --master-port P`` does: node ``node_rank`` 0 hosts the
+store at ``rdzv_endpoint`` and ranks are numbered node by node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import logging
+import os
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from overlapkit.train.loop import RunPaths, resolve_device, train
+
+logger = logging.getLogger(__name__)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"launcher.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"launcher.{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LauncherConfig:
+    """The ``launcher`` config group."""
+
+    nproc_per_node: int = 2
+    """Worker processes (ranks) on this node."""
+    nnodes: int = 1
+    """Nodes in the job; each runs the same command with its own ``node_rank``."""
+    node_rank: int = 0
+    """This node's index, 0 .. nnodes - 1; node 0 hosts the rendezvous and rank 0."""
+    rdzv_endpoint: str | None = None
+    """``HOST:PORT`` of node 0, reachable from every node; None on a single node (a free
+    local port is used)."""
+    rdzv_id: str = "overlapkit"
+    """Names the job in the rendezvous; the same on every node."""
+    rdzv_timeout_s: int = 300
+    """How long a node waits for the others to join, s."""
+    max_restarts: int = 0
+    """How often torch elastic restarts the workers after a failure."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective of the process group, s."""
+    threads_per_rank: int | None = None
+    """torch intra-op threads per worker; None divides this machine's cores among them."""
+
+    def __post_init__(self) -> None:
+        _check_int("nproc_per_node", self.nproc_per_node, 1)
+        _check_int("nnodes", self.nnodes, 1)
+        _check_int("node_rank", self.node_rank, 0)
+        _check_int("rdzv_timeout_s", self.rdzv_timeout_s, 1)
+        _check_int("max_restarts", self.max_restarts, 0)
+        if self.threads_per_rank is not None:
+            _check_int("threads_per_rank", self.threads_per_rank, 1)
+        if not self.collective_timeout_s > 0:
+            raise ValueError(
+                f"launcher.collective_timeout_s must be > 0 s, got {self.collective_timeout_s!r}"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"launcher.node_rank ({self.node_rank}) must be < launcher.nnodes ({self.nnodes})"
+            )
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"launcher.nnodes={self.nnodes} needs launcher.rdzv_endpoint=HOST:PORT (node 0's "
+                "address, reachable from every node)"
+            )
+        if self.rdzv_endpoint is not None:
+            host, _, port = str(self.rdzv_endpoint).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"launcher.rdzv_endpoint must be HOST:PORT with a port in 1..65535, got "
+                    f"{self.rdzv_endpoint!r}"
+                )
+
+    @property
+    def standalone(self) -> bool:
+        """One node and no endpoint: rendezvous on a free port of this machine."""
+        return self.nnodes == 1 and self.rdzv_endpoint is None
+
+    def threads(self) -> int:
+        """Intra-op threads per worker."""
+        if self.threads_per_rank is not None:
+            return self.threads_per_rank
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return max(1, (cores or 1) // self.nproc_per_node)
+
+    def launch_config(self, log_dir: str | Path) -> LaunchConfig:
+        """torch elastic's ``LaunchConfig`` for this node; its error files go to ``log_dir``."""
+        common = dict(
+            min_nodes=self.nnodes,
+            max_nodes=self.nnodes,
+            nproc_per_node=self.nproc_per_node,
+            max_restarts=self.max_restarts,
+            start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+        )
+        if self.standalone:
+            return LaunchConfig(
+                rdzv_backend="c10d",
+                rdzv_endpoint="localhost:0",
+                run_id=str(uuid.uuid4()),
+                rdzv_configs={"timeout": self.rdzv_timeout_s},
+                **common,
+            )
+        return LaunchConfig(
+            rdzv_backend="static",
+            rdzv_endpoint=self.rdzv_endpoint,
+            run_id=self.rdzv_id,
+            rdzv_configs={"rank": self.node_rank, "timeout": self.rdzv_timeout_s},
+            **common,
+        )
+
+
+def _setup_worker_logging(rank: int) -> None:
+    # Rank 0 tells the story (torchtitan's default, too); the others speak up only for errors.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+
+
+@record
+def worker_main(
+    job: dict[str, Any], run_dir: str, threads: int, collective_timeout_s: float
+) -> dict[str, Any] | None:
+    """One rank: join the process group, agree on rank 0's run directory, train.
+
+    Started by torch elastic with torchrun's environment; returns rank 0's summary as a dict.
+    """
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    _setup_worker_logging(rank)
+    torch.set_num_threads(threads)
+    device = resolve_device(job["train"]["device"], local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=timedelta(seconds=collective_timeout_s),
+    )
+    try:
+        # Other nodes run Hydra in a scratch directory; everything goes to node 0's.
+        shared = [run_dir, datetime.now().strftime("%Y%m%d-%H%M%S")]
+        dist.broadcast_object_list(shared, src=0)
+        summary = train(
+            OmegaConf.create(job), RunPaths(Path(shared[0]), shared[1]), local_rank=local_rank
+        )
+        return asdict(summary) if summary is not None else None
+    finally:
+        # Wrappers left in reference cycles (torch's DDP is one) are freed now, while the group
+        # is still registered: freed after it, DDP's reducer destroys the gloo group holding the
+        # GIL, which can deadlock with a gloo thread finishing its last work item (torch 2.13).
+        gc.collect()
+        dist.destroy_process_group()
+
+
+_launch_numbers = itertools.count()
+_NODE_EXIT_TIMEOUT_S = 30.0
+
+
+@contextlib.contextmanager
+def _hold_store_until_nodes_leave(launcher: LauncherConfig) -> Iterator[None]:
+    """Keep node 0's rendezvous store up until the other nodes are past torch elastic's exit.
+
+    torch elastic's exit barrier races with the store's host: the last node to arrive can still
+    be waiting on the store when node 0 has seen the barrier complete and closed it, and then
+    logs a "Failed to recv" traceback although the job succeeded (pytorch/pytorch#69520). Node 0
+    therefore also opens the store's port (``multi_tenant``: the rendezvous shares this server)
+    and keeps it until every other node has checked in after its launch returned.
+    """
+    if launcher.nnodes == 1:
+        yield
+        return
+    host, _, port = str(launcher.rdzv_endpoint).rpartition(":")
+    # Every node runs the same sequence of launches (a multirun), so the numbers agree.
+    prefix = f"overlapkit/{launcher.rdzv_id}/launch{next(_launch_numbers)}/left"
+    timeout = timedelta(seconds=_NODE_EXIT_TIMEOUT_S)
+    if launcher.node_rank != 0:
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):  # node 0 gone: nobody is waiting
+                store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+                store.set(f"{prefix}/{launcher.node_rank}", "1")
+        return
+    store = dist.TCPStore(
+        host,
+        int(port),
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=launcher.rdzv_timeout_s),
+    )
+    yield
+    try:
+        store.wait([f"{prefix}/{node}" for node in range(1, launcher.nnodes)], timeout)
+    except Exception as err:  # the job is done; a missing check-in only costs log noise
+        logger.warning("not every node checked in after the launch: %s", err)
+
+
+def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict[str, Any] | None:
+    """Run the job's workers on this node and wait for them.
+
+    Args:
+        job (dict): the resolved config (plain containers: it is pickled to the workers).
+        run_dir (Path): this node's Hydra output directory (node 0's is the run's).
+        launcher (LauncherConfig): how many workers, and how nodes meet.
+
+    Returns:
+        dict | None: rank 0's summary on node 0; None on the other nodes.
+
+    Raises:
+        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a worker failed; the
+            message holds its traceback.
+    """
+    # torch elastic logs its whole launch configuration at INFO; keep the console for training.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # torch elastic's per-rank error files are read into the exception when a worker fails;
+    # afterwards they are of no use, so they live in a directory that goes away.
+    with tempfile.TemporaryDirectory(prefix="overlapkit-elastic-") as log_dir:
+        config = launcher.launch_config(log_dir=log_dir)
+        logger.info(
+            "launching %d worker(s) on node %d of %d (%s rendezvous)",
+            launcher.nproc_per_node,
+            launcher.node_rank,
+            launcher.nnodes,
+            config.rdzv_backend,
+        )
+        with _hold_store_until_nodes_leave(launcher):
+            results = elastic_launch(config, worker_main)(
+                job, str(run_dir), launcher.threads(), float(launcher.collective_timeout_s)
+            )
+    return results.get(0)

@@ -1,0 +1,326 @@
+"""The training loop every ``overlapkit-train`` worker runs (one process per rank).
+
+Per step: ``grad_accum`` micro-batches (gradient reduction skipped on all but the last),
+the wrapper's end-of-backward (the bucketer's ``wait``), gradient clipping, AdamW, the
+warm-up/cosine schedule. Around it: automatic resume from the newest checkpoint in the run
+directory, ``ok.profile`` when the ``profiler`` group is chosen, rank 0's progress bar and
+TensorBoard scalars, checkpoints every ``checkpoint_every`` steps and at the end, and a summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
+
+from overlapkit.profiling import analyze_run
+from overlapkit.profiling.report import format_report
+from overlapkit.train.checkpoint import TrainingState, latest_checkpoint, remove_pending
+from overlapkit.train.data import BatchStream, DataSource, check_compatible
+from overlapkit.train.monitor import Monitor, RunSummary
+from overlapkit.train.parallel import Parallelized, apply_parallel
+
+logger = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"train.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"train.{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The ``train`` config group."""
+
+    steps: int = 100
+    """Optimizer steps of the whole run (the LR schedule spans them)."""
+    batch_size: int = 8
+    """Samples per rank per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; gradients are reduced once, after the last."""
+    clip_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; None disables clipping."""
+    seed: int = 0
+    """Seeds the initial weights (the same on every rank) and the data."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+    checkpoint_every: int = 50
+    """Save every this many steps and at the last step; 0 disables checkpoints."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep; 0 keeps all."""
+    resume: bool = True
+    """Resume from the newest checkpoint in the run directory when there is one."""
+    stop_after: int | None = None
+    """End this invocation after this step (checkpointed) without changing the schedule, as a
+    time-limited job does; rerunning resumes. None runs to ``steps``."""
+    progress: bool = True
+    """Show the progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        _check_int("steps", self.steps, 1)
+        _check_int("batch_size", self.batch_size, 1)
+        _check_int("grad_accum", self.grad_accum, 1)
+        _check_int("seed", self.seed, 0)
+        _check_int("checkpoint_every", self.checkpoint_every, 0)
+        _check_int("keep_checkpoints", self.keep_checkpoints, 0)
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(
+                f"train.clip_grad_norm must be > 0 or null (no clipping), got "
+                f"{self.clip_grad_norm!r}"
+            )
+        if self.device not in DEVICES:
+            raise ValueError(f"train.device must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.stop_after is not None:
+            _check_int("stop_after", self.stop_after, 1)
+            if self.stop_after > self.steps:
+                raise ValueError(
+                    f"train.stop_after ({self.stop_after}) must be <= train.steps ({self.steps})"
+                )
+            if self.checkpoint_every == 0:
+                raise ValueError(
+                    "train.stop_after needs checkpoints to resume from; set "
+                    "train.checkpoint_every > 0"
+                )
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """The device a rank trains on: ``cuda:<local_rank>`` or ``cpu``.
+
+    Raises:
+        ValueError: ``cuda`` asked for on a machine without CUDA.
+    """
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda, but CUDA is not available here; use auto or cpu")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class RunPaths:
+    """Where a run writes; the same on every rank (rank 0's, broadcast at start)."""
+
+    run_dir: Path
+    stamp: str
+    """This invocation's start time, naming its TensorBoard directory."""
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.run_dir / "tb"
+
+    @property
+    def scalars(self) -> Path:
+        return self.tensorboard / self.stamp
+
+    @property
+    def profile(self) -> Path:
+        return self.scalars / "profile"
+
+
+def _topology(job: DictConfig, world_size: int, rank: int, paths: RunPaths):
+    """Build the ``topology`` group (a collective when detecting); rank 0 saves it as JSON."""
+    if job.get("topology") is None:
+        return None
+    topology = instantiate(job.topology)()
+    if topology.world_size != world_size:
+        raise ValueError(
+            f"topology {topology.name!r} describes {topology.world_size} ranks, but this job has "
+            f"{world_size}; choose a preset of this size (NAMExN for N nodes) or topology=detect"
+        )
+    if rank == 0:
+        (paths.run_dir / "topology.json").write_text(json.dumps(topology.to_dict(), indent=2))
+    logger.info(
+        "topology %s: %d rank(s) on %d node(s)",
+        topology.name,
+        topology.world_size,
+        topology.num_nodes,
+    )
+    return topology
+
+
+def _grad_norm(par: Parallelized, max_norm: float | None) -> float | None:
+    if max_norm is None:
+        return None
+    norm = torch.nn.utils.clip_grad_norm_(par.model.parameters(), max_norm)
+    if isinstance(norm, DTensor):  # FSDP2: the norm of this rank's shards, reduced on read
+        norm = norm.full_tensor()
+    return norm.item()
+
+
+def _train_step(
+    par: Parallelized,
+    optimizer: torch.optim.Optimizer,
+    stream: BatchStream,
+    source: DataSource,
+    cfg: TrainConfig,
+    device: torch.device,
+) -> tuple[float, float | None]:
+    """One optimizer step; returns (mean micro-batch loss, gradient norm before clipping)."""
+    optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(cfg.grad_accum):
+        inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
+        last = micro == cfg.grad_accum - 1
+        with contextlib.nullcontext() if last else par.no_sync():
+            loss = source.loss(par.model(inputs), targets) / cfg.grad_accum
+            loss.backward()
+        loss_sum += loss.detach()
+    par.finish_backward()
+    grad_norm = _grad_norm(par, cfg.clip_grad_norm)
+    optimizer.step()
+    return loss_sum.item(), grad_norm
+
+
+def _exposed_share(profile_dir: Path) -> tuple[float | None, int, str | None]:
+    """(exposed comm / step time over all profiled rank-steps, their count, the report text)."""
+    try:
+        report = analyze_run(profile_dir)
+    except (FileNotFoundError, ValueError) as err:
+        logger.warning("no exposed-comm report: %s", err)
+        return None, 0, None
+    step_ms = sum(r.step_ms for r in report.steps)
+    exposed = sum(r.exposed_comm_ms for r in report.steps)
+    share = exposed / step_ms if step_ms > 0 else None
+    return share, len(report.steps), format_report(report)
+
+
+def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | None:
+    """Train as ``job`` (the composed config) says; every rank calls it after joining the group.
+
+    Args:
+        job (DictConfig): the resolved ``overlapkit-train`` config.
+        paths (RunPaths): the run's directories (rank 0's).
+        local_rank (int): this rank's index on its node (its CUDA device).
+
+    Returns:
+        RunSummary | None: the summary on rank 0 (also printed and written to
+        ``summary.json``); None on the other ranks.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    cfg: TrainConfig = instantiate(job.train)
+    device = resolve_device(cfg.device, local_rank)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = instantiate(job.model).to(device)
+    source = instantiate(job.data)
+    check_compatible(source, model.config)
+    topology = _topology(job, world_size, rank, paths)
+    par = apply_parallel(model, instantiate(job.parallel))
+    optimizer = instantiate(job.optim.optimizer)(par.model.parameters())
+    scheduler = instantiate(job.optim.scheduler)(optimizer, total_steps=cfg.steps)
+    stream = BatchStream(source, rank=rank, batch_size=cfg.batch_size)
+    state = TrainingState(par.model, optimizer, scheduler, stream, rank)
+    torch.manual_seed(cfg.seed + 1 + rank)  # anything random at run time differs per rank
+
+    start_step = 0
+    found = None
+    if rank == 0:
+        remove_pending(paths.checkpoints)
+        found = latest_checkpoint(paths.checkpoints) if cfg.resume else None
+    # Rank 0 chooses, so that every rank loads the same one even if their views of the
+    # directory differ (a shared file system that lags).
+    shared = [found]
+    dist.broadcast_object_list(shared, src=0)
+    found = shared[0]
+    if found is not None:
+        start_step = state.load(found[1])
+        logger.info("resumed from %s (step %d)", found[1], start_step)
+    end_step = min(cfg.steps, cfg.stop_after or cfg.steps)
+    logger.info(
+        "%s, %d ranks, device %s: steps %d..%d of %d",
+        par.description,
+        world_size,
+        device,
+        start_step + 1,
+        end_step,
+        cfg.steps,
+    )
+
+    items_per_step = cfg.batch_size * cfg.grad_accum * world_size * source.items_per_sample
+    monitor = Monitor(
+        enabled=rank == 0,
+        tb_dir=paths.scalars,
+        start_step=start_step,
+        end_step=end_step,
+        items_per_step=items_per_step,
+        unit=source.unit,
+        progress=cfg.progress,
+    )
+    profiler = None
+    checkpoint = None
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        stack.callback(monitor.close)
+        if job.get("profiler") is not None and start_step < end_step:
+            profiler = stack.enter_context(instantiate(job.profiler)(logdir=paths.profile))
+        for step in range(start_step + 1, end_step + 1):
+            lr = scheduler.get_last_lr()[0]
+            t0 = time.perf_counter()
+            loss, grad_norm = _train_step(par, optimizer, stream, source, cfg, device)
+            scheduler.step()
+            monitor.step(
+                step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0
+            )
+            if profiler is not None:
+                had_trace = bool(profiler.files)
+                profiler.step()
+                if rank == 0 and profiler.files and not had_trace:
+                    monitor.set_exposed_comm(
+                        statistics.median(m.exposed_comm_ms for m in profiler.summary())
+                    )
+            every = cfg.checkpoint_every
+            if every and (step % every == 0 or step == end_step):
+                checkpoint = state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
+        seconds = time.perf_counter() - started
+    dist.barrier()  # every rank's traces are written before rank 0 reads them
+    if rank != 0:
+        return None
+
+    steps_per_s, items_per_s, median_ms = monitor.throughput()
+    summary = RunSummary(
+        name=str(job.get("name", "")),
+        world_size=world_size,
+        nodes=topology.num_nodes if topology is not None else None,
+        parallel=par.description,
+        unit=source.unit,
+        start_step=start_step,
+        final_step=max(start_step, end_step),
+        steps_run=len(monitor.step_s),
+        seconds=seconds,
+        steps_per_s=steps_per_s,
+        items_per_s=items_per_s,
+        median_step_ms=median_ms,
+        loss_first=monitor.losses[0] if monitor.losses else None,
+        loss_last=monitor.losses[-1] if monitor.losses else None,
+        run_dir=str(paths.run_dir),
+        tensorboard_dir=str(paths.tensorboard),
+        checkpoint=str(checkpoint) if checkpoint else None,
+    )
+    if profiler is not None:
+        share, count, report = _exposed_share(paths.profile)
+        summary.exposed_comm_share, summary.profiled_steps = share, count
+        summary.profile_dir = str(paths.profile)
+        if report:
+            print(report)
+    summary.write(paths.run_dir / "summary.json")
+    print(summary.format(), flush=True)
+    return summary

@@ -1,0 +1,164 @@
+"""What rank 0 shows and records while training: progress bar, TensorBoard scalars, summary.
+
+The progress bar shows the loss (rank 0's micro-batches: reading the others' would add a
+collective to every step), the throughput of the whole job, and, once the profiler has saved a
+cycle, the median exposed communication of its profiled steps. TensorBoard gets one point per
+step under ``train/`` and ``perf/``; ``ok.profile`` writes its ``overlap/`` scalars itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """The end-of-run numbers; ``summary.json`` in the run directory holds the same keys."""
+
+    name: str
+    world_size: int
+    nodes: int | None
+    parallel: str
+    unit: str
+    """What throughput counts: ``tok`` (tokens) or ``samples``."""
+    start_step: int
+    final_step: int
+    steps_run: int
+    seconds: float
+    """Wall time of the steps run, s."""
+    steps_per_s: float | None
+    """Over the steps after the first (the first pays for warm-up), steps/s."""
+    items_per_s: float | None
+    """Tokens (or samples) per second of the whole job, over the same steps."""
+    median_step_ms: float | None
+    loss_first: float | None
+    loss_last: float | None
+    exposed_comm_share: float | None = None
+    """Exposed comm / step time, summed over the profiled steps of every rank; None unprofiled."""
+    profiled_steps: int = 0
+    run_dir: str = ""
+    tensorboard_dir: str = ""
+    profile_dir: str | None = None
+    checkpoint: str | None = None
+
+    def format(self) -> str:
+        """Readable lines for the end of the run."""
+        where = f"{self.world_size} rank{'s' * (self.world_size != 1)}"
+        if self.nodes:
+            where += f" on {self.nodes} node{'s' * (self.nodes != 1)}"
+        lines = [f"overlapkit-train {self.name}: {self.parallel}, {where}"]
+        if self.steps_run == 0:
+            lines.append(f"  nothing to do: already at step {self.final_step}")
+        else:
+            lines.append(
+                f"  steps {self.start_step + 1}..{self.final_step} in {self.seconds:.1f} s"
+                + (f", resumed from step {self.start_step}" if self.start_step else "")
+            )
+        if self.steps_per_s is not None:
+            lines.append(
+                f"  {self.steps_per_s:.2f} steps/s, {self.items_per_s:,.0f} {self.unit}/s, "
+                f"median step {self.median_step_ms:.1f} ms"
+            )
+        if self.loss_first is not None:
+            lines.append(f"  loss {self.loss_first:.4f} -> {self.loss_last:.4f}")
+        if self.exposed_comm_share is not None:
+            lines.append(
+                f"  exposed comm: {100 * self.exposed_comm_share:.1f}% of step time over "
+                f"{self.profiled_steps} profiled rank-steps (details: overlapkit report "
+                f"{self.profile_dir})"
+            )
+        if self.checkpoint:
+            lines.append(f"  checkpoint: {self.checkpoint}")
+        lines.append(f"  TensorBoard: tensorboard --logdir {self.tensorboard_dir}")
+        return "\n".join(lines)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+class Monitor:
+    """Rank 0's progress bar and TensorBoard writer; on other ranks every method does nothing.
+
+    Args:
+        enabled (bool): True on rank 0.
+        tb_dir (Path): where the TensorBoard event file goes.
+        start_step (int): the last step already done (0 for a fresh run).
+        end_step (int): the last step this run will do.
+        items_per_step (int): tokens (or samples) per optimizer step, whole job.
+        unit (str): ``tok`` or ``samples``.
+        progress (bool): show the tqdm bar.
+    """
+
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        tb_dir: Path,
+        start_step: int,
+        end_step: int,
+        items_per_step: int,
+        unit: str,
+        progress: bool,
+    ):
+        self.enabled = enabled
+        self.items_per_step = items_per_step
+        self.unit = unit
+        self.step_s: list[float] = []
+        self.losses: list[float] = []
+        self.exposed_ms: float | None = None
+        self._writer = SummaryWriter(str(tb_dir)) if enabled else None
+        self._bar = (
+            tqdm(total=end_step, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+            if enabled and progress
+            else None
+        )
+
+    def step(
+        self, step: int, *, loss: float, lr: float, grad_norm: float | None, step_s: float
+    ) -> None:
+        """Record one optimizer step (its loss, learning rate, gradient norm, wall time in s)."""
+        if not self.enabled:
+            return
+        self.step_s.append(step_s)
+        self.losses.append(loss)
+        items_per_s = self.items_per_step / step_s
+        writer = self._writer
+        writer.add_scalar("train/loss", loss, step)
+        writer.add_scalar("train/lr", lr, step)
+        if grad_norm is not None:
+            writer.add_scalar("train/grad_norm", grad_norm, step)
+        writer.add_scalar("perf/step_ms", 1e3 * step_s, step)
+        writer.add_scalar(f"perf/{self.unit}_per_s", items_per_s, step)
+        if self._bar is not None:
+            postfix = {"loss": f"{loss:.4f}", f"{self.unit}/s": f"{items_per_s:,.0f}"}
+            if self.exposed_ms is not None:
+                postfix["exposed_comm"] = f"{self.exposed_ms:.1f}ms"
+            self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(1)
+
+    def set_exposed_comm(self, exposed_ms: float) -> None:
+        """The median exposed comm per profiled step (ms), shown from now on."""
+        self.exposed_ms = exposed_ms
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._writer is not None:
+            self._writer.close()
+
+    def throughput(self) -> tuple[float | None, float | None, float | None]:
+        """``(steps/s, items/s, median step ms)`` over the steps after the first."""
+        steady = self.step_s[1:] or self.step_s
+        if not steady:
+            return None, None, None
+        steps_per_s = len(steady) / sum(steady)
+        return steps_per_s, steps_per_s * self.items_per_step, 1e3 * statistics.median(steady)

@@ -1,0 +1,259 @@
+"""The ``overlapkit-train`` config tree: every option composes and builds; bad values are named.
+
+No processes are started: configs are composed with Hydra's compose API (the same tree the
+application loads) and their cheap objects are instantiated.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, open_dict, read_write
+from omegaconf.errors import InterpolationKeyError
+
+import overlapkit as ok
+from overlapkit.profiling import Profile
+from overlapkit.topology import detect_topology, load_topology
+from overlapkit.train.cli import check_fresh_start, check_job, check_missing, node_rank_from_argv
+from overlapkit.train.data import SyntheticRegression, SyntheticTokens, TextCorpus
+from overlapkit.train.launch import LauncherConfig
+from overlapkit.train.loop import TrainConfig
+
+CONF = Path(ok.__file__).parent / "conf"
+REPO = Path(__file__).resolve().parent.parent
+# Option files of each group, found on disk so that a new file is tested without editing this.
+OPTIONS = sorted(
+    (path.parent.name, path.stem) for path in CONF.glob("*/*.yaml") if path.parent.name != "local"
+)
+
+
+def _compose(*overrides: str) -> DictConfig:
+    """The config as ``overlapkit-train OVERRIDES`` sees it, with ``${hydra:...}`` resolvable."""
+    with initialize_config_module("overlapkit.conf", version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]  # as Hydra hands the config to the task
+    return cfg
+
+
+def _raises(error: type[Exception], message: str):
+    """Raised directly, or by a ``_target_`` (Hydra wraps those, keeping the cause)."""
+    return pytest.raises((error, InstantiationException), match=message)
+
+
+def test_top_level_conf_is_the_installed_tree():
+    assert (REPO / "conf").resolve() == CONF.resolve()
+    assert {group for group, _ in OPTIONS} == {
+        "data",
+        "launcher",
+        "model",
+        "optim",
+        "parallel",
+        "profiler",
+        "recipe",
+        "topology",
+        "train",
+    }
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_builds(group, option):
+    overrides = [f"{group}={option}"]
+    if group == "launcher" and option == "multinode":
+        overrides += ["launcher.node_rank=1", "launcher.rdzv_endpoint=127.0.0.1:29500"]
+    if group == "data" and option == "regression":
+        overrides += ["model=mlp"]  # the data for a model of float features
+    cfg = _compose(*overrides)
+    launcher = instantiate(cfg.launcher)
+    assert isinstance(launcher, LauncherConfig)
+    assert isinstance(instantiate(cfg.train), TrainConfig)
+    check_job(cfg, launcher)  # builds model config, data, optimizer, scheduler, profiler
+    model = instantiate(cfg.model)
+    assert isinstance(model, torch.nn.Module) and len(model.blocks) >= 1
+
+
+def test_parallel_options_call_the_public_api():
+    expected = {
+        "ddp": (ok.ddp, {"bucket_mb": 25, "compress": None}),
+        "ddp_bf16": (ok.ddp, {"bucket_mb": 25, "compress": "bf16"}),
+        "bucketer": (ok.GradBucketer, {"bucket_mb": 25}),
+        "fsdp": (ok.fsdp, {"prefetch": 1, "mixed_precision": None, "reshard_after_forward": True}),
+        "fsdp_prefetch2": (
+            ok.fsdp,
+            {"prefetch": 2, "mixed_precision": None, "reshard_after_forward": True},
+        ),
+    }
+    assert {option for group, option in OPTIONS if group == "parallel"} == set(expected)
+    for option, (target, keywords) in expected.items():
+        factory = instantiate(_compose(f"parallel={option}").parallel)
+        assert (factory.func, factory.keywords) == (target, keywords), option
+
+
+def test_topology_options_build_the_topology_api():
+    assert instantiate(_compose("topology=detect").topology).func is detect_topology
+    preset = instantiate(_compose("topology=preset").topology)
+    assert preset.func is load_topology
+    assert preset().world_size == 2
+
+
+def test_defaults_are_gpt_tiny_ddp_synthetic_unprofiled():
+    cfg = _compose()
+    assert cfg.name == "gpt_tiny-ddp"
+    assert cfg.get("profiler") is None
+    assert isinstance(instantiate(cfg.data), SyntheticTokens)
+    assert cfg.data.seq_len == cfg.model.config.block_size
+
+
+def test_choosing_mlp_also_chooses_regression_data_unless_data_is_given():
+    assert isinstance(instantiate(_compose("model=mlp").data), SyntheticRegression)
+    cfg = _compose("model=mlp", "data=synthetic")
+    with pytest.raises(InterpolationKeyError, match="'model.config.block_size' not found"):
+        check_job(cfg, instantiate(cfg.launcher))
+
+
+def test_text_recipe_reads_the_shipped_corpus():
+    data = instantiate(_compose("recipe=text").data)
+    assert isinstance(data, TextCorpus)
+    assert data.path.name == "corpus.txt" and 20_000 < len(data.data) < 500_000
+
+
+def test_demo_recipe_profiles_gpt_tiny_with_ok_ddp():
+    cfg = _compose("recipe=demo")
+    assert cfg.name == "demo"
+    assert instantiate(cfg.parallel).func is ok.ddp
+    assert isinstance(instantiate(cfg.profiler)(logdir="unused"), Profile)
+    # `profiler=on` typed on the command line is the option named "on", not a boolean.
+    assert _compose("profiler=on").profiler.wait == cfg.profiler.wait
+
+
+def test_override_typo_fails_with_hydras_message():
+    with pytest.raises(ConfigCompositionException) as info:
+        _compose("parallel.bukcet_mb=5")
+    assert "Could not override 'parallel.bukcet_mb'" in str(info.value)
+    with pytest.raises(ConfigCompositionException) as info:
+        _compose("parallel=dpp")
+    assert "Could not find 'parallel/dpp'" in str(info.value)
+    assert "Available options in 'parallel'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (["train.steps=0"], ValueError, r"train.steps must be >= 1, got 0"),
+        (
+            ["train.stop_after=20", "train.steps=10"],
+            ValueError,
+            r"train.stop_after \(20\) must be <= train.steps \(10\)",
+        ),
+        (["train.device=tpu"], ValueError, r"train.device must be one of"),
+        (
+            ["data.seq_len=100"],
+            ValueError,
+            r"data.seq_len \(100\) exceeds model.config.block_size \(64\)",
+        ),
+        (
+            ["data=text", "data.path=/nonexistent/corpus.txt"],
+            FileNotFoundError,
+            r"data.path: text corpus '/nonexistent/corpus.txt' does not exist",
+        ),
+        (["optim.optimizer.lr=-1"], ValueError, r"Invalid learning rate: -1"),
+        (["optim.scheduler.min_lr_ratio=2"], ValueError, r"min_lr_ratio must be in \[0, 1\]"),
+        (["profiler=on", "profiler.active=0"], ValueError, r"active must be >= 1 steps, got 0"),
+        (
+            ["topology=preset", "topology.name_or_path=dgx-h100"],
+            ValueError,
+            r"describes 8 ranks, but launcher.nnodes \* launcher.nproc_per_node = 2",
+        ),
+        (
+            ["topology=preset", "topology.name_or_path=dgx-h10"],
+            ValueError,
+            r"unknown topology preset 'dgx-h10'",
+        ),
+    ],
+)
+def test_bad_values_are_reported_by_their_key_before_launch(overrides, error, message):
+    cfg = _compose(*overrides)
+    with _raises(error, message):
+        check_job(cfg, instantiate(cfg.launcher))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["launcher.nnodes=2"], r"launcher.nnodes=2 needs launcher.rdzv_endpoint=HOST:PORT"),
+        (
+            ["launcher.nnodes=2", "launcher.node_rank=2", "launcher.rdzv_endpoint=h:1"],
+            r"launcher.node_rank \(2\) must be < launcher.nnodes \(2\)",
+        ),
+        (["launcher.rdzv_endpoint=localhost"], r"launcher.rdzv_endpoint must be HOST:PORT"),
+        (["launcher.nproc_per_node=0"], r"launcher.nproc_per_node must be >= 1, got 0"),
+    ],
+)
+def test_launcher_values_are_checked(overrides, message):
+    with _raises(ValueError, message):
+        instantiate(_compose(*overrides).launcher)
+
+
+def test_multinode_launcher_requires_node_rank_and_endpoint():
+    with pytest.raises(ValueError, match=r"launcher.node_rank, launcher.rdzv_endpoint \(\?\?\?"):
+        check_missing(_compose("launcher=multinode"))
+    check_missing(
+        _compose(
+            "launcher=multinode", "launcher.node_rank=0", "launcher.rdzv_endpoint=127.0.0.1:29500"
+        )
+    )
+
+
+def test_launch_config_standalone_and_multinode(tmp_path):
+    local = LauncherConfig(nproc_per_node=3).launch_config(tmp_path)
+    assert (local.rdzv_backend, local.rdzv_endpoint, local.nproc_per_node) == (
+        "c10d",
+        "localhost:0",
+        3,
+    )
+    assert (local.min_nodes, local.max_nodes) == (1, 1)
+    node = LauncherConfig(
+        nproc_per_node=1, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500"
+    ).launch_config(tmp_path)
+    assert (node.rdzv_backend, node.rdzv_endpoint, node.run_id) == (
+        "static",
+        "10.0.0.1:29500",
+        "overlapkit",
+    )
+    assert node.rdzv_configs["rank"] == 1 and (node.min_nodes, node.max_nodes) == (2, 2)
+
+
+def test_node_rank_is_read_from_the_command_line():
+    assert node_rank_from_argv([]) == 0
+    assert node_rank_from_argv(["launcher=multinode", "launcher.node_rank=1"]) == 1
+    assert node_rank_from_argv(["++launcher.node_rank=3", "train.steps=5"]) == 3
+    assert node_rank_from_argv(["launcher.node_rank=x"]) == 0  # left to the config check
+
+
+def test_fresh_start_refuses_an_earlier_runs_checkpoints(tmp_path):
+    fresh = _compose("train.resume=false")
+    check_fresh_start(fresh, tmp_path)  # nothing there yet
+    step = tmp_path / "checkpoints" / "step_00000050"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"holds checkpoints \(newest: step 50\)"):
+        check_fresh_start(fresh, tmp_path)
+    check_fresh_start(_compose(), tmp_path)  # resuming from them is the default
+    check_fresh_start(_compose("recipe=demo"), tmp_path)  # the demo saves no checkpoints
+
+
+def test_recipes_readme_lists_exactly_the_config_options():
+    text = (REPO / "recipes" / "README.md").read_text()
+    for group in {g for g, _ in OPTIONS}:
+        row = re.search(rf"^\| `{group}` \| (.*?) \|", text, re.MULTILINE)
+        assert row, f"recipes/README.md has no row for the {group!r} group"
+        listed = set(re.findall(r"`([^`]+)`", row[1]))
+        assert listed == {o for g, o in OPTIONS if g == group}, group

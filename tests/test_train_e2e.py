@@ -1,0 +1,239 @@
+"""``overlapkit-train`` end to end: the real Hydra app, torch elastic, 2 gloo ranks, small gpt_tiny.
+
+Each test starts ``python -m overlapkit.train.cli`` (what the console script runs) in a
+temporary directory and reads what the run left: ``summary.json``, the TensorBoard event files,
+the profiler traces and the DCP checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+SMALL = [
+    "model.config.n_layer=2",
+    "model.config.n_embd=32",
+    "model.config.n_head=2",
+    "model.config.block_size=32",
+    "train.batch_size=4",
+    "train.progress=false",
+    "optim.optimizer.lr=1e-2",
+    "optim.scheduler.warmup_steps=2",
+    "launcher.threads_per_rank=1",
+    "launcher.collective_timeout_s=60",
+    "launcher.rdzv_timeout_s=60",
+]
+PARALLEL = ["ddp", "ddp_bf16", "bucketer", "fsdp", "fsdp_prefetch2"]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every descendant (torch elastic may start workers in new sessions)."""
+    family, pending = [], [pid]
+    while pending:
+        parent = pending.pop()
+        family.append(parent)
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                pending.extend(int(child) for child in children.read_text().split())
+    for member in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
+
+
+def _scratch(cwd: Path) -> Path:
+    scratch = cwd.parent / f"{cwd.name}-tmp"
+    scratch.mkdir(exist_ok=True)
+    return scratch
+
+
+def _start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    # Hydra's flags (-m) go before the overrides: its parser takes the overrides as one list.
+    flags = [a for a in args if a.startswith("-")]
+    overrides = [a for a in args if not a.startswith("-")]
+    return subprocess.Popen(
+        [sys.executable, "-m", "overlapkit.train.cli", *flags, *SMALL, *overrides],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # torch's own scratch files (elastic logs, caches) stay inside the test's directory.
+        env={**os.environ, "TMPDIR": str(_scratch(cwd)), **(env or {})},
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = 240) -> str:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        pytest.fail(f"overlapkit-train ran over {timeout_s} s:\n{out[-3000:]}\n{err[-3000:]}")
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-5000:]}"
+    return out + err
+
+
+def _train(args: list[str], cwd: Path, timeout_s: float = 240) -> str:
+    return _finish(_start(args, cwd), timeout_s)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """``train/loss`` by step from every TensorBoard directory of the run (all invocations)."""
+    losses = {}
+    for events in sorted((run_dir / "tb").iterdir()):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        losses.update({e.step: e.value for e in acc.Scalars("train/loss")})
+    return losses
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_each_parallel_recipe_trains_in_its_own_multirun_directory(tmp_path):
+    sweep = tmp_path / "sweep"
+    output = _train(
+        [
+            "-m",
+            f"parallel={','.join(PARALLEL)}",
+            "train.steps=8",
+            "train.grad_accum=2",
+            "train.checkpoint_every=0",
+            "profiler=on",
+            "profiler.wait=1",
+            "profiler.warmup=1",
+            "profiler.active=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+        timeout_s=560,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # nothing else written
+    losses_of = {}
+    for job, parallel in enumerate(PARALLEL):
+        run_dir = sweep / str(job)
+        assert f"parallel={parallel}" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+        summary = _summary(run_dir)
+        assert (summary["world_size"], summary["steps_run"], summary["nodes"]) == (2, 8, 1)
+        losses = _losses(run_dir)
+        assert sorted(losses) == list(range(1, 9))
+        assert losses[7] + losses[8] < losses[1] + losses[2] - 0.2, (parallel, losses)
+        losses_of[parallel] = losses
+        # Profiled: two traced steps per rank, and the exposed share the summary reports.
+        traces = sorted(
+            p.name.split(".")[0] for p in Path(summary["profile_dir"]).glob("*.pt.trace.json")
+        )
+        assert traces == ["rank0", "rank1"], traces
+        assert summary["profiled_steps"] == 4
+        assert 0.0 <= summary["exposed_comm_share"] <= 1.0
+    # Same initial weights, data and averaged gradients: every wrapper follows the same
+    # trajectory up to rounding; bf16 gradient compression rounds more.
+    for parallel in PARALLEL:
+        assert losses_of[parallel][1] == pytest.approx(losses_of["ddp"][1], abs=1e-5)
+        tolerance = 2e-2 if parallel == "ddp_bf16" else 1e-3
+        assert losses_of[parallel] == pytest.approx(losses_of["ddp"], abs=tolerance), parallel
+    assert output.count("exposed comm:") == len(PARALLEL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stopped_and_resumed_run_matches_an_uninterrupted_one_bitwise(tmp_path):
+    common = ["train.steps=6", "train.checkpoint_every=3", "train.grad_accum=2"]
+    sweep = tmp_path / "sweep"
+    # Job 0 runs steps 1..6; job 1 stops after step 3 (checkpointed) as if its time ran out.
+    _train(
+        ["-m", *common, "train.stop_after=null,3", f"hydra.sweep.dir={sweep}"],
+        tmp_path,
+        timeout_s=400,
+    )
+    whole, resumed = sweep / "0", sweep / "1"
+    assert _summary(resumed)["final_step"] == 3
+    # The same command in the same directory resumes from its newest checkpoint.
+    output = _train([*common, f"hydra.run.dir={resumed}"], tmp_path)
+    assert "resumed from step 3" in output
+    summary = _summary(resumed)
+    assert (summary["start_step"], summary["steps_run"], summary["final_step"]) == (3, 3, 6)
+
+    states = []
+    for run_dir in (whole, resumed):
+        target = run_dir / "step6.pt"
+        dcp_to_torch_save(run_dir / "checkpoints" / "step_00000006", target)
+        states.append(torch.load(target, weights_only=False))
+    a, b = states
+    assert a["progress"] == b["progress"] == {"step": 6, "data": {"position": 12}}
+    assert a["model"].keys() == b["model"].keys()
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+    for name, moments in a["optim"]["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(value, b["optim"]["state"][name][key]), (name, key)
+    assert _losses(whole) == _losses(resumed)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_launches_with_nnodes_2_form_one_job_of_two_nodes(tmp_path):
+    node_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    scratch = tmp_path / "tmp"
+    for path in (*node_dirs, scratch):
+        path.mkdir()
+    args = [
+        "launcher=multinode",
+        f"launcher.rdzv_endpoint=127.0.0.1:{_free_port()}",
+        "train.steps=3",
+        "train.checkpoint_every=3",
+        "name=two_nodes",
+    ]
+    procs = [
+        _start([*args, f"launcher.node_rank={node}"], node_dirs[node], env={"TMPDIR": str(scratch)})
+        for node in (0, 1)
+    ]
+    outputs = [_finish(proc) for proc in procs]
+    run_dir = node_dirs[0] / "runs" / "two_nodes"
+    topology = json.loads((run_dir / "topology.json").read_text())
+    assert topology["world_size"] == 2
+    assert topology["nodes"] == [{"node": 0, "ranks": [0]}, {"node": 1, "ranks": [1]}]
+    summary = _summary(run_dir)
+    assert (summary["world_size"], summary["nodes"], summary["final_step"]) == (2, 2, 3)
+    # Both nodes' ranks wrote their shards of one checkpoint in node 0's run directory.
+    shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_00000003").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # Node 1 kept no Hydra output, removed its scratch directory, and left without errors.
+    assert list(node_dirs[1].iterdir()) == []
+    assert list(scratch.glob("overlapkit-node*")) == []
+    assert "overlapkit-train two_nodes" in outputs[0] and "Failed to recv" not in outputs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_failing_worker_ends_the_run_with_its_error(tmp_path):
+    # A value only the wrapper itself checks, inside the workers: the launch must end, not hang.
+    proc = _start(
+        ["train.steps=2", "parallel.bucket_mb=-1", f"hydra.run.dir={tmp_path}/r"], tmp_path
+    )
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    assert proc.returncode == 1
+    assert "ValueError: ok.ddp: bucket_mb must be > 0 MiB, got -1" in err
