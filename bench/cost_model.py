@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cpu_priority import prioritize
 from emulated_link import current_link, enter_emulated_link
 
 from overlapkit.local_ranks import run_on_ranks
@@ -160,6 +161,7 @@ def main() -> int:
     if args.link is not None:
         Path(args.child_json).write_text(json.dumps(run_link(args)))
         return 0
+    print(f"[cpu priority] {prioritize()}", flush=True)
     runs = []
     with tempfile.TemporaryDirectory(prefix="ovk-cost-") as scratch:
         for rate in args.links.split(","):

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
+from cpu_priority import prioritize
 from emulated_link import current_link, enter_emulated_link
 from torch import nn
 
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--cases {args.cases!r}: unknown {unknown}; must include compute_only "
             f"and {BASELINE}; valid: {list(CASES)}"
         )
+    if current_link() is None:
+        print(f"[cpu priority] {prioritize()}", flush=True)
     enter_emulated_link(args.rate, args.delay_ms)
     cfg = {
         "blocks": args.blocks,

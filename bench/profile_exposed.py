@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
+from cpu_priority import prioritize
 from emulated_link import current_link, enter_emulated_link
 from torch import nn
 
@@ -130,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if current_link() is None:
+        print(f"[cpu priority] {prioritize()}", flush=True)
     enter_emulated_link(args.rate)
     cfg = {
         "layers": args.layers,

@@ -31,7 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import torch
+from cpu_priority import prioritize
 
 import overlapkit as ok
 from overlapkit.profiling.analysis import analyze_run
@@ -245,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         k: getattr(args, k)
         for k in ("layers", "width", "batch", "rounds", "off", "wait", "active", "after")
     }
+    print(f"[cpu priority] {prioritize()}", flush=True)
     load = os.getloadavg()[0]
     print(f"profile_overhead: {cfg}; load average {load:.2f} on {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="ovk_overhead_") as tmp:
