@@ -14,6 +14,7 @@ exit status, so a test shows the child's error, not a bare "process exited".
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue
@@ -69,6 +70,9 @@ def _child(
     except BaseException:  # report everything, including KeyboardInterrupt-like exits
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        # Free what ``fn`` left in reference cycles (a DDP reducer, comm hook state) while the
+        # group still exists: destroyed after it, a reducer can abort the process at exit.
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
