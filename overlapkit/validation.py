@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -23,3 +25,19 @@ def trainable_parameters(model: torch.nn.Module, *, caller: str) -> list[torch.n
             "(none with requires_grad=True); there is nothing to reduce"
         )
     return params
+
+
+def check_int(name: str, value: Any, minimum: int, *, unit: str = "") -> int:
+    """``value`` if it is an int >= ``minimum``; errors name ``name`` as the user spells it.
+
+    Raises:
+        TypeError: not an int (a bool is not accepted either).
+        ValueError: below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        what = f"an int number of {unit}" if unit else "an int"
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    if value < minimum:
+        suffix = f" {unit}" if unit else ""
+        raise ValueError(f"{name} must be >= {minimum}{suffix}, got {value}")
+    return value

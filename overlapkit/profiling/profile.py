@@ -31,16 +31,9 @@ from torch.profiler import ProfilerActivity, tensorboard_trace_handler
 from overlapkit.profiling.analysis import RunReport, StepMetrics, analyze_files
 from overlapkit.profiling.counters import COUNTER_DIR, write_counter_copy
 from overlapkit.profiling.tensorboard import write_scalars
+from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
-
-
-def _check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"ok.profile: {name} must be an int number of steps, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"ok.profile: {name} must be >= {minimum} steps, got {value}")
-    return value
 
 
 class Profile:
@@ -82,15 +75,15 @@ class Profile:
         if not isinstance(logdir, (str, Path)) or not str(logdir):
             raise TypeError(f"ok.profile: logdir must be a non-empty path, got {logdir!r}")
         self.logdir = Path(logdir)
-        self.wait = _check_count("wait", wait, 0)
-        self.warmup = _check_count("warmup", warmup, 0)
-        self.active = _check_count("active", active, 1)
-        self.repeat = _check_count("repeat", repeat, 0)
+        self.wait = check_int("ok.profile: wait", wait, 0, unit="steps")
+        self.warmup = check_int("ok.profile: warmup", warmup, 0, unit="steps")
+        self.active = check_int("ok.profile: active", active, 1, unit="steps")
+        self.repeat = check_int("ok.profile: repeat", repeat, 0, unit="steps")
         self.record_shapes = bool(record_shapes)
         self.use_gzip = bool(use_gzip)
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.rank = _check_count("rank", rank, 0)
+        self.rank = check_int("ok.profile: rank", rank, 0, unit="steps")
         self.write_outputs = write_outputs
         self.step_num = 0
         self.files: list[Path] = []

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 import torch
 from torch.nn import functional as F
 
+from overlapkit.validation import check_int
+
 logger = logging.getLogger(__name__)
 
 SHIPPED_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
@@ -29,14 +31,6 @@ def batch_generator(seed: int, rank: int, index: int) -> torch.Generator:
     # Spread the three integers apart so that no two triples share a seed in practice.
     mixed = (seed * 1_000_003 + rank) * 1_000_000_007 + index
     return torch.Generator().manual_seed(mixed % (2**63 - 1))
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -72,9 +66,9 @@ class SyntheticTokens:
     unit = "tok"
 
     def __init__(self, *, seq_len: int, vocab_size: int, successors: int = 4, seed: int = 0):
-        self.seq_len = _check_int("data.seq_len", seq_len, 1)
-        self.vocab_size = _check_int("data.vocab_size", vocab_size, 2)
-        self.successors = _check_int("data.successors", successors, 1)
+        self.seq_len = check_int("data.seq_len", seq_len, 1)
+        self.vocab_size = check_int("data.vocab_size", vocab_size, 2)
+        self.successors = check_int("data.successors", successors, 1)
         if successors > vocab_size:
             raise ValueError(
                 f"data.successors ({successors}) must be <= data.vocab_size ({vocab_size})"
@@ -117,7 +111,7 @@ class TextCorpus:
 
     def __init__(self, *, path: str | Path | None = None, seq_len: int, seed: int = 0):
         self.path = Path(path) if path is not None else SHIPPED_CORPUS
-        self.seq_len = _check_int("data.seq_len", seq_len, 1)
+        self.seq_len = check_int("data.seq_len", seq_len, 1)
         self.seed = seed
         if not self.path.is_file():
             raise FileNotFoundError(f"data.path: text corpus {str(self.path)!r} does not exist")
@@ -154,7 +148,7 @@ class SyntheticRegression:
     items_per_sample = 1
 
     def __init__(self, *, width: int, seed: int = 0):
-        self.width = _check_int("data.width", width, 1)
+        self.width = check_int("data.width", width, 1)
         self.seed = seed
         teacher_rng = torch.Generator().manual_seed(seed)
         # Scaled so that x @ W has unit variance and tanh is neither linear nor saturated.

@@ -33,15 +33,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from overlapkit.train.loop import RunPaths, resolve_device, train
+from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"launcher.{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"launcher.{name} must be >= {minimum}, got {value}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,13 +63,13 @@ class LauncherConfig:
     """torch intra-op threads per worker; None divides this machine's cores among them."""
 
     def __post_init__(self) -> None:
-        _check_int("nproc_per_node", self.nproc_per_node, 1)
-        _check_int("nnodes", self.nnodes, 1)
-        _check_int("node_rank", self.node_rank, 0)
-        _check_int("rdzv_timeout_s", self.rdzv_timeout_s, 1)
-        _check_int("max_restarts", self.max_restarts, 0)
+        check_int("launcher.nproc_per_node", self.nproc_per_node, 1)
+        check_int("launcher.nnodes", self.nnodes, 1)
+        check_int("launcher.node_rank", self.node_rank, 0)
+        check_int("launcher.rdzv_timeout_s", self.rdzv_timeout_s, 1)
+        check_int("launcher.max_restarts", self.max_restarts, 0)
         if self.threads_per_rank is not None:
-            _check_int("threads_per_rank", self.threads_per_rank, 1)
+            check_int("launcher.threads_per_rank", self.threads_per_rank, 1)
         if not self.collective_timeout_s > 0:
             raise ValueError(
                 f"launcher.collective_timeout_s must be > 0 s, got {self.collective_timeout_s!r}"

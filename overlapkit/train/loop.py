@@ -16,7 +16,6 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,17 +29,11 @@ from overlapkit.train.checkpoint import TrainingState, latest_checkpoint, remove
 from overlapkit.train.data import BatchStream, DataSource, check_compatible
 from overlapkit.train.monitor import Monitor, RunSummary
 from overlapkit.train.parallel import Parallelized, apply_parallel
+from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"train.{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"train.{name} must be >= {minimum}, got {value}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,12 +65,12 @@ class TrainConfig:
     """Show the progress bar on rank 0."""
 
     def __post_init__(self) -> None:
-        _check_int("steps", self.steps, 1)
-        _check_int("batch_size", self.batch_size, 1)
-        _check_int("grad_accum", self.grad_accum, 1)
-        _check_int("seed", self.seed, 0)
-        _check_int("checkpoint_every", self.checkpoint_every, 0)
-        _check_int("keep_checkpoints", self.keep_checkpoints, 0)
+        check_int("train.steps", self.steps, 1)
+        check_int("train.batch_size", self.batch_size, 1)
+        check_int("train.grad_accum", self.grad_accum, 1)
+        check_int("train.seed", self.seed, 0)
+        check_int("train.checkpoint_every", self.checkpoint_every, 0)
+        check_int("train.keep_checkpoints", self.keep_checkpoints, 0)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(
                 f"train.clip_grad_norm must be > 0 or null (no clipping), got "
@@ -86,7 +79,7 @@ class TrainConfig:
         if self.device not in DEVICES:
             raise ValueError(f"train.device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.stop_after is not None:
-            _check_int("stop_after", self.stop_after, 1)
+            check_int("train.stop_after", self.stop_after, 1)
             if self.stop_after > self.steps:
                 raise ValueError(
                     f"train.stop_after ({self.stop_after}) must be <= train.steps ({self.steps})"

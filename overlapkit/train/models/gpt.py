@@ -89,8 +89,7 @@ class GPT(nn.Module):
         seq_len = idx.shape[1]
         if seq_len > self.config.block_size:
             raise ValueError(
-                f"sequence length {seq_len} exceeds GPTConfig.block_size "
-                f"({self.config.block_size})"
+                f"sequence length {seq_len} exceeds GPTConfig.block_size ({self.config.block_size})"
             )
         pos = torch.arange(seq_len, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
