@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) bench/fsdp_prefetch.py --json bench/results/fsdp_prefetch.json
 	$(PY) bench/fsdp_prefetch.py --rate none --json bench/results/fsdp_prefetch_loopback.json
 	$(PY) bench/cost_model.py --links none,8gbit --json bench/results/cost_model.json
+	$(PY) bench/placement.py --json bench/results/placement.json
 	$(PY) bench/profile_overhead.py --json bench/results/profile_overhead.json
 	$(PY) bench/profile_exposed.py --out runs/profile_exposed --json bench/results/profile_exposed.json
 

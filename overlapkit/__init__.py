@@ -10,7 +10,7 @@ The public surface (see DESIGN.md)::
 
 from overlapkit.ddp import BucketCommRecord, CommStats, GradBucketer, comm_stats, ddp
 from overlapkit.fsdp import fsdp, fsdp_stats
-from overlapkit.planner import Estimate, estimate
+from overlapkit.planner import Estimate, Placement, estimate, plan
 from overlapkit.profiling import profile
 from overlapkit.topology import Topology, detect_topology, load_topology
 
@@ -21,6 +21,7 @@ __all__ = [
     "CommStats",
     "Estimate",
     "GradBucketer",
+    "Placement",
     "Topology",
     "__version__",
     "comm_stats",
@@ -30,5 +31,6 @@ __all__ = [
     "fsdp",
     "fsdp_stats",
     "load_topology",
+    "plan",
     "profile",
 ]

@@ -1,7 +1,7 @@
-"""``overlapkit estimate`` and ``overlapkit calibrate`` (placement's ``plan`` joins them here).
+"""``overlapkit plan``, ``overlapkit estimate`` and ``overlapkit calibrate``.
 
 Each command has its own ``_add_<command>`` function; ``add_topology_arguments`` is shared by
-every command that takes a topology.
+every command that takes a topology, ``add_plan_arguments`` by those that take parallel sizes.
 """
 
 from __future__ import annotations
@@ -17,6 +17,14 @@ from overlapkit.planner.calibrate import (
     render_calibration,
 )
 from overlapkit.planner.cost import ALGORITHMS, COLLECTIVES, Estimate, estimate
+from overlapkit.planner.explain import (
+    PICTURE_MAX_RANKS,
+    compare_table,
+    rank_grid_picture,
+    same_layout,
+)
+from overlapkit.planner.placement import Placement, naive_placement, plan
+from overlapkit.planner.traffic import MIXTRAL_EXPERT_FRACTION, Workload
 from overlapkit.topology.cli import FABRIC_CHOICES
 from overlapkit.topology.loading import load_topology
 from overlapkit.topology.model import Topology, bare_link
@@ -30,7 +38,8 @@ from overlapkit.topology.units import (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``estimate`` and ``calibrate`` to the ``overlapkit`` command."""
+    """Add ``plan``, ``estimate`` and ``calibrate`` to the ``overlapkit`` command."""
+    _add_plan(subparsers)
     _add_estimate(subparsers)
     _add_calibrate(subparsers)
 
@@ -75,6 +84,123 @@ def topology_from_args(args: argparse.Namespace, *, group_size: int | None) -> T
     return load_topology(args.topology, fabric=args.fabric)
 
 
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the parallel sizes ``--tp --ep --cp --pp --dp --dp-shard``."""
+    sizes = parser.add_argument_group("parallel sizes")
+    for name, what in (
+        ("tp", "tensor"),
+        ("ep", "expert"),
+        ("cp", "context"),
+        ("pp", "pipeline"),
+    ):
+        sizes.add_argument(f"--{name}", type=int, default=1, help=f"{what}-parallel size (1)")
+    sizes.add_argument(
+        "--dp", type=int, default=-1, help="data-parallel size (-1: whatever is left)"
+    )
+    sizes.add_argument(
+        "--dp-shard",
+        type=int,
+        metavar="N",
+        help="split dp into dp_replicate x dp_shard (HSDP) with N ranks per shard group",
+    )
+
+
+def placement_from_args(
+    args: argparse.Namespace, topology: Topology, workload: Workload | None = None
+) -> Placement:
+    return plan(
+        topology,
+        tp=args.tp,
+        ep=args.ep,
+        cp=args.cp,
+        pp=args.pp,
+        dp=args.dp,
+        dp_shard=args.dp_shard,
+        order=getattr(args, "order", None),
+        allow_split=getattr(args, "allow_split", False),
+        workload=workload,
+    )
+
+
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="place tp/ep/cp/pp/dp on a topology: rank grid, groups, predicted comm",
+        description="Lay the parallel dimensions onto the topology (heaviest traffic "
+        "innermost, groups inside scale-up domains, dp/pp peers on one rail), and predict each "
+        "dimension's communication per step for a model of --params parameters.",
+    )
+    add_topology_arguments(parser, allow_link=False)
+    add_plan_arguments(parser)
+    parser.add_argument(
+        "--order",
+        type=lambda text: tuple(a.strip() for a in text.split(",")),
+        metavar="AXES",
+        help="override the traffic order: mesh axes outermost first, e.g. pp,dp,ep,cp,tp",
+    )
+    parser.add_argument(
+        "--allow-split",
+        action="store_true",
+        help="place it even when a group straddles scale-up domains (shows the penalty)",
+    )
+    model = parser.add_argument_group("model (for the predicted communication)")
+    model.add_argument("--params", default="7e9", help="parameters, e.g. 70e9 (default 7e9)")
+    model.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8 (bf16)")
+    model.add_argument("--layers", type=int, help="layers (default: from --params)")
+    model.add_argument("--hidden", type=int, help="hidden size (default: from --params)")
+    model.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (4096)")
+    model.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (1)")
+    model.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (8)")
+    model.add_argument("--topk", type=int, default=2, help="experts per token, ep > 1 (2)")
+    model.add_argument(
+        "--expert-fraction",
+        type=float,
+        default=MIXTRAL_EXPERT_FRACTION,
+        help=f"share of parameters in experts, ep > 1 ({MIXTRAL_EXPERT_FRACTION})",
+    )
+    parser.add_argument(
+        "--algorithm",
+        choices=ALGORITHMS,
+        help="force an algorithm where it can run (like NCCL_ALGO); default: the fastest",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="show the naive arange layout (init_device_mesh) beside the plan",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    workload = Workload(
+        params=parse_size(args.params, what="--params"),
+        dtype=args.dtype,
+        layers=args.layers,
+        hidden=args.hidden,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        microbatches=args.microbatches,
+        topk=args.topk,
+        expert_fraction=args.expert_fraction,
+    )
+    placement = placement_from_args(args, topology_from_args(args, group_size=None), workload)
+    naive = naive_placement(placement) if args.compare else None
+    if args.json:
+        doc = placement.to_dict(args.algorithm)
+        if naive is not None:
+            doc["naive"] = naive.to_dict(args.algorithm)
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(placement.explain(args.algorithm))
+    if naive is not None:
+        lines = ["", *compare_table(placement, naive, algorithm=args.algorithm)]
+        if naive.world_size <= PICTURE_MAX_RANKS and not same_layout(naive, placement):
+            lines += ["", "naive arange layout:", *rank_grid_picture(naive)]
+        print("\n".join(lines))
+    return 0
+
+
 def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "estimate",
@@ -99,6 +225,13 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
         help="the group is the topology's first N devices (default: all)",
     )
     parser.add_argument(
+        "--group",
+        metavar="AXIS",
+        help="a placement axis (tp, dp, ...) of the plan the sizes below make; the slowest "
+        "of its groups is estimated",
+    )
+    add_plan_arguments(parser)
+    parser.add_argument(
         "--algorithm",
         choices=ALGORITHMS,
         help="force an algorithm (like NCCL_ALGO); default: the fastest",
@@ -109,13 +242,23 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
 
 def run_estimate(args: argparse.Namespace) -> int:
     nbytes = parse_size(args.bytes, what="--bytes")
+    if args.group is not None and args.group_size is not None:
+        raise ValueError("pass either --group (a placement axis) or --group-size, not both")
+    sizes = (args.tp, args.ep, args.cp, args.pp, args.dp, args.dp_shard)
+    if args.group is None and sizes != (1, 1, 1, 1, -1, None):
+        raise ValueError("--tp/--ep/--cp/--pp/--dp/--dp-shard make a placement for --group AXIS")
+    if args.group is not None and args.bandwidth:
+        raise ValueError("--group needs --topology (a placement is made on a topology)")
     topology = topology_from_args(args, group_size=args.group_size)
+    placement = placement_from_args(args, topology) if args.group is not None else None
     result = estimate(
         args.collective,
         nbytes=nbytes,
         topology=topology,
+        group=args.group,
         group_size=args.group_size,
         algorithm=args.algorithm,
+        placement=placement,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else render_estimate(result))
     return 0

@@ -34,8 +34,9 @@ from __future__ import annotations
 import difflib
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from overlapkit.planner.libraries import (
     HIERARCHICAL,
@@ -67,6 +68,14 @@ _AVAILABLE = {
     "all_to_all": (PAIRWISE,),
     "send_recv": (P2P,),
 }
+
+
+class NamedGroups(Protocol):
+    """What ``estimate(group="dp")`` needs of a placement (``ok.plan`` returns one)."""
+
+    topology: Topology
+
+    def groups(self, axes: str) -> Sequence[Sequence[int]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +150,15 @@ class GroupShape:
         return min(t.GBps for t in (self.intra, self.inter_ring) if t is not None)
 
 
-def group_shape(topology: Topology, ranks: Sequence[int]) -> GroupShape:
-    """Describe where ``ranks`` sit on ``topology``: domains, ranks per domain, tiers."""
+def group_shape(
+    topology: Topology, ranks: Sequence[int], *, node_load: Mapping[int, int] | None = None
+) -> GroupShape:
+    """Describe where ``ranks`` sit on ``topology``: domains, ranks per domain, tiers.
+
+    ``node_load`` maps a node to how many ranks on it send across domains at the same time
+    (this group's and concurrent groups'); they share the node's NICs. Defaults to this
+    group's own ranks only.
+    """
     by_domain: dict[int, list[int]] = {}
     for rank in ranks:
         by_domain.setdefault(topology.domain_index(rank), []).append(rank)
@@ -161,7 +177,9 @@ def group_shape(topology: Topology, ranks: Sequence[int]) -> GroupShape:
     if len(by_domain) > 1:
         spine = _spine_factor(topology, ranks)
         nic = fabric.achieved_GBps * spine
-        usable = {d: _usable_nics(topology, members) for d, members in by_domain.items()}
+        usable = {
+            d: _usable_nics(topology, members, node_load or {}) for d, members in by_domain.items()
+        }
         inter_ring = Tier(nic * min(usable.values()), fabric.latency_us, "net")
         share = min(usable[d] / len(members) for d, members in by_domain.items())
         inter_rank = Tier(nic * share, fabric.latency_us, "net")
@@ -177,10 +195,15 @@ def group_shape(topology: Topology, ranks: Sequence[int]) -> GroupShape:
     )
 
 
-def _usable_nics(topology: Topology, members: list[int]) -> int:
-    # A rank drives one NIC at a time (its rail), so a node offers min(NICs, its ranks).
+def _usable_nics(topology: Topology, members: list[int], node_load: Mapping[int, int]) -> float:
+    # A rank drives one NIC at a time (its rail), so a node offers min(NICs, its ranks); ranks
+    # of concurrent groups on the node take their share of its NICs.
+    nics = max(topology.fabric.nics_per_node, 1)
     per_node = Counter(topology.devices[r].node for r in members)
-    return sum(min(max(topology.fabric.nics_per_node, 1), count) for count in per_node.values())
+    return sum(
+        min(count, nics * count / max(count, node_load.get(node, count)))
+        for node, count in per_node.items()
+    )
 
 
 def _usable_link_fraction(domain: ScaleUpDomain, members: list[int]) -> float:
@@ -356,6 +379,11 @@ def _why_not(algorithm: str, collective: str, g: GroupShape) -> str | None:
     return None
 
 
+def available_algorithms(collective: str) -> tuple[str, ...]:
+    """The algorithms the cost model has for ``collective``."""
+    return _AVAILABLE[normalize_collective(collective)]
+
+
 def normalize_collective(name: str) -> str:
     """``"all-reduce"``, ``"allreduce"`` or ``"all_reduce"`` -> ``"all_reduce"``."""
     key = str(name).strip().lower().replace("-", "_")
@@ -372,10 +400,11 @@ def estimate(
     collective: str,
     *,
     nbytes: float | int | str,
-    topology: Topology,
-    group: Sequence[int] | None = None,
+    topology: Topology | None = None,
+    group: Sequence[int] | str | None = None,
     group_size: int | None = None,
     algorithm: str | None = None,
+    placement: NamedGroups | None = None,
 ) -> Estimate:
     """Predict the time of one collective on a group of ``topology``'s devices.
 
@@ -385,12 +414,14 @@ def estimate(
         nbytes (float | int | str): size in bytes as nccl-tests counts it (see module doc);
             strings like ``"140GB"`` or ``"1.5GiB"`` are accepted.
         topology (Topology): where the devices are (``ok.load_topology`` /
-            ``ok.detect_topology``).
-        group (Sequence[int]): the group's ranks. Named groups (``"dp"``) come from a placement
-            plan. Defaults to the first ``group_size`` ranks.
+            ``ok.detect_topology``). Defaults to ``placement``'s.
+        group (Sequence[int] | str): the group's ranks, or an axis name of ``placement``
+            (``"dp"``, ``"tp"``): then every group of that axis is estimated and the slowest
+            returned, as a step waits for it. Defaults to the first ``group_size`` ranks.
         group_size (int): use the topology's first ``group_size`` devices. Defaults to all.
         algorithm (str): force ``ring``, ``tree``, ``hierarchical`` or ``switch`` (like
             ``NCCL_ALGO``). Defaults to the fastest the topology's library would pick.
+        placement (Placement): an ``ok.plan(...)`` result whose groups a named ``group`` means.
 
     Returns:
         Estimate: ``time_s`` (seconds), ``algorithm``, ``algbw_GBps`` and ``busbw_GBps`` (GB/s).
@@ -401,10 +432,27 @@ def estimate(
     """
     c = normalize_collective(collective)
     S = parse_size(nbytes, what="nbytes")
+    if placement is not None:
+        if topology is None:
+            topology = placement.topology
+        elif topology != placement.topology:
+            raise ValueError(
+                f"topology {topology.name!r} is not the placement's ({placement.topology.name!r}); "
+                "pass one of them"
+            )
+    if topology is None:
+        raise TypeError("estimate() needs topology= (or placement=)")
     if isinstance(group, str):
-        raise TypeError(
-            f"group={group!r}: named groups come from a placement plan; pass the "
-            "group's ranks (a list of ints) or group_size=N"
+        if placement is None:
+            raise TypeError(
+                f"group={group!r}: named groups come from a placement plan; pass "
+                "placement=ok.plan(topology, ...), the group's ranks (a list of ints) or "
+                "group_size=N"
+            )
+        if group_size is not None:
+            raise ValueError("pass either group (ranks) or group_size, not both")
+        return slowest_estimate(
+            c, nbytes=S, topology=topology, groups=placement.groups(group), algorithm=algorithm
         )
     if group is not None and group_size is not None:
         raise ValueError("pass either group (ranks) or group_size, not both")
@@ -412,15 +460,24 @@ def estimate(
         ranks = group_ranks(topology, group)
     else:
         ranks = topology.first(topology.world_size if group_size is None else group_size)
-    lib = LIBRARIES[str(topology.library)]
+    _check_algorithm(c, algorithm)
+    return _estimate_shape(c, S, group_shape(topology, ranks), topology, algorithm)
+
+
+def _check_algorithm(c: str, algorithm: str | None) -> None:
     if algorithm is not None and algorithm not in _AVAILABLE[c]:
         raise ValueError(
             f"algorithm {algorithm!r} does not run {c}; available for {c}: "
             f"{', '.join(_AVAILABLE[c])}"
         )
-    if len(ranks) == 1:
+
+
+def _estimate_shape(
+    c: str, S: float, shape: GroupShape, topology: Topology, algorithm: str | None
+) -> Estimate:
+    lib = LIBRARIES[str(topology.library)]
+    if shape.size == 1:
         return Estimate(c, S, 1, "none", "none", 0.0, 0.0, 0.0, lib.name, topology.name, ())
-    shape = group_shape(topology, ranks)
     if algorithm is not None:
         reason = _why_not(algorithm, c, shape)
         if reason is not None:
@@ -466,3 +523,40 @@ def estimate(
         topology.name,
         tuple(candidates),
     )
+
+
+def slowest_estimate(
+    collective: str,
+    *,
+    nbytes: float | int | str,
+    topology: Topology,
+    groups: Sequence[Sequence[int]],
+    algorithm: str | None = None,
+    concurrent: bool = True,
+) -> Estimate:
+    """``estimate`` for the slowest of ``groups`` (groups that sit alike are estimated once).
+
+    Args:
+        concurrent (bool): the groups run at the same time (the groups of one mesh axis do), so
+            ranks of groups that cross domains share their nodes' NICs. Defaults to True.
+    """
+    c = normalize_collective(collective)
+    S = parse_size(nbytes, what="nbytes")
+    _check_algorithm(c, algorithm)
+    ranks_of = [group_ranks(topology, [int(r) for r in group]) for group in groups]
+    if not ranks_of:
+        raise ValueError("groups is empty: there is no group to estimate")
+    load = _network_load(topology, ranks_of) if concurrent else None
+    shapes = dict.fromkeys(group_shape(topology, ranks, node_load=load) for ranks in ranks_of)
+    return max(
+        (_estimate_shape(c, S, shape, topology, algorithm) for shape in shapes),
+        key=lambda e: e.time_s,
+    )
+
+
+def _network_load(topology: Topology, groups: Sequence[Sequence[int]]) -> Counter:
+    """Per node, the ranks in some group that crosses a domain boundary (each counted once)."""
+    crossing = {
+        r for group in groups if len({topology.domain_index(r) for r in group}) > 1 for r in group
+    }
+    return Counter(topology.devices[r].node for r in crossing)
