@@ -184,7 +184,9 @@ class TwoNodes:
                                 command,
                                 stdout=log,
                                 stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})},
+                                # torchrun's log directories go to TMPDIR: keep them in
+                                # the scratch directory, which is removed with the run.
+                                env={**os.environ, "TMPDIR": scratch, **(env or {})},
                                 start_new_session=True,
                             )
                         )
