@@ -183,3 +183,55 @@ def test_model_without_trainable_parameters_is_rejected():
 def test_missing_process_group_says_how_to_initialise():
     with pytest.raises(RuntimeError, match="init_process_group"):
         ok.GradBucketer(make_mlp())
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(IN_FEATURES, 32)
+        self.fc2 = nn.Linear(32, OUT_FEATURES)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _tensor_parallel_times_data_parallel(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(
+        TwoLayer(), mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    )
+    bucketer = ok.GradBucketer(model, bucket_mb=1e-6, process_group=mesh["dp"].get_group())
+    grads = []
+    for batch in make_batches(2, 2):
+        x, y = shard(batch, mesh["dp"].get_local_rank(), 2)
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        bucketer.wait()
+        assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+        # full_tensor() of a replicated gradient is the bucket view itself: copy it.
+        grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+    return grads
+
+
+@pytest.mark.slow
+def test_tensor_parallel_shards_are_averaged_over_the_data_parallel_group():
+    reference = reference_grads(TwoLayer(), make_batches(2, 2), lr=0.0)
+    for rank, grads in enumerate(run_on_ranks(_tensor_parallel_times_data_parallel, 4)):
+        for step, expected in enumerate(reference):
+            for name, ref in expected.items():
+                torch.testing.assert_close(
+                    grads[step][name],
+                    ref,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, r=rank, s=step, n=name: f"rank {r} step {s} {n}: {m}",
+                )

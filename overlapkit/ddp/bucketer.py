@@ -18,6 +18,10 @@ A parameter that gets no gradient on a rank in a step contributes zeros. Each bu
 "used" flag per parameter, reduced with the gradients, so every rank agrees on which parameters
 got a gradient somewhere: those receive the average; parameters unused on every rank keep their
 ``.grad`` unchanged (None stays None), as DDP does.
+
+Tensor-parallel (DTensor) parameters are reduced shard by shard: each rank's bucket holds its own
+local shards and the all-reduce runs over the bucketer's (data-parallel) group only; gradients
+are handed back as DTensors with the parameter's placements.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
@@ -37,6 +42,35 @@ from overlapkit.validation import trainable_parameters
 logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a tensor-parallel parameter or gradient), else the tensor.
+
+    The bucketer reduces over its own group (data parallel), so it works on local shards: the
+    other mesh dimensions (tensor parallel) are already accounted for by the shard itself.
+    """
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _holds(param: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``param.grad`` already lives in ``view`` (so nothing needs copying)."""
+    return param.grad is not None and _local(param.grad).data_ptr() == view.data_ptr()
+
+
+def _set_grad(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Make ``view`` the gradient of ``param``, wrapped like ``param`` when it is a DTensor."""
+    if isinstance(param, DTensor):
+        param.grad = DTensor.from_local(
+            view,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    else:
+        param.grad = view
 
 
 class _Bucket:
@@ -50,16 +84,17 @@ class _Bucket:
 
     def __init__(self, indices: list[int], params: list[torch.nn.Parameter]):
         self.indices = indices
-        numels = [params[i].numel() for i in indices]
-        first = params[indices[0]]
+        shards = [_local(params[i]) for i in indices]
+        numels = [shard.numel() for shard in shards]
+        first = shards[0]
         grad_numel = sum(numels)
         self.flat = torch.zeros(grad_numel + len(indices), dtype=first.dtype, device=first.device)
         self.flags = self.flat[grad_numel:]
         self.flags.fill_(1)
         self.views: list[torch.Tensor] = []
         offset = 0
-        for i, numel in zip(indices, numels, strict=True):
-            self.views.append(self.flat[offset : offset + numel].view_as(params[i]))
+        for shard, numel in zip(shards, numels, strict=True):
+            self.views.append(self.flat[offset : offset + numel].view_as(shard))
             offset += numel
         self.grad_bytes = grad_numel * first.element_size()
         self.pending = len(indices)
@@ -129,9 +164,9 @@ class GradBucketer:
         groups: list[list[int]] = []
         size = cap
         for i in order:
-            p = self._params[i]
+            p = _local(self._params[i])
             if groups:
-                last = self._params[groups[-1][0]]
+                last = _local(self._params[groups[-1][0]])
                 if last.dtype != p.dtype or last.device != p.device:
                     size = cap
             if size >= cap:
@@ -167,8 +202,8 @@ class GradBucketer:
         b, pos = self._bucket_of[index]
         bucket = self._buckets[b]
         view = bucket.views[pos]
-        if param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
+        if not _holds(param, view):
+            view.copy_(_local(param.grad))
         bucket.pending -= 1
         if bucket.pending == 0 and b == self._next_to_launch:
             self._launch_ready()
@@ -215,8 +250,8 @@ class GradBucketer:
             for pos, i in enumerate(bucket.indices):
                 param, view = self._params[i], bucket.views[pos]
                 if i not in missing or used[pos] > 0:
-                    if param.grad is not view:
-                        param.grad = view
+                    if not _holds(param, view):
+                        _set_grad(param, view)
                 elif missing[i] is not None:
                     view.copy_(missing[i])
             bucket.flags.fill_(1)
@@ -240,9 +275,7 @@ class GradBucketer:
             b, pos = self._bucket_of[i]
             bucket = self._buckets[b]
             view = bucket.views[pos]
-            grad = self._params[i].grad
-            in_bucket = grad is not None and grad.data_ptr() == view.data_ptr()
-            kept[i] = view.clone() if in_bucket else None
+            kept[i] = view.clone() if _holds(self._params[i], view) else None
             view.zero_()
             bucket.flags[pos] = 0
             bucket.pending -= 1
@@ -263,8 +296,8 @@ class GradBucketer:
             if grad is not None:
                 b, pos = self._bucket_of[i]
                 view = self._buckets[b].views[pos]
-                view.copy_(grad)
-                self._params[i].grad = view
+                view.copy_(_local(grad))
+                _set_grad(self._params[i], view)
         logger.info(
             "ok.GradBucketer: rebuilt %d buckets in rank 0's gradient-ready order",
             len(self._buckets),
