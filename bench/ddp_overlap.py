@@ -92,8 +92,10 @@ def _flat_allreduce(flat: torch.Tensor) -> None:
     flat.div_(dist.get_world_size())
 
 
-def _build_cases(cfg: dict, rank: int) -> dict[str, Callable[[], None]]:
-    """Step functions by case name; each runs one full step and returns when it is done."""
+def _build_cases(cfg: dict, rank: int) -> tuple[dict[str, Callable[[], None]], list[float], int]:
+    """Step functions by case name (each runs one full step and returns when it is done), the
+    list the compute-only case appends its forward times (ms) to, and the gradient element count.
+    """
     new_model, loss = make_workload(cfg, rank)
     plain = new_model()
     grad_numel = sum(p.numel() for p in plain.parameters())
@@ -148,16 +150,12 @@ def _build_cases(cfg: dict, rank: int) -> dict[str, Callable[[], None]]:
     for mb in cfg["sweep"]:
         cases[f"ok_ddp@{mb:g}MB"] = ddp_step(ok.ddp(new_model(), bucket_mb=mb))
         cases[f"bucketer@{mb:g}MB"] = bucketer_step(mb)
-    cases["_forward_ms"] = forward_ms  # read back by the caller, not a case
-    cases["_grad_numel"] = grad_numel
-    return cases
+    return cases, forward_ms, grad_numel
 
 
 def _rank_main(rank: int, world_size: int, cfg: dict) -> dict:
     """Per case, this rank's wall and CPU ms per timed step (CPU: all threads, gloo's too)."""
-    cases = _build_cases(cfg, rank)
-    forward_ms = cases.pop("_forward_ms")
-    grad_numel = cases.pop("_grad_numel")
+    cases, forward_ms, grad_numel = _build_cases(cfg, rank)
     wall: dict[str, list[float]] = {name: [] for name in cases}
     cpu: dict[str, list[float]] = {name: [] for name in cases}
     for round_index in range(cfg["rounds"]):
