@@ -8,7 +8,10 @@ as a topology YAML like ``overlapkit calibrate`` writes it), the odd iterations 
 measurement the prediction is compared with. Every size is then predicted with ``ok.estimate`` on
 the fitted topology. The target is +-20 % for sizes >= --judge-from (1 MiB).
 
-    python bench/cost_model.py --links none,8gbit --json bench/results/cost_model.json
+    python bench/cost_model.py --quantile 0.25 --json bench/results/cost_model.json
+
+A size's time is a quantile of its iterations (--quantile, the median by default), the same one
+for the fitted half and for the measured half, as ``overlapkit calibrate --quantile`` fits it.
 
 Splitting interleaved iterations keeps slow drifts of a shared machine's load out of the
 comparison; the load average is printed with the numbers all the same.
@@ -20,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from overlapkit.planner.calibrate import (
     calibrated_yaml,
     fit_ring_all_reduce,
     measure_all_reduce,
+    sample_quantile,
     sizes_between,
 )
 from overlapkit.topology import detect_topology, parse_topology_yaml
@@ -49,17 +52,18 @@ TARGET = 0.20
 
 
 def _measure(rank: int, world_size: int, sizes: list[int], budget_s: float):
+    # Quantiles are taken per half below, so what is returned here is only the raw samples.
     measured = measure_all_reduce(sizes, budget_s=budget_s, progress=rank == 0, min_iterations=10)
     topology = detect_topology()  # collective: every rank takes part
     return (topology, measured) if rank == 0 else None
 
 
-def _half(measurements: list[Measurement], start: int) -> list[Measurement]:
+def _half(measurements: list[Measurement], start: int, quantile: float) -> list[Measurement]:
     """The measurements re-summarised from every other iteration, from ``start``."""
     return [
         dataclasses.replace(
             m,
-            time_s=statistics.median(m.samples[start::2]),
+            time_s=sample_quantile(m.samples[start::2], quantile),
             iterations=len(m.samples[start::2]),
             samples=m.samples[start::2],
         )
@@ -75,9 +79,9 @@ def run_link(args: argparse.Namespace) -> dict:
     topology, measured = run_on_ranks(
         _measure, args.ranks, sizes, args.budget_s, collective_timeout_s=120, total_timeout_s=1800
     )[0]
-    fitted, verify = _half(measured, 0), _half(measured, 1)
+    fitted, verify = _half(measured, 0, args.quantile), _half(measured, 1, args.quantile)
     fit = TierFit("scale_up", topology.nodes()[0], *fit_ring_all_reduce(fitted), tuple(fitted))
-    yaml_text = calibrated_yaml(topology, [fit], backend="gloo")
+    yaml_text = calibrated_yaml(topology, [fit], backend="gloo", quantile=args.quantile)
     calibrated = parse_topology_yaml(yaml_text, source="calibrated")
     link = current_link() or {"rate": "none", "delay": "0ms"}
     results = Path(args.results_dir)
@@ -108,6 +112,7 @@ def run_link(args: argparse.Namespace) -> dict:
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         "fit": {"latency_us": fit.latency_us, "bandwidth_GBps": fit.bandwidth_GBps},
+        "quantile": args.quantile,
     }
 
 
@@ -136,7 +141,8 @@ def _side_by_side(runs: list[dict]) -> str:
             f"link {run['link']['rate']}: {inside}/{len(judged)} judged sizes within "
             f"+-{TARGET:.0%} (worst {worst:.0%}); fit latency {run['fit']['latency_us']:.4g} us "
             f"per step, bandwidth {run['fit']['bandwidth_GBps']:.4g} GB/s; load average "
-            f"{run['load_before']:.2f} -> {run['load_after']:.2f}"
+            f"{run['load_before']:.2f} -> {run['load_after']:.2f}; times are quantile "
+            f"{run['quantile']:g} of each size's iterations"
         )
     lines.append("ratio = predicted / measured; '!' marks a judged size outside the target")
     return "\n".join(lines)
@@ -155,6 +161,9 @@ def main() -> int:
     parser.add_argument("--max-bytes", default="256MiB")
     parser.add_argument("--judge-from", default="1MiB")
     parser.add_argument("--budget-s", type=float, default=0.5)
+    parser.add_argument(
+        "--quantile", type=float, default=0.5, help="quantile of a size's iterations (0.5: median)"
+    )
     parser.add_argument("--results-dir", default=str(REPO / "bench" / "results"))
     parser.add_argument("--json", metavar="PATH", help="write the cases as JSON")
     args = parser.parse_args()
@@ -178,6 +187,7 @@ def main() -> int:
                     "judge_from",
                     "budget_s",
                     "results_dir",
+                    "quantile",
                 )
             ]
             subprocess.run(
@@ -194,6 +204,7 @@ def main() -> int:
                 {
                     "cases": [c for run in runs for c in run["cases"]],
                     "baseline": "measured (odd iterations; even ones were fitted)",
+                    "quantile": args.quantile,
                     "links": [run["link"] for run in runs],
                     "fits": {run["link"]["rate"]: run["fit"] for run in runs},
                     "load_average": [[run["load_before"], run["load_after"]] for run in runs],

@@ -174,6 +174,8 @@ def test_calibrate_measures_small_sizes_and_writes_a_usable_topology(tmp_path, c
             "4MiB",
             "--budget-s",
             "0.01",
+            "--quantile",
+            "0.25",
             "--output",
             str(output),
             "--no-progress",
@@ -188,6 +190,13 @@ def test_calibrate_measures_small_sizes_and_writes_a_usable_topology(tmp_path, c
     assert [s["bytes"] for s in tier["sizes"]] == [4096 * 2**i for i in range(11)]
     assert all(s["time_s"] > 0 and s["busbw_GBps"] > 0 for s in tier["sizes"])
     assert tier["bandwidth_GBps"] > 0 and tier["latency_us"] >= 0
+    assert "quantile 0.25 of each size's iterations" in output.read_text()
     topo = load_topology(output)
     assert topo.world_size == 2
     assert topo.domains[0].bandwidth_GBps == pytest.approx(tier["bandwidth_GBps"], rel=1e-4)
+
+
+def test_calibrate_rejects_a_quantile_outside_zero_one_before_measuring(tmp_path, capsys):
+    with pytest.raises(ValueError, match="quantile must be in \\(0, 1\\), got 1.5"):
+        _run(["calibrate", "--quantile", "1.5", "--output", str(tmp_path / "t.yaml")], capsys)
+    assert not (tmp_path / "t.yaml").exists()

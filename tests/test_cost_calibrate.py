@@ -8,6 +8,7 @@ from overlapkit.planner.calibrate import (
     TierFit,
     calibrated_yaml,
     fit_ring_all_reduce,
+    sample_quantile,
     sizes_between,
 )
 from overlapkit.topology import merge_views, parse_topology_yaml
@@ -87,3 +88,16 @@ def test_calibrated_topology_predicts_what_the_fit_predicts():
         est = estimate("all_reduce", nbytes=nbytes, topology=topo)
         assert est.time_s == pytest.approx(fit.predict_s(nbytes), rel=1e-5)
         assert est.time_s == pytest.approx(_ring_time(nbytes, 2, 40.0, 0.8), rel=1e-5)
+
+
+def test_sample_quantile_interpolates_and_half_is_the_median():
+    samples = [4.0, 1.0, 3.0, 2.0]
+    assert sample_quantile(samples, 0.5) == pytest.approx(2.5)
+    assert sample_quantile(samples, 0.25) == pytest.approx(1.75)
+    assert sample_quantile([7.0], 0.25) == 7.0
+
+
+@pytest.mark.parametrize("quantile", [0.0, 1.0, -0.5, 2.0])
+def test_sample_quantile_outside_zero_one_names_the_value(quantile):
+    with pytest.raises(ValueError, match=f"quantile must be in \\(0, 1\\), got {quantile}"):
+        sample_quantile([1.0, 2.0], quantile)

@@ -11,7 +11,9 @@ writes a topology YAML with the fitted, achieved figures (efficiency 1.0) that
 ``ok.load_topology`` and ``overlapkit estimate --topology FILE`` read back.
 
 Timing follows nccl-tests: per size a few warm-up calls, then iterations each fenced by a
-barrier; an iteration's time is the slowest rank's; the reported time is the median iteration.
+barrier; an iteration's time is the slowest rank's; the reported time is the median iteration,
+or another quantile: on a shared machine other work only ever adds time, so a lower quantile
+(``quantile=0.25``) measures the undisturbed collective more reproducibly than the median does.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import logging
 import math
 import os
 import socket
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -48,7 +49,8 @@ DEFAULT_OUTPUT = Path("runs/calibration/topology.yaml")
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    """One size's all-reduce: median time (s) and nccl-tests algbw / busbw (GB/s)."""
+    """One size's all-reduce: time (s; a quantile of the iterations, the median by default) and
+    nccl-tests algbw / busbw (GB/s)."""
 
     nbytes: int
     time_s: float
@@ -107,6 +109,19 @@ def sizes_between(min_bytes: int, max_bytes: int) -> list[int]:
     return sizes
 
 
+def sample_quantile(samples: Sequence[float], quantile: float) -> float:
+    """The ``quantile`` (0..1, linear interpolation) of ``samples``; 0.5 is the median."""
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile must be in (0, 1), got {quantile}")
+    if not samples:
+        raise ValueError("quantile of no samples")
+    ordered = sorted(samples)
+    position = quantile * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
 def fit_ring_all_reduce(measurements: Sequence[Measurement]) -> tuple[float, float]:
     """(latency_us per step, bandwidth_GBps) of the ring model that best fits, relatively.
 
@@ -145,6 +160,7 @@ def measure_all_reduce(
     progress: bool = True,
     label: str = "all_reduce",
     min_iterations: int = 5,
+    quantile: float = 0.5,
 ) -> list[Measurement]:
     """Time ``all_reduce`` of float32 buffers of each size on ``group`` (a collective).
 
@@ -155,10 +171,13 @@ def measure_all_reduce(
         progress (bool): show a tqdm bar on the group's rank 0.
         label (str): the bar's label.
         min_iterations (int): at least this many timed iterations per size. Defaults to 5.
+        quantile (float): which quantile of the iterations is a size's time. Defaults to the
+            median (0.5); 0.25 suits a shared machine (see the module docstring).
 
     Returns:
         list[Measurement]: one per size, identical on every rank.
     """
+    sample_quantile([0.0], quantile)  # reject a bad quantile before any collective
     group = group or dist.group.WORLD
     n = dist.get_world_size(group)
     device = (
@@ -178,7 +197,7 @@ def measure_all_reduce(
         out.append(
             Measurement(
                 nbytes=nbytes,
-                time_s=statistics.median(times),
+                time_s=sample_quantile(times, quantile),
                 group_size=n,
                 iterations=iterations,
                 samples=tuple(times),
@@ -205,7 +224,11 @@ def _timed(
 
 
 def calibrate_collective(
-    sizes: Sequence[int], *, budget_s: float = 0.25, progress: bool = True
+    sizes: Sequence[int],
+    *,
+    budget_s: float = 0.25,
+    progress: bool = True,
+    quantile: float = 0.5,
 ) -> Calibration:
     """Measure and fit every tier of the running job; a collective over the default group."""
     topology = detect_topology()
@@ -224,7 +247,12 @@ def calibrate_collective(
         )
         if dist.get_rank() in ranks:
             measured = measure_all_reduce(
-                sizes, group=group, budget_s=budget_s, progress=progress, label=f"{tier} all_reduce"
+                sizes,
+                group=group,
+                budget_s=budget_s,
+                progress=progress,
+                label=f"{tier} all_reduce",
+                quantile=quantile,
             )
             latency_us, bandwidth = fit_ring_all_reduce(measured)
             fits.append(TierFit(tier, ranks, latency_us, bandwidth, tuple(measured)))
@@ -234,14 +262,14 @@ def calibrate_collective(
     merged = {fit.tier: fit for rank_fits in gathered for fit in rank_fits}
     fits = [merged[tier] for tier, _ in tiers]
     backend = str(dist.get_backend()).lower()
-    text = calibrated_yaml(topology, fits, backend=backend)
+    text = calibrated_yaml(topology, fits, backend=backend, quantile=quantile)
     return Calibration(tuple(fits), parse_topology_yaml(text, source="calibration"), text, backend)
 
 
 def _worker(
-    rank: int, world_size: int, sizes: list[int], budget_s: float, progress: bool
+    rank: int, world_size: int, sizes: list[int], budget_s: float, progress: bool, quantile: float
 ) -> Calibration | None:
-    result = calibrate_collective(sizes, budget_s=budget_s, progress=progress)
+    result = calibrate_collective(sizes, budget_s=budget_s, progress=progress, quantile=quantile)
     return result if rank == 0 else None
 
 
@@ -253,6 +281,7 @@ def calibrate(
     budget_s: float = 0.25,
     output: str | Path | None = DEFAULT_OUTPUT,
     progress: bool = True,
+    quantile: float = 0.5,
 ) -> Calibration:
     """Measure this machine's all-reduce and write a fitted topology YAML.
 
@@ -266,6 +295,8 @@ def calibrate(
         budget_s (float): seconds spent per size, about. Defaults to 0.25.
         output (str | Path): where rank 0 writes the YAML; None writes nothing.
         progress (bool): show a progress bar. Defaults to True.
+        quantile (float): the quantile of each size's iterations that is fitted. Defaults to
+            the median; 0.25 on a shared machine.
 
     Returns:
         Calibration: measurements and fits per tier, the YAML text and its topology.
@@ -273,8 +304,11 @@ def calibrate(
     if ranks < 2:
         raise ValueError(f"--ranks must be >= 2 to measure a collective, got {ranks}")
     sizes = sizes_between(min_bytes, max_bytes)
+    sample_quantile([0.0], quantile)
     if dist.is_available() and dist.is_initialized():
-        result = calibrate_collective(sizes, budget_s=budget_s, progress=progress)
+        result = calibrate_collective(
+            sizes, budget_s=budget_s, progress=progress, quantile=quantile
+        )
         write = dist.get_rank() == 0
     else:
         # A 256 MiB gloo all-reduce takes seconds behind a slow emulated link.
@@ -284,6 +318,7 @@ def calibrate(
             sizes,
             budget_s,
             progress,
+            quantile,
             collective_timeout_s=120,
             total_timeout_s=1800,
         )[0]
@@ -296,7 +331,9 @@ def calibrate(
     return result
 
 
-def calibrated_yaml(topology: Topology, fits: Sequence[TierFit], *, backend: str) -> str:
+def calibrated_yaml(
+    topology: Topology, fits: Sequence[TierFit], *, backend: str, quantile: float = 0.5
+) -> str:
     """A topology file with the fitted figures of ``fits`` on ``topology``'s shape."""
     by_tier = {fit.tier: fit for fit in fits}
     up = by_tier.get("scale_up")
@@ -335,8 +372,9 @@ def calibrated_yaml(topology: Topology, fits: Sequence[TierFit], *, backend: str
         f"# Measured by `overlapkit calibrate` on {socket.gethostname()} at "
         f"{datetime.datetime.now().isoformat(timespec='seconds')} (pid {os.getpid()}).",
         f"# {backend} all_reduce, sizes {format_bytes(fits[0].measurements[0].nbytes)} .. "
-        f"{format_bytes(fits[0].measurements[-1].nbytes)}; fitted per tier by relative least "
-        "squares",
+        f"{format_bytes(fits[0].measurements[-1].nbytes)}, quantile {quantile:g} of each size's "
+        "iterations;",
+        "# fitted per tier by relative least squares",
         "# to t = 2(n-1) x latency + 2(n-1)/n x S / bandwidth; figures are achieved "
         "(efficiency 1).",
     ]
