@@ -10,6 +10,7 @@ the fitted topology. The target is +-20 % for sizes >= --judge-from (1 MiB).
 
     python bench/cost_model.py --quantile 0.25 --json bench/results/cost_model.json
 
+--fit-min-bytes fits only the sizes from there up, as ``overlapkit calibrate --fit-min-bytes``.
 A size's time is a quantile of its iterations (--quantile, the median by default), the same one
 for the fitted half and for the measured half, as ``overlapkit calibrate --quantile`` fits it.
 
@@ -80,8 +81,16 @@ def run_link(args: argparse.Namespace) -> dict:
         _measure, args.ranks, sizes, args.budget_s, collective_timeout_s=120, total_timeout_s=1800
     )[0]
     fitted, verify = _half(measured, 0, args.quantile), _half(measured, 1, args.quantile)
-    fit = TierFit("scale_up", topology.nodes()[0], *fit_ring_all_reduce(fitted), tuple(fitted))
-    yaml_text = calibrated_yaml(topology, [fit], backend="gloo", quantile=args.quantile)
+    fit_min_bytes = int(parse_size(args.fit_min_bytes))
+    fit = TierFit(
+        "scale_up",
+        topology.nodes()[0],
+        *fit_ring_all_reduce(fitted, min_bytes=fit_min_bytes),
+        tuple(fitted),
+    )
+    yaml_text = calibrated_yaml(
+        topology, [fit], backend="gloo", quantile=args.quantile, fit_min_bytes=fit_min_bytes
+    )
     calibrated = parse_topology_yaml(yaml_text, source="calibrated")
     link = current_link() or {"rate": "none", "delay": "0ms"}
     results = Path(args.results_dir)
@@ -113,6 +122,7 @@ def run_link(args: argparse.Namespace) -> dict:
         "load_after": os.getloadavg()[0],
         "fit": {"latency_us": fit.latency_us, "bandwidth_GBps": fit.bandwidth_GBps},
         "quantile": args.quantile,
+        "fit_min_bytes": fit_min_bytes,
     }
 
 
@@ -142,7 +152,8 @@ def _side_by_side(runs: list[dict]) -> str:
             f"+-{TARGET:.0%} (worst {worst:.0%}); fit latency {run['fit']['latency_us']:.4g} us "
             f"per step, bandwidth {run['fit']['bandwidth_GBps']:.4g} GB/s; load average "
             f"{run['load_before']:.2f} -> {run['load_after']:.2f}; times are quantile "
-            f"{run['quantile']:g} of each size's iterations"
+            f"{run['quantile']:g} of each size's iterations; fitted sizes >= "
+            f"{format_bytes(run['fit_min_bytes'])}"
         )
     lines.append("ratio = predicted / measured; '!' marks a judged size outside the target")
     return "\n".join(lines)
@@ -161,6 +172,9 @@ def main() -> int:
     parser.add_argument("--max-bytes", default="256MiB")
     parser.add_argument("--judge-from", default="1MiB")
     parser.add_argument("--budget-s", type=float, default=0.5)
+    parser.add_argument(
+        "--fit-min-bytes", default="0", help="fit only sizes >= this (as calibrate does)"
+    )
     parser.add_argument(
         "--quantile", type=float, default=0.5, help="quantile of a size's iterations (0.5: median)"
     )
@@ -188,6 +202,7 @@ def main() -> int:
                     "budget_s",
                     "results_dir",
                     "quantile",
+                    "fit_min_bytes",
                 )
             ]
             subprocess.run(

@@ -200,3 +200,9 @@ def test_calibrate_rejects_a_quantile_outside_zero_one_before_measuring(tmp_path
     with pytest.raises(ValueError, match="quantile must be in \\(0, 1\\), got 1.5"):
         _run(["calibrate", "--quantile", "1.5", "--output", str(tmp_path / "t.yaml")], capsys)
     assert not (tmp_path / "t.yaml").exists()
+
+
+def test_calibrate_rejects_a_fit_range_with_fewer_than_two_sizes(tmp_path, capsys):
+    argv = ["calibrate", "--max-bytes", "1MiB", "--fit-min-bytes", "1MiB"]
+    with pytest.raises(ValueError, match="--fit-min-bytes 1048576 leaves fewer than two"):
+        _run([*argv, "--output", str(tmp_path / "t.yaml")], capsys)

@@ -101,3 +101,16 @@ def test_sample_quantile_interpolates_and_half_is_the_median():
 def test_sample_quantile_outside_zero_one_names_the_value(quantile):
     with pytest.raises(ValueError, match=f"quantile must be in \\(0, 1\\), got {quantile}"):
         sample_quantile([1.0, 2.0], quantile)
+
+
+def test_fit_from_min_bytes_ignores_a_small_message_regime():
+    # Large sizes follow the ring exactly; small ones are all one flat 1 ms (a different regime).
+    large = _measurements(2, 30.0, 0.9, sizes=(2**20, 2**22, 2**24, 2**26))
+    small = [Measurement(s, 1e-3, 2, 5) for s in (4096, 65536, 2**19)]
+    latency, bandwidth = fit_ring_all_reduce(small + large, min_bytes=2**20)
+    assert latency == pytest.approx(30.0, rel=1e-6)
+    assert bandwidth == pytest.approx(0.9, rel=1e-6)
+    whole_latency, _ = fit_ring_all_reduce(small + large)
+    assert whole_latency > 100.0  # the flat small sizes pull one line's latency far off
+    with pytest.raises(ValueError, match="two or more sizes >= 67108864 bytes, got 1"):
+        fit_ring_all_reduce(small + large, min_bytes=2**26)

@@ -122,17 +122,26 @@ def sample_quantile(samples: Sequence[float], quantile: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def fit_ring_all_reduce(measurements: Sequence[Measurement]) -> tuple[float, float]:
+def fit_ring_all_reduce(
+    measurements: Sequence[Measurement], *, min_bytes: int = 0
+) -> tuple[float, float]:
     """(latency_us per step, bandwidth_GBps) of the ring model that best fits, relatively.
 
-    Minimises sum(((a + b S) - t) / t)^2 over a = 2(n-1) latency and b = 2(n-1)/(n bandwidth);
-    a negative intercept is refitted as zero latency.
+    Minimises sum(((a + b S) - t) / t)^2 over a = 2(n-1) latency and b = 2(n-1)/(n bandwidth),
+    over the sizes >= ``min_bytes`` only; a negative intercept is refitted as zero latency.
+
+    Fitting from ``min_bytes`` exists because one line cannot follow a transport whose small
+    messages behave differently (gloo on loopback: the per-step cost of messages up to ~1 MiB
+    overlaps their transfer, beyond it adds to it); fit the range the planner will ask about.
 
     Raises:
         ValueError: fewer than two sizes, or times that do not grow with size.
     """
+    measurements = [m for m in measurements if m.nbytes >= min_bytes]
     if len(measurements) < 2:
-        raise ValueError(f"fitting needs two or more sizes, got {len(measurements)}")
+        raise ValueError(
+            f"fitting needs two or more sizes >= {min_bytes} bytes, got {len(measurements)}"
+        )
     n = measurements[0].group_size
     # Normal equations of the weighted problem: rows (1/t, S/t), target 1.
     rows = [(1 / m.time_s, m.nbytes / m.time_s) for m in measurements]
@@ -229,8 +238,12 @@ def calibrate_collective(
     budget_s: float = 0.25,
     progress: bool = True,
     quantile: float = 0.5,
+    fit_min_bytes: int = 0,
 ) -> Calibration:
-    """Measure and fit every tier of the running job; a collective over the default group."""
+    """Measure and fit every tier of the running job; a collective over the default group.
+
+    See ``calibrate`` for the arguments.
+    """
     topology = detect_topology()
     nodes = topology.nodes()
     tiers = []
@@ -254,7 +267,7 @@ def calibrate_collective(
                 label=f"{tier} all_reduce",
                 quantile=quantile,
             )
-            latency_us, bandwidth = fit_ring_all_reduce(measured)
+            latency_us, bandwidth = fit_ring_all_reduce(measured, min_bytes=fit_min_bytes)
             fits.append(TierFit(tier, ranks, latency_us, bandwidth, tuple(measured)))
         dist.barrier()
     gathered: list = [None] * dist.get_world_size()
@@ -262,14 +275,14 @@ def calibrate_collective(
     merged = {fit.tier: fit for rank_fits in gathered for fit in rank_fits}
     fits = [merged[tier] for tier, _ in tiers]
     backend = str(dist.get_backend()).lower()
-    text = calibrated_yaml(topology, fits, backend=backend, quantile=quantile)
+    text = calibrated_yaml(
+        topology, fits, backend=backend, quantile=quantile, fit_min_bytes=fit_min_bytes
+    )
     return Calibration(tuple(fits), parse_topology_yaml(text, source="calibration"), text, backend)
 
 
-def _worker(
-    rank: int, world_size: int, sizes: list[int], budget_s: float, progress: bool, quantile: float
-) -> Calibration | None:
-    result = calibrate_collective(sizes, budget_s=budget_s, progress=progress, quantile=quantile)
+def _worker(rank: int, world_size: int, sizes: list[int], options: dict) -> Calibration | None:
+    result = calibrate_collective(sizes, **options)
     return result if rank == 0 else None
 
 
@@ -282,6 +295,7 @@ def calibrate(
     output: str | Path | None = DEFAULT_OUTPUT,
     progress: bool = True,
     quantile: float = 0.5,
+    fit_min_bytes: int = 0,
 ) -> Calibration:
     """Measure this machine's all-reduce and write a fitted topology YAML.
 
@@ -297,6 +311,8 @@ def calibrate(
         progress (bool): show a progress bar. Defaults to True.
         quantile (float): the quantile of each size's iterations that is fitted. Defaults to
             the median; 0.25 on a shared machine.
+        fit_min_bytes (int): fit only the sizes >= this (bytes); all are measured and shown.
+            Defaults to 0, every size.
 
     Returns:
         Calibration: measurements and fits per tier, the YAML text and its topology.
@@ -305,10 +321,19 @@ def calibrate(
         raise ValueError(f"--ranks must be >= 2 to measure a collective, got {ranks}")
     sizes = sizes_between(min_bytes, max_bytes)
     sample_quantile([0.0], quantile)
-    if dist.is_available() and dist.is_initialized():
-        result = calibrate_collective(
-            sizes, budget_s=budget_s, progress=progress, quantile=quantile
+    if sum(size >= fit_min_bytes for size in sizes) < 2:
+        raise ValueError(
+            f"--fit-min-bytes {fit_min_bytes} leaves fewer than two of the measured sizes "
+            f"({format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}) to fit"
         )
+    options = {
+        "budget_s": budget_s,
+        "progress": progress,
+        "quantile": quantile,
+        "fit_min_bytes": fit_min_bytes,
+    }
+    if dist.is_available() and dist.is_initialized():
+        result = calibrate_collective(sizes, **options)
         write = dist.get_rank() == 0
     else:
         # A 256 MiB gloo all-reduce takes seconds behind a slow emulated link.
@@ -316,9 +341,7 @@ def calibrate(
             _worker,
             ranks,
             sizes,
-            budget_s,
-            progress,
-            quantile,
+            options,
             collective_timeout_s=120,
             total_timeout_s=1800,
         )[0]
@@ -332,7 +355,12 @@ def calibrate(
 
 
 def calibrated_yaml(
-    topology: Topology, fits: Sequence[TierFit], *, backend: str, quantile: float = 0.5
+    topology: Topology,
+    fits: Sequence[TierFit],
+    *,
+    backend: str,
+    quantile: float = 0.5,
+    fit_min_bytes: int = 0,
 ) -> str:
     """A topology file with the fitted figures of ``fits`` on ``topology``'s shape."""
     by_tier = {fit.tier: fit for fit in fits}
@@ -374,7 +402,7 @@ def calibrated_yaml(
         f"# {backend} all_reduce, sizes {format_bytes(fits[0].measurements[0].nbytes)} .. "
         f"{format_bytes(fits[0].measurements[-1].nbytes)}, quantile {quantile:g} of each size's "
         "iterations;",
-        "# fitted per tier by relative least squares",
+        f"# fitted per tier, sizes >= {format_bytes(fit_min_bytes)}, by relative least squares",
         "# to t = 2(n-1) x latency + 2(n-1)/n x S / bandwidth; figures are achieved "
         "(efficiency 1).",
     ]

@@ -315,6 +315,13 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
         "shared machine, where other work only adds time)",
     )
     parser.add_argument(
+        "--fit-min-bytes",
+        default="0",
+        metavar="SIZE",
+        help="fit only sizes >= SIZE, e.g. 1MiB for the bucket sizes the planner asks about "
+        "(default 0: every size)",
+    )
+    parser.add_argument(
         "--output",
         default=str(DEFAULT_OUTPUT),
         metavar="FILE",
@@ -334,6 +341,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         output=args.output,
         progress=not args.no_progress,
         quantile=args.quantile,
+        fit_min_bytes=int(parse_size(args.fit_min_bytes, what="--fit-min-bytes")),
     )
     if args.json:
         print(
