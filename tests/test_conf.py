@@ -25,6 +25,8 @@ from overlapkit.train.cli import check_fresh_start, check_job, check_missing, no
 from overlapkit.train.data import SyntheticRegression, SyntheticTokens, TextCorpus
 from overlapkit.train.launch import LauncherConfig
 from overlapkit.train.loop import TrainConfig
+from overlapkit.train.mesh import PlanConfig, split_parallel
+from overlapkit.train.models import MoEGPT
 
 CONF = Path(ok.__file__).parent / "conf"
 REPO = Path(__file__).resolve().parent.parent
@@ -80,21 +82,31 @@ def test_every_option_composes_and_builds(group, option):
     assert isinstance(model, torch.nn.Module) and len(model.blocks) >= 1
 
 
-def test_parallel_options_call_the_public_api():
+def test_parallel_options_call_the_public_api_with_planned_sizes():
+    fsdp = {"prefetch": 1, "mixed_precision": None, "reshard_after_forward": True}
     expected = {
-        "ddp": (ok.ddp, {"bucket_mb": 25, "compress": None}),
-        "ddp_bf16": (ok.ddp, {"bucket_mb": 25, "compress": "bf16"}),
-        "bucketer": (ok.GradBucketer, {"bucket_mb": 25}),
-        "fsdp": (ok.fsdp, {"prefetch": 1, "mixed_precision": None, "reshard_after_forward": True}),
-        "fsdp_prefetch2": (
-            ok.fsdp,
-            {"prefetch": 2, "mixed_precision": None, "reshard_after_forward": True},
-        ),
+        "ddp": (ok.ddp, {"bucket_mb": 25, "compress": None}, {}),
+        "ddp_bf16": (ok.ddp, {"bucket_mb": 25, "compress": "bf16"}, {}),
+        "bucketer": (ok.GradBucketer, {"bucket_mb": 25}, {}),
+        "fsdp": (ok.fsdp, fsdp, {}),
+        "fsdp_prefetch2": (ok.fsdp, fsdp | {"prefetch": 2}, {}),
+        "hsdp": (ok.fsdp, fsdp, {"dp_shard": 2}),
+        "tp_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"tp": 2}),
+        "ep_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"ep": 2}),
     }
     assert {option for group, option in OPTIONS if group == "parallel"} == set(expected)
-    for option, (target, keywords) in expected.items():
-        factory = instantiate(_compose(f"parallel={option}").parallel)
+    for option, (target, keywords, sizes) in expected.items():
+        plan, factory_cfg = split_parallel(_compose(f"parallel={option}").parallel)
+        factory = instantiate(factory_cfg)
         assert (factory.func, factory.keywords) == (target, keywords), option
+        assert plan == PlanConfig(**sizes), option
+
+
+def test_choosing_ep_dp_also_chooses_moe_tiny_unless_model_is_given():
+    assert isinstance(instantiate(_compose("parallel=ep_dp").model), MoEGPT)
+    cfg = _compose("parallel=ep_dp", "model=gpt_tiny")
+    with pytest.raises(ValueError, match=r"parallel.plan.ep=2 needs a mixture-of-experts model"):
+        check_job(cfg, instantiate(cfg.launcher))
 
 
 def test_topology_options_build_the_topology_api():
@@ -176,6 +188,44 @@ def test_override_typo_fails_with_hydras_message():
             ["topology=preset", "topology.name_or_path=dgx-h10"],
             ValueError,
             r"unknown topology preset 'dgx-h10'",
+        ),
+        (
+            ["parallel=tp_dp", "parallel.plan.tp=3"],
+            ValueError,
+            r"parallel.plan.tp x parallel.plan.ep = 3 x 1 = 3 does not divide the world size 2",
+        ),
+        (
+            ["parallel=tp_dp", "parallel.plan.tp=2", "model.config.n_head=1"],
+            ValueError,
+            r"parallel.plan.tp \(2\) must divide model.config.n_head \(1\)",
+        ),
+        (
+            ["parallel=ep_dp", "model.config.n_expert=3"],
+            ValueError,
+            r"parallel.plan.ep \(2\) must divide model.config.n_expert \(3\)",
+        ),
+        (
+            ["parallel=hsdp", "parallel.plan.dp_shard=4"],
+            ValueError,
+            r"parallel.plan.dp_shard \(4\) must divide the data-parallel size 2",
+        ),
+        (
+            ["parallel=tp_dp", "parallel._target_=overlapkit.ddp"],
+            ValueError,
+            r"parallel.plan.tp=2 needs parallel._target_ overlapkit.GradBucketer",
+        ),
+        (["parallel=tp_dp", "~topology"], ValueError, r"parallel.plan needs a topology"),
+        (
+            # 2 nodes of 2 ranks: this axis order puts each tp pair on both nodes.
+            [
+                "parallel=tp_dp",
+                "+parallel.plan.order=[pp,tp,dp,ep,cp]",
+                "launcher.nproc_per_node=4",
+                "topology=preset",
+                "topology.name_or_path=cpu-gloox2",
+            ],
+            ValueError,
+            r"cannot place tp=2 dp=2 on 'cpu-gloox2' without splitting a scale-up domain",
         ),
     ],
 )

@@ -6,6 +6,8 @@
     overlapkit-train recipe=demo                        # what `make demo` runs
     overlapkit-train parallel=fsdp train.steps=200 launcher.nproc_per_node=4
     overlapkit-train -m parallel=ddp,bucketer,fsdp      # one launch after another
+    overlapkit-train parallel=tp_dp launcher.nproc_per_node=4   # tp=2 x dp=2, planned
+    overlapkit-train parallel=ep_dp launcher.nproc_per_node=4   # moe_tiny, ep=2 x dp=2
     # two nodes: the same command on each, with its node_rank
     overlapkit-train launcher=multinode launcher.node_rank=0 launcher.rdzv_endpoint=HOST:29500
 
@@ -28,10 +30,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from overlapkit.planner import plan as place
 from overlapkit.train.checkpoint import latest_checkpoint
 from overlapkit.train.data import check_compatible
 from overlapkit.train.launch import LauncherConfig, launch
 from overlapkit.train.loop import RunPaths
+from overlapkit.train.mesh import check_plan, split_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +88,18 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
     instantiate(cfg.optim.scheduler)(optimizer, total_steps=train_steps)
     if cfg.get("profiler") is not None:
         instantiate(cfg.profiler)(logdir="unused")  # checks the schedule; starts nothing
+    world_size = launcher.nnodes * launcher.nproc_per_node
+    plan, factory = split_parallel(cfg.parallel)
+    check_plan(
+        plan, world_size=world_size, model_config=model_config, target=factory.get("_target_")
+    )
     topology = cfg.get("topology")
+    if topology is None and not plan.trivial:
+        raise ValueError(
+            "parallel.plan needs a topology to place tp/ep/dp_shard on; use topology=detect or "
+            "topology=preset (topology is null)"
+        )
     if topology is not None and topology.get("_target_") != _DETECT:
-        world_size = launcher.nnodes * launcher.nproc_per_node
         described = instantiate(topology)()
         if described.world_size != world_size:
             raise ValueError(
@@ -94,6 +107,7 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
                 f"launcher.nnodes * launcher.nproc_per_node = {world_size}; choose a preset of "
                 "that size (NAMExN for N nodes) or topology=detect"
             )
+        place(described, **plan.plan_kwargs())  # the planner's own refusals, before launch
 
 
 def check_fresh_start(cfg: DictConfig, run_dir: Path) -> None:

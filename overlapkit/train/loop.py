@@ -21,14 +21,15 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch.distributed.tensor import DTensor
 
 from overlapkit.profiling import analyze_run
 from overlapkit.profiling.report import format_report
 from overlapkit.train.checkpoint import TrainingState, latest_checkpoint, remove_pending
 from overlapkit.train.data import BatchStream, DataSource, check_compatible
-from overlapkit.train.monitor import Monitor, RunSummary
-from overlapkit.train.parallel import Parallelized, apply_parallel
+from overlapkit.train.mesh import Layout, build_layout, split_parallel
+from overlapkit.train.models.moe import MoE
+from overlapkit.train.monitor import Monitor, RunSummary, scaling_efficiency
+from overlapkit.train.parallel import Parallelized, apply_parallel, clip_grad_norm
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ class TrainConfig:
     time-limited job does; rerunning resumes. None runs to ``steps``."""
     progress: bool = True
     """Show the progress bar on rank 0."""
+    baseline_items_per_s: float | None = None
+    """Throughput of a 1-rank run of the same config (its summary's tok/s, or samples/s for
+    data=regression); the summary then reports scaling efficiency T(N) / (N x T(1)). None: not
+    reported."""
 
     def __post_init__(self) -> None:
         check_int("train.steps", self.steps, 1)
@@ -75,6 +80,11 @@ class TrainConfig:
             raise ValueError(
                 f"train.clip_grad_norm must be > 0 or null (no clipping), got "
                 f"{self.clip_grad_norm!r}"
+            )
+        if self.baseline_items_per_s is not None and not self.baseline_items_per_s > 0:
+            raise ValueError(
+                f"train.baseline_items_per_s must be > 0 (a 1-rank run's tok/s) or null, got "
+                f"{self.baseline_items_per_s!r}"
             )
         if self.device not in DEVICES:
             raise ValueError(f"train.device must be one of {list(DEVICES)}, got {self.device!r}")
@@ -153,10 +163,7 @@ def _topology(job: DictConfig, world_size: int, rank: int, paths: RunPaths):
 def _grad_norm(par: Parallelized, max_norm: float | None) -> float | None:
     if max_norm is None:
         return None
-    norm = torch.nn.utils.clip_grad_norm_(par.model.parameters(), max_norm)
-    if isinstance(norm, DTensor):  # FSDP2: the norm of this rank's shards, reduced on read
-        norm = norm.full_tensor()
-    return norm.item()
+    return clip_grad_norm(par.model.parameters(), max_norm)
 
 
 def _train_step(
@@ -196,6 +203,38 @@ def _exposed_share(profile_dir: Path) -> tuple[float | None, int, str | None]:
     return share, len(report.steps), format_report(report)
 
 
+def _mesh_record(layout: Layout) -> dict | None:
+    """The planned sizes and groups of every axis larger than 1 (``summary.json``'s ``mesh``)."""
+    placement = layout.placement
+    if placement is None:
+        return None
+    return {
+        "topology": placement.topology.name,
+        "sizes": placement.sizes,
+        "groups": {a: placement.groups(a) for a, n in placement.sizes.items() if n > 1},
+    }
+
+
+def _gather_dispatch(par: Parallelized, world_size: int) -> list[dict] | None:
+    """Every rank's MoE all-to-all record: the group ranks each layer dispatched over, how often.
+
+    A collective (every rank calls it); None when the model has no expert-parallel layer.
+    """
+    layers = [m for m in par.model.modules() if isinstance(m, MoE) and m.ep_group is not None]
+    if not layers:
+        return None
+    mine = {
+        "rank": dist.get_rank(),
+        "layers": [
+            {"group": list(m.stats.ranks), "all_to_all_calls": m.stats.all_to_all_calls}
+            for m in layers
+        ],
+    }
+    every: list = [None] * world_size
+    dist.all_gather_object(every, mine)
+    return every
+
+
 def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | None:
     """Train as ``job`` (the composed config) says; every rank calls it after joining the group.
 
@@ -217,10 +256,14 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     source = instantiate(job.data)
     check_compatible(source, model.config)
     topology = _topology(job, world_size, rank, paths)
-    par = apply_parallel(model, instantiate(job.parallel))
+    plan, factory = split_parallel(job.parallel)
+    layout = build_layout(plan, topology, device)
+    par = apply_parallel(model, instantiate(factory), layout)
     optimizer = instantiate(job.optim.optimizer)(par.model.parameters())
     scheduler = instantiate(job.optim.scheduler)(optimizer, total_steps=cfg.steps)
-    stream = BatchStream(source, rank=rank, batch_size=cfg.batch_size)
+    # Ranks of one tensor-parallel group read the same batches.
+    data_index, data_shards = layout.data_shard(rank, world_size)
+    stream = BatchStream(source, rank=data_index, batch_size=cfg.batch_size)
     state = TrainingState(par.model, optimizer, scheduler, stream, rank)
     torch.manual_seed(cfg.seed + 1 + rank)  # anything random at run time differs per rank
 
@@ -239,16 +282,17 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         logger.info("resumed from %s (step %d)", found[1], start_step)
     end_step = min(cfg.steps, cfg.stop_after or cfg.steps)
     logger.info(
-        "%s, %d ranks, device %s: steps %d..%d of %d",
+        "%s, %d ranks (mesh %s), device %s: steps %d..%d of %d",
         par.description,
         world_size,
+        layout.describe(),
         device,
         start_step + 1,
         end_step,
         cfg.steps,
     )
 
-    items_per_step = cfg.batch_size * cfg.grad_accum * world_size * source.items_per_sample
+    items_per_step = cfg.batch_size * cfg.grad_accum * data_shards * source.items_per_sample
     monitor = Monitor(
         enabled=rank == 0,
         tb_dir=paths.scalars,
@@ -285,6 +329,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
                 checkpoint = state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
         seconds = time.perf_counter() - started
     dist.barrier()  # every rank's traces are written before rank 0 reads them
+    dispatch = _gather_dispatch(par, world_size)
     if rank != 0:
         return None
 
@@ -305,6 +350,10 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         loss_first=monitor.losses[0] if monitor.losses else None,
         loss_last=monitor.losses[-1] if monitor.losses else None,
         run_dir=str(paths.run_dir),
+        mesh=_mesh_record(layout),
+        ep_dispatch=dispatch,
+        baseline_items_per_s=cfg.baseline_items_per_s,
+        scaling_efficiency=scaling_efficiency(items_per_s, world_size, cfg.baseline_items_per_s),
         tensorboard_dir=str(paths.tensorboard),
         checkpoint=str(checkpoint) if checkpoint else None,
     )

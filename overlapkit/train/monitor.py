@@ -49,6 +49,14 @@ class RunSummary:
     tensorboard_dir: str = ""
     profile_dir: str | None = None
     checkpoint: str | None = None
+    mesh: dict | None = None
+    """The planner's sizes and groups of every axis larger than 1; None without a topology."""
+    ep_dispatch: list[dict] | None = None
+    """Per rank, per MoE layer: the ``ep`` group its all-to-alls ran over and how many ran."""
+    baseline_items_per_s: float | None = None
+    """``train.baseline_items_per_s``: a 1-rank run's throughput, tok/s (or samples/s)."""
+    scaling_efficiency: float | None = None
+    """``items_per_s / (world_size x baseline_items_per_s)``; None without a baseline."""
 
     def format(self) -> str:
         """Readable lines for the end of the run."""
@@ -68,6 +76,12 @@ class RunSummary:
                 f"  {self.steps_per_s:.2f} steps/s, {self.items_per_s:,.0f} {self.unit}/s, "
                 f"median step {self.median_step_ms:.1f} ms"
             )
+        if self.scaling_efficiency is not None:
+            lines.append(
+                f"  scaling efficiency {100 * self.scaling_efficiency:.1f}% = "
+                f"{self.items_per_s:,.0f} / ({self.world_size} x "
+                f"{self.baseline_items_per_s:,.0f}) {self.unit}/s vs the 1-rank baseline"
+            )
         if self.loss_first is not None:
             lines.append(f"  loss {self.loss_first:.4f} -> {self.loss_last:.4f}")
         if self.exposed_comm_share is not None:
@@ -83,6 +97,29 @@ class RunSummary:
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def scaling_efficiency(
+    items_per_s: float | None, world_size: int, baseline_items_per_s: float | None
+) -> float | None:
+    """``T(N) / (N x T(1))``: this run's throughput over ``world_size`` times a 1-rank run's.
+
+    Args:
+        items_per_s (float | None): this run's tokens (or samples) per second, whole job.
+        world_size (int): N, the ranks of this run.
+        baseline_items_per_s (float | None): T(1), the same config on 1 rank, same unit.
+
+    Returns:
+        float | None: 1.0 is linear scaling; None when either throughput is unknown.
+    """
+    if items_per_s is None or baseline_items_per_s is None:
+        return None
+    if world_size < 1 or not baseline_items_per_s > 0:
+        raise ValueError(
+            f"scaling efficiency needs world_size >= 1 and a baseline > 0, got {world_size} and "
+            f"{baseline_items_per_s!r}"
+        )
+    return items_per_s / (world_size * baseline_items_per_s)
 
 
 class Monitor:

@@ -1,25 +1,45 @@
 """Apply the ``parallel`` config group: call its factory on the model, adapt what comes back.
 
 The group's ``_target_`` is the public API itself (``overlapkit.ddp``, ``overlapkit.GradBucketer``,
-``overlapkit.fsdp``) with ``_partial_: true``, so the YAML says exactly which call is made.
+``overlapkit.fsdp``) with ``_partial_: true``, so the YAML says exactly which call is made; the
+factory gets its group or mesh from the planner's layout (``overlapkit.train.mesh``): a
+``process_group`` keyword gets the ``dp`` group, a ``mesh`` keyword the ``dp`` mesh (2-D for HSDP).
 What the call returns differs (a DDP module, a bucketer beside the model, an FSDP2 module); the
 loop needs the same three things from each: the module to run, how to skip gradient reduction
 on the micro-batches before the last one, and what to do after the last backward.
+
+Two layouts are prepared here before the factory runs:
+
+- **tensor parallel** (``parallel.plan.tp > 1``): every block's attention (q, k, v column-wise,
+  the output projection row-wise) and dense MLP (first layer column-wise, second row-wise) go
+  through torch's ``parallelize_module`` on the ``tp`` mesh axis; ``ok.GradBucketer`` then
+  averages the DTensor shards over ``dp``. (DDP does not take DTensor parameters, and FSDP2 over
+  a TP mesh would need 2-D shards that ``ok.fsdp``'s gloo comms do not handle.)
+- **expert parallel** (``parallel.plan.ep > 1``): the MoE experts are sharded over ``ep``; the
+  factory is called twice, for the parameters outside the experts (replicated over
+  ``dp x ep``) and for the experts (replicated over ``dp`` only).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp import GradBucketer
+from overlapkit.train.mesh import Layout, PlanConfig
+from overlapkit.train.models.moe import MoE, shard_experts
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +72,16 @@ def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def apply_parallel(model: nn.Module, factory: Callable[[nn.Module], object]) -> Parallelized:
-    """Call ``factory(model)`` and adapt its result for the loop.
+def apply_parallel(
+    model: nn.Module, factory: Callable[..., object], layout: Layout | None = None
+) -> Parallelized:
+    """Prepare ``model`` for ``layout`` (tensor or expert parallel), call ``factory``, adapt it.
 
     Args:
-        model (nn.Module): the local model, on its device.
+        model (nn.Module): the local model, on its device (the full model on every rank).
         factory (Callable): the instantiated ``parallel`` group (a partial of ``ok.ddp``,
             ``ok.GradBucketer``, ``ok.fsdp`` or any function returning one of those or a module).
+        layout (Layout): the planner's groups; None means plain data parallelism over the world.
 
     Returns:
         Parallelized: the module to run and its synchronisation controls.
@@ -66,20 +89,23 @@ def apply_parallel(model: nn.Module, factory: Callable[[nn.Module], object]) -> 
     Raises:
         TypeError: the factory returned something that is neither a module nor a bucketer.
     """
-    result = factory(model)
+    layout = layout if layout is not None else Layout(PlanConfig())
+    if layout.plan.tp > 1:
+        apply_tensor_parallel(model, layout.tp_mesh)
+    if layout.plan.ep > 1:
+        return _expert_parallel(model, factory, layout)
+    result = factory(model, **_group_kwargs(factory, layout))
     match result:
         case DistributedDataParallel():
             return Parallelized(result, result.no_sync, _nothing, True, "ok.ddp")
         case GradBucketer():
-            return Parallelized(
-                model,
-                result.no_sync,
-                result.wait,
-                False,
-                f"ok.GradBucketer ({result.num_buckets} buckets)",
-            )
+            what = f"ok.GradBucketer ({result.num_buckets} buckets)"
+            if layout.plan.tp > 1:
+                what += f" over dp, tensor parallel tp={layout.plan.tp}"
+            return Parallelized(model, result.no_sync, result.wait, False, what)
         case FSDPModule():
-            return Parallelized(result, lambda: _fsdp_no_sync(result), _nothing, True, "ok.fsdp")
+            what = "ok.fsdp" + (" (HSDP)" if layout.plan.dp_shard is not None else "")
+            return Parallelized(result, lambda: _fsdp_no_sync(result), _nothing, True, what)
         case nn.Module():
             # An unknown wrapper: it reduces gradients as it sees fit, on every backward.
             logger.warning(
@@ -95,3 +121,118 @@ def apply_parallel(model: nn.Module, factory: Callable[[nn.Module], object]) -> 
                 f"parallel: the factory {factory!r} returned {type(result).__name__}; expected an "
                 "nn.Module (ok.ddp, ok.fsdp) or an ok.GradBucketer"
             )
+
+
+def _group_kwargs(factory: Callable[..., object], layout: Layout) -> dict[str, object]:
+    """The planner's data-parallel group or mesh, under the keyword the factory takes."""
+    if layout.mesh is None:
+        return {}
+    try:
+        accepted = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable without a signature: it takes no group
+        return {}
+    if "mesh" in accepted:
+        return {"mesh": layout.dp_mesh}
+    if "process_group" in accepted:
+        return {"process_group": layout.dp_group}
+    return {}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism of every block, in place, over the 1-D ``tp_mesh``.
+
+    Attention: ``q``, ``k``, ``v`` column-wise (each rank computes its heads), ``proj``
+    row-wise (partial sums all-reduced). A dense MLP: first layer column-wise, second row-wise.
+    Embeddings, norms, the head and MoE layers stay replicated over ``tp``.
+    """
+    for block in model.blocks:
+        plan = {
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(),
+        }
+        if isinstance(block.mlp, nn.Sequential):
+            plan |= {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _owning_modules(root: nn.Module, exclude: nn.Module) -> nn.ModuleList:
+    """The modules of ``root`` that own parameters directly, outside ``exclude``, as a list.
+
+    A bucketer built on the list reduces exactly those parameters. The list keeps the model's
+    registration order, so the bucketer's first layout (reverse registration order) is the
+    order gradients become ready in, as for the whole model: a resumed run then reduces with the
+    same layout as an uninterrupted one (the ring's summation order follows the layout).
+    """
+    excluded = {id(m) for m in exclude.modules()}
+    return nn.ModuleList(
+        m
+        for m in root.modules()
+        if id(m) not in excluded and next(m.parameters(recurse=False), None) is not None
+    )
+
+
+def _expert_parallel(
+    model: nn.Module, factory: Callable[..., object], layout: Layout
+) -> Parallelized:
+    layers: list[MoE] = shard_experts(model, layout.ep_mesh)
+    experts = nn.ModuleList(layer.experts for layer in layers)
+    dense = factory(_owning_modules(model, experts), process_group=layout.dense_group)
+    sharded = factory(experts, process_group=layout.dp_group)
+    if not (isinstance(dense, GradBucketer) and isinstance(sharded, GradBucketer)):
+        raise TypeError(
+            f"parallel.plan.ep needs parallel._target_ overlapkit.GradBucketer, whose call "
+            f"returns a bucketer; {factory!r} returned {type(dense).__name__}"
+        )
+    ep = layout.plan.ep
+    expert_params = list(experts.parameters())
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        with dense.no_sync(), sharded.no_sync():
+            yield
+
+    def finish_backward() -> None:
+        dense.wait()
+        sharded.wait()
+        # An expert's gradient sums the losses of its ep group's ranks; averaged over dp it is
+        # still ep times the mean over the dp x ep replicas that the dense parameters get.
+        for param in expert_params:
+            param.grad.div_(ep)
+
+    return Parallelized(
+        model,
+        no_sync,
+        finish_backward,
+        False,
+        f"ok.GradBucketer over dp x ep ({dense.num_buckets} buckets) + experts over dp "
+        f"({sharded.num_buckets} buckets), ep={ep}",
+    )
+
+
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> float:
+    """Clip the gradients' global 2-norm to ``max_norm``; returns the norm before clipping.
+
+    Works when plain tensors and DTensors of several meshes or placements mix (tensor or
+    expert parallelism), which ``torch.nn.utils.clip_grad_norm_`` refuses: the norm of each
+    kind is taken on its own (a DTensor norm reduced over its mesh) and combined.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    kinds: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        kinds.setdefault(key, []).append(p)
+    if len(kinds) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    norms = []
+    for members in kinds.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)).item()
+    coef = max_norm / (total + 1e-6)  # torch's rule
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return total

@@ -1,4 +1,11 @@
-"""A tiny GPT after nanoGPT's ``model.py``: token + position embeddings, pre-norm blocks."""
+"""A tiny GPT after nanoGPT's ``model.py``: token + position embeddings, pre-norm blocks.
+
+The attention has separate ``q``, ``k`` and ``v`` projections (as torchtitan's llama) rather than
+nanoGPT's fused ``c_attn``: column-wise tensor parallelism shards each projection's output
+features, which then hold whole heads of q, k and v alike (a fused weight's contiguous shards
+would mix q with k). A subclass changes the feed-forward part of every block by overriding
+``feed_forward`` (the mixture of experts in ``moe.py`` does).
+"""
 
 from __future__ import annotations
 
@@ -23,40 +30,51 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(
+                    f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}"
+                )
         if self.n_embd % self.n_head:
             raise ValueError(
-                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+                f"{type(self).__name__}.n_embd ({self.n_embd}) must be divisible by n_head "
+                f"({self.n_head})"
             )
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.head_dim = config.n_embd // config.n_head
+        self.q = nn.Linear(config.n_embd, config.n_embd)
+        self.k = nn.Linear(config.n_embd, config.n_embd)
+        self.v = nn.Linear(config.n_embd, config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, nh, T, hs)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (B, nh, T, hs); under tensor parallelism nh counts this rank's heads only.
+        q, k, v = (
+            p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.proj(y.transpose(1, 2).flatten(2))
+
+
+def dense_feed_forward(config: GPTConfig) -> nn.Module:
+    """GPT-2's MLP: ``Linear(C, 4C)``, GELU, ``Linear(4C, C)``."""
+    return nn.Sequential(
+        nn.Linear(config.n_embd, 4 * config.n_embd),
+        nn.GELU(),
+        nn.Linear(4 * config.n_embd, config.n_embd),
+    )
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, mlp: nn.Module):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = nn.Sequential(
-            nn.Linear(config.n_embd, 4 * config.n_embd),
-            nn.GELU(),
-            nn.Linear(4 * config.n_embd, config.n_embd),
-        )
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -71,11 +89,17 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(
+            Block(config, self.feed_forward(config)) for _ in range(config.n_layer)
+        )
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
         self.apply(self._init_weights)
+
+    def feed_forward(self, config: GPTConfig) -> nn.Module:
+        """The feed-forward part of one block (called once per block)."""
+        return dense_feed_forward(config)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -89,7 +113,8 @@ class GPT(nn.Module):
         seq_len = idx.shape[1]
         if seq_len > self.config.block_size:
             raise ValueError(
-                f"sequence length {seq_len} exceeds GPTConfig.block_size ({self.config.block_size})"
+                f"sequence length {seq_len} exceeds {type(self.config).__name__}.block_size "
+                f"({self.config.block_size})"
             )
         pos = torch.arange(seq_len, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)

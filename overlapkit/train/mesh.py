@@ -1,0 +1,285 @@
+"""The run's mesh: the ``parallel.plan`` sizes checked, placed by ``ok.plan``, turned into groups.
+
+The ``parallel`` group's ``plan`` section holds ``ok.plan``'s keyword arguments (``tp``, ``ep``,
+``dp``, ``dp_shard``, ``order``); the rest of the group is the wrapper's factory. Every worker
+plans on the run's topology and builds ``placement.device_mesh()``; the wrappers take their
+sub-meshes and groups from it (``Layout``):
+
+========================  =====================================================================
+``dp_group``              ``ok.ddp`` / ``ok.GradBucketer``: gradients averaged over ``dp``
+``dp_mesh``               ``ok.fsdp``: 1-D ``dp``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP
+``tp_mesh``               ``parallelize_module`` (tensor parallel inside the domain)
+``ep_mesh``               MoE layers: experts sharded, tokens dispatched with all-to-all
+``dense_group``           parameters outside the experts: averaged over ``dp x ep``
+========================  =====================================================================
+
+Ranks of one ``tp`` group read the same batches; every other axis is data parallel for the
+dense parameters, so ``data_shard`` numbers the batch shards over all axes but ``tp``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from overlapkit.planner import Placement
+from overlapkit.planner import plan as place
+from overlapkit.validation import check_int
+
+logger = logging.getLogger(__name__)
+
+PLAN_KEY = "plan"
+"""The key of the ``parallel`` group that holds ``ok.plan``'s arguments."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanConfig:
+    """The ``parallel.plan`` section: parallel sizes for ``ok.plan`` on the run's topology."""
+
+    tp: int = 1
+    """Tensor-parallel size (attention and MLP sharded with ``parallelize_module``)."""
+    ep: int = 1
+    """Expert-parallel size (MoE experts sharded, tokens dispatched with all-to-all)."""
+    dp: int = -1
+    """Data-parallel size; -1 means whatever is left of the world."""
+    dp_shard: int | None = None
+    """HSDP: split dp into ``dp_replicate x dp_shard`` (``ok.fsdp`` shards over dp_shard)."""
+    order: list[str] | None = None
+    """Mesh axes outermost first, overriding the planner's traffic order (``ok.plan(order=)``)."""
+
+    def __post_init__(self) -> None:
+        check_int("parallel.plan.tp", self.tp, 1)
+        check_int("parallel.plan.ep", self.ep, 1)
+        if self.dp != -1:
+            check_int("parallel.plan.dp", self.dp, 1)
+        if self.dp_shard is not None:
+            check_int("parallel.plan.dp_shard", self.dp_shard, 1)
+        if self.order is not None:
+            self.order = [str(axis) for axis in self.order]
+
+    @property
+    def trivial(self) -> bool:
+        """Plain data parallelism over the world (what a run without a topology can do)."""
+        return self.tp == 1 and self.ep == 1 and self.dp_shard is None
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        return dict(tp=self.tp, ep=self.ep, dp=self.dp, dp_shard=self.dp_shard, order=self.order)
+
+
+def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, Any]]:
+    """The ``parallel`` group as (its ``plan`` section, the wrapper factory's config).
+
+    Raises:
+        ValueError / TypeError: an unknown key or a bad value in ``parallel.plan``.
+    """
+    factory = {k: v for k, v in parallel.items() if k != PLAN_KEY}
+    sizes = dict(parallel.get(PLAN_KEY) or {})
+    unknown = sorted(set(sizes) - set(PlanConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(
+            f"parallel.plan.{unknown[0]} is not a planner size the training loop uses; valid: "
+            f"{', '.join(PlanConfig.__dataclass_fields__)} (cp and pp are not supported)"
+        )
+    return PlanConfig(**sizes), factory
+
+
+_TARGETS = {
+    "tp": ("overlapkit.GradBucketer",),
+    "ep": ("overlapkit.GradBucketer",),
+    "dp_shard": ("overlapkit.fsdp",),
+}
+_WHY = {
+    "tp": "it reduces the tensor-parallel (DTensor) shards over dp",
+    "ep": "expert and dense parameters are reduced over different groups",
+    "dp_shard": "HSDP is ok.fsdp on a (dp_replicate, dp_shard) mesh",
+}
+
+
+def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: str | None) -> None:
+    """Refuse sizes that cannot work, before any worker starts; messages name the config keys.
+
+    Args:
+        plan (PlanConfig): the ``parallel.plan`` sizes.
+        world_size (int): ``launcher.nnodes x launcher.nproc_per_node``.
+        model_config: the model's config (``GPTConfig``, ``MoEConfig``, ``MLPConfig``).
+        target (str | None): ``parallel._target_``, the wrapper factory.
+
+    Raises:
+        ValueError: sizes that do not multiply to (or divide) the world size, ``tp`` not
+            dividing ``n_head``, ``ep`` not dividing ``n_expert``, a model without heads or
+            experts for tp or ep, a wrapper that cannot reduce such a layout, tp with ep.
+    """
+    fixed = plan.tp * plan.ep
+    formula = f"parallel.plan.tp x parallel.plan.ep = {plan.tp} x {plan.ep}"
+    where = "launcher.nnodes x launcher.nproc_per_node"
+    if plan.dp == -1 and world_size % fixed:
+        raise ValueError(
+            f"{formula} = {fixed} does not divide the world size {world_size} ({where})"
+        )
+    if plan.dp != -1 and fixed * plan.dp != world_size:
+        raise ValueError(
+            f"{formula} x parallel.plan.dp ({plan.dp}) = {fixed * plan.dp}, but the world size "
+            f"is {world_size} ({where}); use parallel.plan.dp=-1 for whatever is left"
+        )
+    dp = plan.dp if plan.dp != -1 else world_size // fixed
+    if plan.dp_shard is not None and dp % plan.dp_shard:
+        raise ValueError(
+            f"parallel.plan.dp_shard ({plan.dp_shard}) must divide the data-parallel size {dp}"
+        )
+    if plan.tp > 1:
+        n_head = getattr(model_config, "n_head", None)
+        if n_head is None:
+            raise ValueError(
+                f"parallel.plan.tp={plan.tp} needs a transformer (model=gpt_tiny or moe_tiny); "
+                f"{type(model_config).__name__} has no attention heads"
+            )
+        if n_head % plan.tp:
+            raise ValueError(
+                f"parallel.plan.tp ({plan.tp}) must divide model.config.n_head ({n_head})"
+            )
+    if plan.ep > 1:
+        n_expert = getattr(model_config, "n_expert", None)
+        if n_expert is None:
+            raise ValueError(
+                f"parallel.plan.ep={plan.ep} needs a mixture-of-experts model (model=moe_tiny); "
+                f"{type(model_config).__name__} has no experts"
+            )
+        if n_expert % plan.ep:
+            raise ValueError(
+                f"parallel.plan.ep ({plan.ep}) must divide model.config.n_expert ({n_expert})"
+            )
+    if plan.tp > 1 and plan.ep > 1:
+        raise ValueError(
+            f"parallel.plan.tp ({plan.tp}) with parallel.plan.ep ({plan.ep}): tensor-parallel "
+            "experts are not supported by the training loop; use one of them"
+        )
+    for key, targets in _TARGETS.items():
+        used = getattr(plan, key) not in (None, 1)
+        if used and target is not None and target not in targets:
+            raise ValueError(
+                f"parallel.plan.{key}={getattr(plan, key)} needs parallel._target_ "
+                f"{' or '.join(targets)} ({_WHY[key]}), got {target}"
+            )
+
+
+def data_shard(placement: Placement, rank: int) -> tuple[int, int]:
+    """(index, count) of the batch shard ``rank`` reads: ranks differing only in ``tp`` share one.
+
+    The index numbers the mesh coordinates of every axis but ``tp``, row-major in mesh order.
+    """
+    coord = [int(c[0]) for c in np.nonzero(placement.grid == rank)]
+    axes = [i for i, name in enumerate(placement.mesh_dim_names) if name != "tp"]
+    shape = [placement.shape[i] for i in axes]
+    index = int(np.ravel_multi_index([coord[i] for i in axes], shape)) if axes else 0
+    return index, math.prod(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The groups and sub-meshes a run's wrappers use; without a placement, the world."""
+
+    plan: PlanConfig
+    placement: Placement | None = None
+    mesh: DeviceMesh | None = None
+
+    def data_shard(self, rank: int, world_size: int) -> tuple[int, int]:
+        if self.placement is None:
+            return rank, world_size
+        return data_shard(self.placement, rank)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ``dp`` group (None: the world, when there is no placement)."""
+        return None if self.mesh is None else self.mesh["dp"].get_group()
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        if self.mesh is None:
+            return None
+        if self.plan.dp_shard is not None:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        assert self.mesh is not None, "tensor parallelism needs a placement"
+        return self.mesh["tp"]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        assert self.mesh is not None, "expert parallelism needs a placement"
+        return self.mesh["ep"]
+
+    @property
+    def dense_group(self) -> dist.ProcessGroup:
+        """``dp x ep`` as one group: the replicas of every parameter outside the experts."""
+        assert self.mesh is not None, "expert parallelism needs a placement"
+        # DeviceMesh has no public flatten yet; torchtitan uses _flatten the same way.
+        axes = tuple(a for a in self.mesh.mesh_dim_names if a in ("dp", "ep"))  # mesh order
+        return _world_timeout(self.mesh[axes]._flatten("_".join(axes)).get_group())
+
+    def describe(self) -> str:
+        if self.placement is None:
+            return "world"
+        sizes = self.placement.sizes
+        return " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 rank"
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
+    """The collective timeout of ``group`` (the default group when None)."""
+    group = group if group is not None else dist.group.WORLD
+    return group._get_backend(torch.device(_device_of(group))).options._timeout
+
+
+def _device_of(group: dist.ProcessGroup) -> str:
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def _world_timeout(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """Give a mesh group the default group's timeout (``launcher.collective_timeout_s``).
+
+    DeviceMesh creates its groups with torch's default (30 min for gloo), not the default
+    group's; a collective that hangs on one of them would wait that long. torchtitan resets
+    mesh timeouts the same way (``_set_pg_timeout``).
+    """
+    _set_pg_timeout(group_timeout(), group)
+    return group
+
+
+def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layout:
+    """Plan ``plan`` on ``topology`` and build the mesh (a collective: every rank calls it).
+
+    Without a topology only plain data parallelism over the world is possible.
+
+    Raises:
+        ValueError: a non-trivial plan without a topology; the planner's own errors
+            (sizes, domains; ``PlacementError`` proposes valid ones).
+    """
+    if topology is None:
+        if not plan.trivial:
+            raise ValueError(
+                "parallel.plan needs a topology to place tp/ep/dp_shard on; use "
+                "topology=detect or topology=preset (topology is null)"
+            )
+        return Layout(plan)
+    placement = place(topology, **plan.plan_kwargs())
+    mesh = placement.device_mesh(device.type)
+    for axis in mesh.mesh_dim_names:
+        _world_timeout(mesh.get_group(axis))
+    logger.info(
+        "mesh %s on %s: %s",
+        dict(placement.sizes),
+        topology.name,
+        {a: placement.groups(a) for a in ("dp", "ep", "tp") if placement.dims.get(a, 1) > 1},
+    )
+    return Layout(plan, placement, mesh)
