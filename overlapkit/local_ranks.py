@@ -33,7 +33,23 @@ DEFAULT_TOTAL_TIMEOUT_S = 120.0
 
 
 class RankFailure(AssertionError):
-    """One or more ranks raised, died or timed out; the message holds their tracebacks."""
+    """One or more ranks raised, died or timed out; the message holds their tracebacks.
+
+    Attributes:
+        results (dict[int, Any]): return values of the ranks that finished, by rank, so a test
+            can read what the survivors of a dead rank saw.
+        errors (dict[int, str]): traceback text of each rank that raised, by rank.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        results: dict[int, Any] | None = None,
+        errors: dict[int, str] | None = None,
+    ):
+        super().__init__(message)
+        self.results = results or {}
+        self.errors = errors or {}
 
 
 def _child(
@@ -149,14 +165,18 @@ def run_on_ranks(
                 continue
             except queue.Empty:
                 pass
-            for rank, proc in enumerate(procs):
-                if rank not in outcomes and not proc.is_alive() and first_failure_at is None:
-                    # Give its result a moment to arrive through the queue before judging it dead.
-                    first_failure_at = time.monotonic()
+            dead = [r for r, p in enumerate(procs) if r not in outcomes and not p.is_alive()]
+            if dead and first_failure_at is None:
+                # Give its result a moment to arrive through the queue before judging it dead.
+                first_failure_at = time.monotonic()
+            if dead and len(outcomes) + len(dead) == world_size and now > first_failure_at + 1:
+                break  # everyone else has reported: nothing more can arrive
     finally:
-        for proc in procs:
+        killed = set()
+        for rank, proc in enumerate(procs):
             if proc.is_alive():
                 proc.kill()
+                killed.add(rank)
             proc.join(timeout=5)
         del store
 
@@ -166,12 +186,17 @@ def run_on_ranks(
         if status == "error":
             failures.append(f"--- rank {rank} raised ---\n{value}")
         elif status is None:
-            why = (
-                f"exit code {proc.exitcode}"
-                if proc.exitcode not in (None, -9)
-                else "no result before the time limit (killed)"
-            )
+            if rank in killed or proc.exitcode is None:
+                why = "no result before the time limit (killed)"
+            elif proc.exitcode < 0:
+                why = f"killed by signal {-proc.exitcode}"
+            else:
+                why = f"exit code {proc.exitcode}"
             failures.append(f"--- rank {rank} returned nothing: {why} ---")
     if failures:
-        raise RankFailure("\n".join(failures))
+        raise RankFailure(
+            "\n".join(failures),
+            results={r: pickle.loads(v) for r, (st, v) in outcomes.items() if st == "ok"},
+            errors={r: v for r, (st, v) in outcomes.items() if st == "error"},
+        )
     return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]

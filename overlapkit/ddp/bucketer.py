@@ -34,9 +34,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from overlapkit.consistency import check_consistent
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
+from overlapkit.failures import FailureScope
+from overlapkit.finite import FiniteCheck, validate_finite_options
 from overlapkit.process_group import resolve_process_group
+from overlapkit.tuning.ddp import attach_bucketer_tuner, wants_auto_bucket_mb
 from overlapkit.validation import trainable_parameters
 
 logger = logging.getLogger(__name__)
@@ -108,13 +112,23 @@ class GradBucketer:
         model (nn.Module): the local replica; its trainable parameters are reduced.
         bucket_mb (float | None): bucket size in MiB; a bucket is closed once it holds at least
             this much (DDP's rule). None (the default) means about 1/8 of the model's gradient,
-            between 1 and 25 MiB (see ``overlapkit.ddp.bucket_size``).
+            between 1 and 25 MiB (see ``overlapkit.ddp.bucket_size``). ``"auto"`` tries a few
+            sizes during the first steps and keeps the fastest (``ok.tuning_report``).
         process_group (ProcessGroup | None): group to average over (for example the ``dp`` group
             of a device mesh); None means the world.
+        check_finite (bool): after reduction, look for NaN/Inf in every bucket (one
+            sum per bucket); all ranks see the same result (``overlapkit.finite``).
+            Defaults to False: nothing is checked, at no cost.
+        on_nonfinite (str): with ``check_finite``: ``"raise"`` (``NonFiniteGradients`` from
+            ``wait()`` on every rank, naming the parameters) or ``"skip"`` (every ``.grad`` set
+            to None, so ``optimizer.step()`` changes nothing; the step is listed in
+            ``ok.comm_stats(bucketer).skipped_steps``). Defaults to ``"raise"``.
 
     Raises:
         ValueError: ``bucket_mb <= 0`` or the model has no trainable parameters.
         RuntimeError: torch.distributed is not initialised.
+        ConfigMismatch: the ranks of the group passed different options or models
+            (``overlapkit.consistency``; one 32-byte all-gather when they agree).
 
     Example::
         >>> bucketer = ok.GradBucketer(model, bucket_mb=4)
@@ -127,16 +141,43 @@ class GradBucketer:
         self,
         model: torch.nn.Module,
         *,
-        bucket_mb: float | None = None,
+        bucket_mb: float | str | None = None,
         process_group: dist.ProcessGroup | None = None,
+        check_finite: bool = False,
+        on_nonfinite: str = "raise",
     ):
         self._params = trainable_parameters(model, caller="ok.GradBucketer")
-        self.bucket_mb = resolve_bucket_mb(bucket_mb, self._params, caller="ok.GradBucketer")
+        validate_finite_options(check_finite, on_nonfinite, caller="ok.GradBucketer")
+        auto = wants_auto_bucket_mb(bucket_mb, caller="ok.GradBucketer")
+        self.bucket_mb = resolve_bucket_mb(
+            None if auto else bucket_mb, self._params, caller="ok.GradBucketer"
+        )
         self.process_group = resolve_process_group(process_group, caller="ok.GradBucketer")
+        check_consistent(
+            model,
+            self.process_group,
+            caller="ok.GradBucketer",
+            options={
+                "bucket_mb": bucket_mb,
+                "check_finite": check_finite,
+                "on_nonfinite": on_nonfinite,
+            },
+        )
         ids = {id(p) for p in self._params}
         self._names = [n for n, p in model.named_parameters() if id(p) in ids]
         self._group_size = self.process_group.size()
         self._recorder = CommRecorder(device=self._params[0].device)
+        self._failures = FailureScope("ok.GradBucketer", lambda: self._recorder.step)
+        self._finite = (
+            FiniteCheck(
+                "ok.GradBucketer",
+                on_nonfinite,
+                self._recorder,
+                zip(self._names, self._params, strict=True),
+            )
+            if check_finite
+            else None
+        )
         self._sync = True
         self._in_step = False
         self._ready = [False] * len(self._params)
@@ -148,6 +189,7 @@ class GradBucketer:
             for i, p in enumerate(self._params)
         ]
         register_recorder(self, self._recorder)
+        self._tuner = attach_bucketer_tuner(self) if auto else None
 
     @property
     def num_buckets(self) -> int:
@@ -221,7 +263,10 @@ class GradBucketer:
         bucket = self._buckets[b]
         # Divide before summing, as DDP does, so low-precision buckets do not overflow.
         bucket.flat.div_(self._group_size)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+        site = self._failures.site(self.process_group, "all_reduce", f"bucket {b}")
+        bucket.work = site.wrap(
+            dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+        )
         wire_bytes = bucket.flat.numel() * bucket.flat.element_size()
         slot = self._recorder.launch(b, bucket.grad_bytes, wire_bytes)
         self._recorder.watch(slot, bucket.work.get_future())
@@ -231,6 +276,9 @@ class GradBucketer:
 
         Raises:
             RuntimeError: no backward has produced gradients since the last ``wait()``.
+            NonFiniteGradients: ``check_finite=True, on_nonfinite="raise"`` and a bucket held
+                NaN/Inf after the all-reduce (on every rank alike).
+            CollectiveFailure: an all-reduce failed: a rank died or is stuck (named).
         """
         if not self._in_step:
             raise RuntimeError(
@@ -239,10 +287,13 @@ class GradBucketer:
             )
         missing = self._zero_missing_gradients()
         self._launch_ready()
+        step = self._recorder.step
         self._recorder.end_step()
         for bucket in self._buckets:
             bucket.work.wait()
             bucket.work = None
+        if self._finite is not None:
+            self._inspect_buckets()
         for bucket in self._buckets:
             # Flags are read back only where this rank lacked a gradient: a parameter it used
             # itself is used somewhere by definition, and skipping the read avoids a device sync.
@@ -261,6 +312,21 @@ class GradBucketer:
         self._in_step = False
         if self._ready_order is not None:
             self._adopt_rank0_order()
+        if self._tuner is not None:
+            self._tuner.step_ended(self._recorder.step - 1)
+        if self._finite is not None:
+            self._finite.finish_step(step)
+
+    def _inspect_buckets(self) -> None:
+        for b, bucket in enumerate(self._buckets):
+            self._finite.inspect(
+                f"bucket {b}",
+                bucket.flat,
+                lambda bucket=bucket: [
+                    (self._names[i], view)
+                    for i, view in zip(bucket.indices, bucket.views, strict=True)
+                ],
+            )
 
     def _zero_missing_gradients(self) -> dict[int, torch.Tensor | None]:
         """Mark parameters with no gradient this step ready, contributing zeros.
@@ -290,18 +356,26 @@ class GradBucketer:
         dist.broadcast(
             order_t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group
         )
+        self._rebuild_keeping_grads(order_t.tolist())
+        logger.info(
+            "ok.GradBucketer: rebuilt %d buckets in rank 0's gradient-ready order",
+            len(self._buckets),
+        )
+
+    def _rebuild_keeping_grads(self, order: list[int]) -> None:
         old_grads = [p.grad for p in self._params]
-        self._build(order_t.tolist())
+        self._build(order)
         for i, grad in enumerate(old_grads):
             if grad is not None:
                 b, pos = self._bucket_of[i]
                 view = self._buckets[b].views[pos]
                 view.copy_(_local(grad))
                 _set_grad(self._params[i], view)
-        logger.info(
-            "ok.GradBucketer: rebuilt %d buckets in rank 0's gradient-ready order",
-            len(self._buckets),
-        )
+
+    def _set_bucket_mb(self, bucket_mb: float) -> None:
+        """Rebuild the buckets at ``bucket_mb`` MiB in the current order (between steps)."""
+        self.bucket_mb = bucket_mb
+        self._rebuild_keeping_grads([i for bucket in self._buckets for i in bucket.indices])
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

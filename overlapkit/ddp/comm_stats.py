@@ -69,6 +69,8 @@ class CommStats:
     """Snapshot of a recorder: completed and in-flight records, oldest first."""
 
     records: tuple[BucketCommRecord, ...]
+    skipped_steps: tuple[int, ...] = ()
+    """Steps dropped by ``check_finite=True, on_nonfinite="skip"`` (NaN/Inf gradients)."""
 
     def latest_layout(self) -> tuple[BucketCommRecord, ...]:
         """Records of the most recent bucket layout that completed."""
@@ -126,6 +128,7 @@ class CommRecorder:
         "_wire_bytes",
         "capacity",
         "layout",
+        "skipped_steps",
         "step",
     )
 
@@ -135,6 +138,7 @@ class CommRecorder:
         self.capacity = capacity
         self.step = 0
         self.layout = 0
+        self.skipped_steps: list[int] = []
         self._next = 0
         self._step = [-1] * capacity
         self._layout = [0] * capacity
@@ -237,7 +241,7 @@ class CommRecorder:
                     done_ms=done_ms,
                 )
             )
-        return CommStats(tuple(records))
+        return CommStats(tuple(records), tuple(self.skipped_steps))
 
 
 # Recorders by the object that owns them (a DDP module or a GradBucketer), without keeping

@@ -15,12 +15,14 @@ unless CUDA and NCCL are present, whatever the hook does.
 # registration and needs ``dist.GradBucket`` itself, not its string.
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from overlapkit.ddp.comm_stats import CommRecorder
+from overlapkit.failures import FailureScope
 
 __all__ = [
     "CommHookState",
@@ -39,15 +41,17 @@ class CommHookState:
 
     Args:
         process_group (ProcessGroup): group to average over.
-        recorder (CommRecorder): where per-bucket timings go.
+        recorder (CommRecorder): where per-bucket timings go; its step count also names the
+            step in the error of a failed all-reduce (``overlapkit.failures``).
     """
 
-    __slots__ = ("_wire_buffers", "group_size", "process_group", "recorder")
+    __slots__ = ("_wire_buffers", "failures", "group_size", "process_group", "recorder")
 
     def __init__(self, process_group: dist.ProcessGroup, recorder: CommRecorder):
         self.process_group = process_group
         self.group_size = process_group.size()
         self.recorder = recorder
+        self.failures = FailureScope("ok.ddp", lambda: recorder.step)
         self._wire_buffers: dict[int, torch.Tensor] = {}
 
     def wire_buffer(
@@ -71,17 +75,19 @@ class CommHookState:
         self.process_group = None
         self.group_size = state["group_size"]
         self.recorder = CommRecorder()
+        self.failures = FailureScope("ok.ddp", lambda: self.recorder.step)
         self._wire_buffers = {}
 
 
 class PowerSGDHookState:
     """PyTorch's ``PowerSGDState`` plus the recorder that times each bucket."""
 
-    __slots__ = ("powersgd", "recorder")
+    __slots__ = ("failures", "powersgd", "recorder")
 
     def __init__(self, powersgd_state: powersgd.PowerSGDState, recorder: CommRecorder):
         self.powersgd = powersgd_state
         self.recorder = recorder
+        self.failures = FailureScope("ok.ddp", lambda: recorder.step)
 
 
 def _record(
@@ -98,12 +104,29 @@ def _record(
 
 
 def _allreduce_fut(
-    state: CommHookState, bucket: dist.GradBucket, wire: torch.Tensor
-) -> torch.futures.Future[list[torch.Tensor]]:
-    """All-reduce (sum) ``wire`` asynchronously and record the bucket's timing."""
+    state: CommHookState,
+    bucket: dist.GradBucket,
+    wire: torch.Tensor,
+    finish: Callable[[torch.Tensor], torch.Tensor],
+    collective: str = "all_reduce",
+) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce (sum) ``wire`` asynchronously, record the bucket's timing, then ``finish``.
+
+    A failed all-reduce (a dead or stuck peer) raises ``CollectiveFailure`` naming the bucket
+    and the missing ranks; the healthy path runs nothing but ``finish``.
+    """
+    site = state.failures.site(state.process_group, collective, f"bucket {bucket.index()}")
     future = dist.all_reduce(wire, group=state.process_group, async_op=True).get_future()
     _record(state.recorder, bucket, future, wire.numel() * wire.element_size())
-    return future
+
+    def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            reduced = fut.value()[0]
+        except RuntimeError as error:
+            raise site.explain(error) from error
+        return finish(reduced)
+
+    return future.then(done)
 
 
 def allreduce_hook(
@@ -120,7 +143,7 @@ def allreduce_hook(
     """
     buffer = bucket.buffer()
     buffer.div_(state.group_size)
-    return _allreduce_fut(state, bucket, buffer).then(lambda fut: fut.value()[0])
+    return _allreduce_fut(state, bucket, buffer, lambda reduced: reduced)
 
 
 def _compress_hook(
@@ -131,12 +154,12 @@ def _compress_hook(
     # Divide in full precision before casting, to avoid overflow in the low-precision sum.
     wire.copy_(buffer.div_(state.group_size))
 
-    def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    def decompress(reduced: torch.Tensor) -> torch.Tensor:
         # Decompress in place into DDP's buffer: no full-precision temporary.
-        buffer.copy_(fut.value()[0])
+        buffer.copy_(reduced)
         return buffer
 
-    return _allreduce_fut(state, bucket, wire).then(decompress)
+    return _allreduce_fut(state, bucket, wire, decompress, f"all_reduce ({dtype})")
 
 
 def bf16_allreduce_hook(
@@ -179,6 +202,15 @@ def powersgd_hook(
         >>> state = PowerSGDHookState(PowerSGDState(process_group=pg), CommRecorder())
         >>> ddp_model.register_comm_hook(state, powersgd_hook)
     """
+    group = state.powersgd.process_group or dist.group.WORLD
+    site = state.failures.site(group, "PowerSGD all_reduce", f"bucket {bucket.index()}")
     future = powersgd.powerSGD_hook(state.powersgd, bucket)
     _record(state.recorder, bucket, future, None)
-    return future
+
+    def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        try:
+            return fut.value()
+        except RuntimeError as error:
+            raise site.explain(error) from error
+
+    return future.then(done)

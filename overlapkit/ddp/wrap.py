@@ -11,10 +11,13 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
+from overlapkit.consistency import check_consistent
 from overlapkit.ddp import hooks
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
+from overlapkit.finite import FiniteCheck, check_finite_wrapper, validate_finite_options
 from overlapkit.process_group import backend_of, resolve_process_group
+from overlapkit.tuning.ddp import attach_ddp_tuner, wants_auto_bucket_mb
 from overlapkit.validation import trainable_parameters
 
 logger = logging.getLogger(__name__)
@@ -51,10 +54,12 @@ def _check_powersgd_fits(params: list[torch.nn.Parameter], bucket_mb: float, bac
 def ddp(
     model: torch.nn.Module,
     *,
-    bucket_mb: float | None = None,
+    bucket_mb: float | str | None = None,
     compress: str | None = None,
     process_group: torch.distributed.ProcessGroup | None = None,
     powersgd_options: Mapping[str, Any] | None = None,
+    check_finite: bool = False,
+    on_nonfinite: str = "raise",
     **ddp_kwargs: Any,
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DistributedDataParallel with an overlapkit comm hook.
@@ -64,12 +69,20 @@ def ddp(
         bucket_mb (float | None): DDP bucket size in MiB (``bucket_cap_mb``); it also sets the
             first bucket, because DDP's 1 MiB first bucket applies only when ``bucket_cap_mb`` is
             None. None (the default) means about 1/8 of the model's gradient, between 1 and
-            25 MiB (see ``overlapkit.ddp.bucket_size``).
+            25 MiB (see ``overlapkit.ddp.bucket_size``). ``"auto"`` tries a few sizes during the
+            first steps and keeps the fastest (``overlapkit.tuning``, ``ok.tuning_report``).
         compress (str | None): None (fp32 all-reduce, instrumented), ``"bf16"``, ``"fp16"``
             (cast, all-reduce, cast back; gloo and NCCL) or ``"powersgd"`` (PyTorch's hook).
         process_group (ProcessGroup | None): group to average over; None means the world.
         powersgd_options (Mapping | None): keyword arguments of ``PowerSGDState`` (for example
             ``matrix_approximation_rank``, ``start_powerSGD_iter``); only with ``"powersgd"``.
+        check_finite (bool): after each bucket's all-reduce, look for NaN/Inf (one
+            sum per bucket); every rank sees the same result (``overlapkit.finite``).
+            Not with ``"powersgd"``. Defaults to False: the hook is the same as without it.
+        on_nonfinite (str): with ``check_finite``: ``"raise"`` (``loss.backward()`` raises on
+            every rank, naming the parameters) or ``"skip"`` (every ``.grad`` set to None at
+            the end of backward, so ``optimizer.step()`` changes nothing; the step is listed
+            in ``ok.comm_stats(model).skipped_steps``). Defaults to ``"raise"``.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (``device_ids``,
             ``find_unused_parameters``, ``gradient_as_bucket_view``...).
 
@@ -80,7 +93,18 @@ def ddp(
         ValueError: ``bucket_mb <= 0``, unknown ``compress``, no trainable parameters, or
             PowerSGD on gloo with more than one bucket.
         RuntimeError: torch.distributed is not initialised.
+        ConfigMismatch: the ranks of the group passed different options or models
+            (``overlapkit.consistency``; one 32-byte all-gather when they agree).
     """
+    # As given (before "auto" or None is resolved), for the cross-rank consistency check.
+    options = dict(
+        ddp_kwargs,
+        bucket_mb=bucket_mb,
+        compress=compress,
+        powersgd=powersgd_options,
+        check_finite=check_finite,
+        on_nonfinite=on_nonfinite,
+    )
     if compress not in COMPRESSIONS:
         raise ValueError(
             f"ok.ddp: unknown compress={compress!r}; choose one of {list(COMPRESSIONS)}"
@@ -92,12 +116,21 @@ def ddp(
         )
     if "bucket_cap_mb" in ddp_kwargs:
         raise TypeError("ok.ddp: pass the bucket size as bucket_mb=..., not bucket_cap_mb")
+    validate_finite_options(check_finite, on_nonfinite, caller="ok.ddp")
+    if check_finite and compress == "powersgd":
+        raise ValueError(
+            "ok.ddp: check_finite=True is not supported with compress='powersgd' (each rank "
+            "rebuilds the bucket from low-rank factors itself); use compress=None, 'bf16' or "
+            "'fp16'"
+        )
     params = trainable_parameters(model, caller="ok.ddp")
-    bucket_mb = resolve_bucket_mb(bucket_mb, params, caller="ok.ddp")
+    auto = wants_auto_bucket_mb(bucket_mb, caller="ok.ddp", compress=compress)
+    bucket_mb = resolve_bucket_mb(None if auto else bucket_mb, params, caller="ok.ddp")
     group = resolve_process_group(process_group, caller="ok.ddp")
     backend = backend_of(group)
     if compress == "powersgd":
         _check_powersgd_fits(params, bucket_mb, backend)
+    check_consistent(model, group, caller="ok.ddp", options=options)
 
     wrapped = DistributedDataParallel(
         model, bucket_cap_mb=bucket_mb, process_group=group, **ddp_kwargs
@@ -114,8 +147,14 @@ def ddp(
             "bf16": hooks.bf16_allreduce_hook,
             "fp16": hooks.fp16_allreduce_hook,
         }[compress]
+        if check_finite:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            check = FiniteCheck("ok.ddp", on_nonfinite, recorder, named)
+            hook = check_finite_wrapper(hook, check)
         wrapped.register_comm_hook(hooks.CommHookState(group, recorder), hook)
     register_recorder(wrapped, recorder)
+    if auto:
+        attach_ddp_tuner(wrapped, params, group, recorder)
     logger.info(
         "ok.ddp: %d parameters, bucket_mb=%g, compress=%s, backend=%s, group size %d",
         len(params),

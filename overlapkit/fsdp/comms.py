@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
+from overlapkit.failures import FailureScope
 from overlapkit.fsdp.stats import UnshardRecorder
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -59,12 +60,24 @@ class BlockAllGather(Alloc, AllGather):
         recorder (UnshardRecorder): receives the issue event and the pending ``Work``.
         force_async (bool): issue with ``async_op=True`` whatever FSDP2 asks (host devices);
             False passes FSDP2's ``async_op`` through (CUDA, or ``prefetch=0``).
+        failures (FailureScope): explains a failed all-gather (dead or stuck rank).
+        where (str): the block as the error names it, e.g. ``"block 0 ('layers.0')"``.
     """
 
-    def __init__(self, block: int, recorder: UnshardRecorder, *, force_async: bool):
+    def __init__(
+        self,
+        block: int,
+        recorder: UnshardRecorder,
+        *,
+        force_async: bool,
+        failures: FailureScope,
+        where: str,
+    ):
         self.block = block
         self.recorder = recorder
         self.force_async = force_async
+        self.failures = failures
+        self.where = where
 
     def __call__(
         self,
@@ -73,8 +86,14 @@ class BlockAllGather(Alloc, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        work = _all_gather(
-            output_tensor, input_tensor, group=group, async_op=async_op or self.force_async
-        )
+        site = self.failures.site(group, "all_gather", self.where)
+        try:
+            work = _all_gather(
+                output_tensor, input_tensor, group=group, async_op=async_op or self.force_async
+            )
+        except RuntimeError as error:  # a blocking all-gather fails here
+            raise site.explain(error) from error
+        if work is not None:
+            work = site.wrap(work)  # FSDP2 waits on it in the block's pre-forward
         self.recorder.all_gather_issued(self.block, work)
         return work

@@ -32,6 +32,7 @@ from torch.autograd import Variable
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
+from overlapkit.failures import FailureScope
 from overlapkit.fsdp.comms import Alloc
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,8 @@ class BlockReduceScatter(Alloc, ReduceScatter):
         pending (PendingReductions): the model's in-flight reduce-scatters.
         name (str): the block's name, for the fallback log message.
         allow_async (bool): False always blocks (HSDP all-reduces the output at once).
+        failures (FailureScope): explains a failed reduce-scatter (dead or stuck rank).
+        where (str): the block as the error names it, e.g. ``"block 0 ('layers.0')"``.
     """
 
     def __init__(
@@ -162,11 +165,15 @@ class BlockReduceScatter(Alloc, ReduceScatter):
         name: str,
         *,
         allow_async: bool,
+        failures: FailureScope,
+        where: str,
     ):
         self.params = params
         self.pending = pending
         self.name = name
         self.allow_async = allow_async
+        self.failures = failures
+        self.where = where
         self._logged: set[str] = set()
 
     def __call__(
@@ -184,7 +191,9 @@ class BlockReduceScatter(Alloc, ReduceScatter):
         )
         if reason is None:
             self.pending.make_room()
+        site = self.failures.site(group, "reduce_scatter", self.where)
         work, finish = issue_reduce_scatter(output_tensor, input_tensor, group, op)
+        work = site.wrap(work)
         if reason is None:
             self.pending.add(work, finish, input_tensor, output_tensor)
             return work

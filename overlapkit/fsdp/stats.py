@@ -172,6 +172,11 @@ class UnshardRecorder:
         self._end_queued = False
         self._step = 0
 
+    @property
+    def step(self) -> int:
+        """The step in progress (0-based): the number of steps completed so far."""
+        return self._step
+
     # -- events ----------------------------------------------------------------------------
     def _open(self) -> None:
         if self._events is None:

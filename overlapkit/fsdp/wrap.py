@@ -6,19 +6,24 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from overlapkit.consistency import check_consistent
+from overlapkit.failures import FailureScope
 from overlapkit.fsdp.blocks import BlockSpec, resolve_blocks
 from overlapkit.fsdp.comms import BlockAllGather
 from overlapkit.fsdp.mesh import resolve_mesh
 from overlapkit.fsdp.prefetch import set_explicit_prefetch
 from overlapkit.fsdp.reduce_scatter import BlockReduceScatter, PendingReductions
-from overlapkit.fsdp.state import OverlapState, is_registered, register_state
+from overlapkit.fsdp.state import OverlapState, is_registered, register_state, state_of
 from overlapkit.fsdp.stats import ROOT, UnshardRecorder
 from overlapkit.process_group import resolve_process_group
+from overlapkit.tuning.decide import AUTO, check_max_memory, prefetch_candidates
+from overlapkit.tuning.fsdp import attach_prefetch_tuner
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +57,8 @@ def resolve_mixed_precision(
 def _validate_prefetch(prefetch: int) -> int:
     if isinstance(prefetch, bool) or not isinstance(prefetch, int):
         raise TypeError(
-            f"ok.fsdp: prefetch must be an int in {list(PREFETCH_DEPTHS)}, got {prefetch!r}"
+            f"ok.fsdp: prefetch must be an int in {list(PREFETCH_DEPTHS)} or {AUTO!r}, got "
+            f"{prefetch!r}"
         )
     if prefetch not in PREFETCH_DEPTHS:
         raise ValueError(
@@ -122,12 +128,13 @@ def _own_parameters(root: nn.Module, blocks: list[nn.Module]) -> Callable[[], li
 def fsdp(
     model: nn.Module,
     *,
-    prefetch: int = 1,
+    prefetch: int | str = 1,
     mesh: DeviceMesh | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     blocks: BlockSpec = None,
     overlap_reduce_scatter: bool = True,
+    max_memory: int | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2, block by block, with all-gather prefetch that overlaps.
 
@@ -141,7 +148,9 @@ def fsdp(
     Args:
         model (nn.Module): the model, on its device, not yet sharded; changed in place.
         prefetch (int): 0 (FSDP2's default behaviour, nothing added), 1 or 2 blocks of
-            all-gathers in flight ahead of the computing one. Defaults to 1.
+            all-gathers in flight ahead of the computing one. Defaults to 1. ``"auto"`` tries
+            the depths that fit ``max_memory`` during the first steps and keeps the fastest
+            (``overlapkit.tuning.fsdp``, ``ok.tuning_report``).
         mesh (DeviceMesh | None): 1-D (FSDP over its ranks) or 2-D (HSDP; axis 0 replicates,
             axis 1 shards). None means a 1-D mesh over the world.
         mixed_precision (str | MixedPrecisionPolicy | None): None (parameter dtype),
@@ -153,6 +162,9 @@ def fsdp(
         overlap_reduce_scatter (bool): on host devices with ``prefetch >= 1``, use overlapkit's
             reduce-scatter (``overlapkit.fsdp.reduce_scatter``): all-to-all based on gloo, and
             running while backward continues (1-D meshes). Defaults to True.
+        max_memory (int | None): with ``prefetch="auto"`` only: most bytes of unsharded block
+            parameters allowed at once (what ``ok.fsdp_stats(model).peak_bytes`` measures);
+            None means no bound.
 
     Returns:
         nn.Module: ``model`` itself, now an ``FSDPModule``; ``ok.fsdp_stats(model)`` reads its
@@ -161,6 +173,8 @@ def fsdp(
     Raises:
         ValueError: ``prefetch`` not in {0, 1, 2}, unknown ``mixed_precision``, ``blocks``
             matching nothing, a mesh of the wrong size or shape, or a model already wrapped.
+        ConfigMismatch: the ranks passed different options or models
+            (``overlapkit.consistency``; one 32-byte all-gather when they agree).
         TypeError: an argument of the wrong type.
         RuntimeError: torch.distributed is not initialised.
 
@@ -169,7 +183,17 @@ def fsdp(
         >>> loss = model(x).sum(); loss.backward(); optimizer.step()
         >>> ok.fsdp_stats(model).steps[-1].forward_peak_blocks   # <= 1 + prefetch
     """
-    prefetch = _validate_prefetch(prefetch)
+    # As given (before "auto" is resolved), for the cross-rank consistency check.
+    options = dict(
+        prefetch=prefetch,
+        mixed_precision=mixed_precision,
+        reshard_after_forward=reshard_after_forward,
+        overlap_reduce_scatter=overlap_reduce_scatter,
+        max_memory=max_memory,
+    )
+    auto_prefetch = prefetch == AUTO
+    max_memory = check_max_memory(max_memory, auto=auto_prefetch)
+    prefetch = 0 if auto_prefetch else _validate_prefetch(prefetch)
     reshard_after_forward = _check_bool(reshard_after_forward, "reshard_after_forward")
     overlap_reduce_scatter = _check_bool(overlap_reduce_scatter, "overlap_reduce_scatter")
     policy = resolve_mixed_precision(mixed_precision)
@@ -185,6 +209,13 @@ def fsdp(
     block_names = tuple(names[id(b)] for b in block_list)
     block_bytes = tuple(_unsharded_bytes(b, policy) for b in block_list)
     own_params = _own_parameters(model, block_list)
+    options.update(blocks=block_names, mesh=(tuple(mesh.shape), mesh.mesh_dim_names))
+    check_consistent(model, dist.group.WORLD, caller="ok.fsdp", options=options)
+    if auto_prefetch:
+        candidates = prefetch_candidates(
+            block_bytes, max_memory, reshard_after_forward=reshard_after_forward
+        )
+        prefetch = max(candidates)  # comms are set up for the deepest candidate
 
     for block in block_list:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -199,8 +230,14 @@ def fsdp(
     host_reduce = async_gather and overlap_reduce_scatter
     comm_targets = [(i, b, b.parameters) for i, b in enumerate(block_list)]
     comm_targets.append((ROOT, model, own_params))
+    failures = FailureScope("ok.fsdp", lambda: recorder.step)
     for index, module, params in comm_targets:
-        module.set_custom_all_gather(BlockAllGather(index, recorder, force_async=async_gather))
+        where = f"block {index} ({block_names[index]!r})" if index >= 0 else "the root"
+        module.set_custom_all_gather(
+            BlockAllGather(
+                index, recorder, force_async=async_gather, failures=failures, where=where
+            )
+        )
         if host_reduce:
             module.set_custom_reduce_scatter(
                 BlockReduceScatter(
@@ -209,6 +246,8 @@ def fsdp(
                     block_names[index] if index >= 0 else "root",
                     # On a 2-D mesh FSDP2 all-reduces the output at once, even over 1 replica.
                     allow_async=mesh.ndim == 1,
+                    failures=failures,
+                    where=where,
                 )
             )
     _install_hooks(model, block_list, recorder, pending)
@@ -227,6 +266,8 @@ def fsdp(
             pending=pending,
         ),
     )
+    if auto_prefetch:
+        attach_prefetch_tuner(model, state_of(model, caller="ok.fsdp"), candidates, max_memory)
     logger.info(
         "ok.fsdp: %d blocks (%s), prefetch=%d, mesh %s, mixed_precision=%s, "
         "async all-gather=%s, overlapkit reduce-scatter=%s",

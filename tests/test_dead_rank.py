@@ -1,0 +1,223 @@
+"""A rank killed (SIGKILL) or stuck in the middle of backward: the survivor ends within the
+collective timeout plus a short check-in grace period, with an error naming the collective, the
+bucket/block and the missing rank."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+from torch import nn
+
+import overlapkit as ok
+from overlapkit.failures import check_in, describe_failure, grace_s
+from tests.multiproc import RankFailure, run_on_ranks
+from tests.reference import make_batches, make_mlp, shard
+
+FAULT_STEP = 2
+TIMEOUT_S = 4.0
+GRACE_S = 2.0
+ENV = {"OVERLAPKIT_CHECKIN_GRACE_S": str(GRACE_S)}
+# Spawn-free slack for a loaded 2-core machine: the survivor's own clock starts at its step.
+MARGIN_S = 5.0
+SMALL_BUCKET_MB = 0.004
+
+
+def _fault(mode: str):
+    """A gradient hook that kills this process, or stalls it far past the timeout, when armed."""
+    armed = {"step": -1}
+
+    def hook(_param):
+        if armed["step"] != FAULT_STEP:
+            return
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        # Well past the peer's timeout and grace period (so it cannot check in in time, even
+        # on a loaded machine); then this rank goes on and fails in turn.
+        time.sleep(TIMEOUT_S + 2 * GRACE_S + 4)
+
+    return armed, hook
+
+
+def _train_until_failure(rank, step_fn, mlp, mode):
+    """Run steps; rank 1 faults in the middle of backward at ``FAULT_STEP``; report the error.
+
+    The fault fires when the gradient of the middle layer's output arrives: the last layer's
+    gradients (and their collectives) are done, the first layer's are not.
+    """
+    armed, hook = _fault(mode)
+    if rank == 1:
+
+        def watch_output(_module, _inputs, output):
+            output.register_hook(hook)
+
+        mlp[2].register_forward_hook(watch_output)
+    for step, batch in enumerate(make_batches(FAULT_STEP + 2, 2)):
+        armed["step"] = step
+        start = time.monotonic()
+        try:
+            step_fn(shard(batch, rank, 2))
+        except Exception as error:  # what the user's loop would see
+            return {
+                "step": step,
+                "type": type(error).__name__,
+                "message": str(error),
+                "elapsed_s": time.monotonic() - start,
+                "missing": getattr(error, "missing_ranks", None),
+            }
+    return None
+
+
+def _bucketer_run(rank, world_size, mode):
+    model = make_mlp()
+    bucketer = ok.GradBucketer(model, bucket_mb=SMALL_BUCKET_MB)
+
+    def step(batch):
+        x, y = batch
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        bucketer.wait()
+
+    return _train_until_failure(rank, step, model, mode)
+
+
+def _ddp_run(rank, world_size, mode):
+    mlp = make_mlp()
+    model = ok.ddp(mlp, bucket_mb=SMALL_BUCKET_MB)
+
+    def step(batch):
+        x, y = batch
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+
+    return _train_until_failure(rank, step, mlp, mode)
+
+
+def _fsdp_run(rank, world_size, mode):
+    model = ok.fsdp(make_mlp(), prefetch=1, blocks=nn.Linear)
+
+    def step(batch):
+        x, y = batch
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+
+    return _train_until_failure(rank, step, model, mode)
+
+
+def _survivor_report(fn, mode):
+    """Rank 0's report; with ``mode="kill"`` the harness must also report rank 1's death."""
+    if mode == "kill":
+        with pytest.raises(RankFailure) as failure:
+            run_on_ranks(fn, 2, mode, collective_timeout_s=TIMEOUT_S, env=ENV)
+        assert "rank 1 returned nothing: killed by signal 9" in str(failure.value)
+        assert 0 in failure.value.results, str(failure.value)
+        report = failure.value.results[0]
+    else:
+        report = run_on_ranks(fn, 2, mode, collective_timeout_s=TIMEOUT_S, env=ENV)[0]
+    assert report is not None and report["step"] == FAULT_STEP, report
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_bucketer_survivor_names_all_reduce_bucket_and_missing_rank(mode):
+    report = _survivor_report(_bucketer_run, mode)
+    assert report["type"] == "CollectiveFailure"
+    assert re.search(
+        rf"ok\.GradBucketer: all_reduce of bucket \d+ \(step {FAULT_STEP}\) failed on rank 0: "
+        r"rank\(s\) \[1\] of the group \[0, 1\] never checked in",
+        report["message"],
+    ), report["message"]
+    assert report["missing"] == (1,)
+    assert report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
+    if mode == "stall":
+        # A stuck peer is only noticed at the collective timeout.
+        assert report["elapsed_s"] >= TIMEOUT_S * 0.9
+
+
+@pytest.mark.slow
+def test_ddp_survivor_names_all_reduce_bucket_and_missing_rank():
+    report = _survivor_report(_ddp_run, "kill")
+    # DDP re-raises the hook's error as a RuntimeError that carries its message.
+    assert re.search(
+        rf"ok\.ddp: all_reduce of bucket \d+ \(step {FAULT_STEP}\) failed on rank 0: "
+        r"rank\(s\) \[1\] of the group \[0, 1\] never checked in within 2 s",
+        report["message"],
+    ), report["message"]
+    assert report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
+
+
+@pytest.mark.slow
+def test_fsdp_survivor_names_collective_block_and_missing_rank():
+    report = _survivor_report(_fsdp_run, "kill")
+    assert report["type"] == "CollectiveFailure"
+    assert re.search(
+        rf"ok\.fsdp: (all_gather|reduce_scatter) of (block \d \('\d'\)|the root) "
+        rf"\(step {FAULT_STEP}\) failed on rank 0: rank\(s\) \[1\] of the group \[0, 1\] "
+        "never checked in",
+        report["message"],
+    ), report["message"]
+    assert report["missing"] == (1,)
+    assert report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
+
+
+# -- the check-in and the message, without processes ------------------------------------------
+def _store():
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+
+
+def test_check_in_names_the_ranks_that_never_checked_in_after_the_grace_period():
+    store = _store()
+    store.set("t/1", "1")
+    start = time.monotonic()
+    assert check_in(store, "t", 0, [0, 1, 2], grace=0.3) == ((2,), None)
+    assert time.monotonic() - start >= 0.3
+    # Once everyone has checked in there is nothing to wait for.
+    store.set("t/2", "1")
+    start = time.monotonic()
+    assert check_in(store, "t", 0, [0, 1, 2], grace=30) == ((), None)
+    assert time.monotonic() - start < 5
+
+
+def test_check_in_reports_an_unreachable_store_instead_of_ranks():
+    master = _store()
+    client = dist.TCPStore("127.0.0.1", master.port, 1, is_master=False)
+    del master  # the store's host is gone
+    missing, store_error = check_in(client, "t", 0, [0, 1], grace=0.1)
+    assert missing is None
+    assert store_error
+
+
+def test_failure_message_names_collective_bucket_step_and_missing_ranks():
+    common = dict(
+        caller="ok.ddp",
+        collective="all_reduce",
+        where="bucket 3",
+        step=7,
+        rank=0,
+        group_ranks=[0, 1, 2],
+        error=RuntimeError("Connection reset by peer\nmore"),
+        grace=2.0,
+    )
+    text = describe_failure(missing=(2,), store_error=None, **common)
+    assert text == (
+        "ok.ddp: all_reduce of bucket 3 (step 7) failed on rank 0: rank(s) [2] of the group "
+        "[0, 1, 2] never checked in within 2 s of the failure: dead or stuck (see their logs). "
+        "Backend error: Connection reset by peer"
+    )
+    assert "no rank is missing" in describe_failure(missing=(), store_error=None, **common)
+    gone = describe_failure(missing=None, store_error="DistNetworkError: refused", **common)
+    assert "rendezvous store is unreachable (DistNetworkError: refused)" in gone
+
+
+def test_grace_period_env_must_be_a_non_negative_number(monkeypatch):
+    monkeypatch.setenv("OVERLAPKIT_CHECKIN_GRACE_S", "1.5")
+    assert grace_s() == 1.5
+    for bad in ("soon", "-1"):
+        monkeypatch.setenv("OVERLAPKIT_CHECKIN_GRACE_S", bad)
+        with pytest.raises(ValueError, match=f"OVERLAPKIT_CHECKIN_GRACE_S .* got '{bad}'"):
+            grace_s()
