@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "overlapkit.topology.cli",
     "overlapkit.planner.cli",
     "overlapkit.profiling.cli",
+    "overlapkit.doctor.cli",
 )
 
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# GPU check of issue 9: exercise overlapkit's CUDA paths on one NVIDIA GPU in a few minutes.
+#
+#   bash bench/gpu_check.sh                 # all items; outputs under $OUT (or runs/gpu_check)
+#   bash bench/gpu_check.sh --only doctor   # some items (see bench/gpu_check.py)
+#
+# Prints PASS/FAIL per item (comm hooks and GradBucketer on NCCL at world size 1, CUDA-event
+# timings in comm_stats, a profiler trace of real CUDA kernels read by `overlapkit report`,
+# topology detection through NVML, `overlapkit doctor --json`) and writes gpu_check.json, the
+# worker results, the trace and every command's log to $OUT. Exit code 0: all passed,
+# 1: a failure, 3: no CUDA device here (everything skipped).
+#
+# Assumptions:
+# - run from a checkout where `make` has created .venv (torch with CUDA, nvidia-ml-py, the
+#   package installed editable); nothing is downloaded: the GPU machine cannot reach the
+#   internet, so no pip install happens here. Without .venv, python3 from PATH is used and
+#   must already have the same packages.
+# - one NVIDIA GPU with its driver (NVML comes with the driver); torchrun is `python -m
+#   torch.distributed.run` from the same interpreter, on a free local port (--standalone).
+# - about 3 minutes in all on an idle machine (each subprocess has a timeout; the script
+#   stops after 10 minutes at most).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=.venv/bin/python
+if [[ ! -x "$PYTHON" ]]; then
+  PYTHON=$(command -v python3)
+  echo "gpu_check: no .venv here (run make first); using $PYTHON" >&2
+fi
+OUT_DIR=${OUT:-runs/gpu_check}
+mkdir -p "$OUT_DIR"
+{
+  echo "# $(date -u +%FT%TZ) $(hostname) $(git rev-parse --short HEAD 2>/dev/null || echo no-git)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+  nvidia-smi topo -m 2>&1 || true
+} > "$OUT_DIR/machine.txt"
+cat "$OUT_DIR/machine.txt"
+# Keep the ranks' logs quiet and the run bounded; NCCL_DEBUG=WARN shows only problems.
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN} PYTHONUNBUFFERED=1
+exec timeout 600 "$PYTHON" bench/gpu_check.py --out "$OUT_DIR" "$@"
