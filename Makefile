@@ -32,10 +32,12 @@ bench: $(STAMP)
 	$(PY) bench/ddp_overlap.py --model gpt_tiny --json bench/results/ddp_overlap_gpt_tiny.json
 	$(PY) bench/fsdp_prefetch.py --json bench/results/fsdp_prefetch.json
 	$(PY) bench/fsdp_prefetch.py --rate none --json bench/results/fsdp_prefetch_loopback.json
-	$(PY) bench/cost_model.py --links none,8gbit --json bench/results/cost_model.json
+	$(PY) bench/cost_model.py --links none,8gbit --quantile 0.25 --fit-min-bytes 1MiB --json bench/results/cost_model.json
 	$(PY) bench/placement.py --json bench/results/placement.json
 	$(PY) bench/profile_overhead.py --json bench/results/profile_overhead.json
 	$(PY) bench/profile_exposed.py --out runs/profile_exposed --json bench/results/profile_exposed.json
+	$(PY) bench/autotune.py --json bench/results/autotune.json
+	$(PY) bench/scaling.py --json bench/results/scaling.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check overlapkit tests recipes bench
