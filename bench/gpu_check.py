@@ -12,7 +12,7 @@ Items (``bench/gpu_check.sh`` runs them all; ``--only a,b`` picks some):
                   ``overlapkit report --json`` computes comm and exposed comm per step
     topo_nvml     NVML describes the GPU (``topology.local_view``) and
                   ``overlapkit topo --detect --json`` reports it (library nccl)
-    doctor        ``torchrun --nproc-per-node 1 -m overlapkit.doctor.cli doctor --json --quick``:
+    doctor        ``torchrun --nproc-per-node 1 -m overlapkit.cli doctor --json --quick``:
                   all 8 checks, none broken, backend nccl
     doctor_local  ``overlapkit doctor --json --quick`` starting its own 2 local ranks (with one
                   GPU they measure on gloo; the doctor says so)
@@ -324,7 +324,7 @@ def run_checks(out: Path, only: tuple[str, ...], allow_cpu: bool) -> dict[str, t
                 "--nproc-per-node",
                 "1",
                 "-m",
-                "overlapkit.doctor.cli",
+                "overlapkit.cli",
                 "doctor",
                 "--json",
                 "--quick",
@@ -338,7 +338,7 @@ def run_checks(out: Path, only: tuple[str, ...], allow_cpu: bool) -> dict[str, t
 
     def doctor_local() -> tuple[bool, str]:
         done = _run(
-            [sys.executable, "-m", "overlapkit.doctor.cli", "doctor", "--json", "--quick"],
+            [sys.executable, "-m", "overlapkit.cli", "doctor", "--json", "--quick"],
             out / "doctor_local.log",
             300,
         )

@@ -205,7 +205,7 @@ def measure_analysis_speed(target_mb: float) -> dict:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "overlapkit.profiling.cli", "report", tmp, "--json"],
+            [sys.executable, "-m", "overlapkit.cli", "report", tmp, "--json"],
             capture_output=True,
             text=True,
             check=True,

@@ -70,8 +70,7 @@ def validate_finite_options(
         )
     if on_nonfinite == "skip" and not check_finite:
         raise ValueError(
-            f"{caller}: on_nonfinite='skip' needs check_finite=True (nothing is checked "
-            "without it)"
+            f"{caller}: on_nonfinite='skip' needs check_finite=True (nothing is checked without it)"
         )
     return check_finite, on_nonfinite
 
@@ -83,9 +82,7 @@ def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
 
 def nonfinite_message(caller: str, step: int, found: Sequence[tuple[str, list, list]]) -> str:
     """Message for ``found``: (bucket, names with NaN/Inf, every name in the bucket) triples."""
-    parts = [
-        f"{where}: {bad} (the bucket holds {names})" for where, bad, names in found
-    ]
+    parts = [f"{where}: {bad} (the bucket holds {names})" for where, bad, names in found]
     return (
         f"{caller}: non-finite (NaN/Inf) gradients after the all-reduce in step {step}, the same "
         f"on every rank: " + "; ".join(parts) + ". Lower the learning rate, check the loss "

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from bench import gpu_check
+from overlapkit import cli
 from overlapkit.doctor import affinity, perf_checks, setup_checks
-from overlapkit.doctor import cli as doctor_cli
 from overlapkit.doctor.check import (
     CHECK_NAMES,
     FAIL,
@@ -422,13 +422,11 @@ def _doctor(*argv, env=None, timeout=240):
 
 
 def test_the_overlapkit_command_has_doctor():
-    from overlapkit import cli
-
     assert "overlapkit.doctor.cli" in cli.COMMAND_MODULES
 
 
 def test_unknown_check_is_a_usage_error(capsys):
-    assert doctor_cli.main(["doctor", "--only", "speed"]) == 2
+    assert cli.main(["doctor", "--only", "speed"]) == 2
     assert "unknown check(s) ['speed']" in capsys.readouterr().err
 
 

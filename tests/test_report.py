@@ -12,6 +12,7 @@ import sys
 import matplotlib.image
 import pytest
 
+from overlapkit import cli as overlapkit_cli
 from overlapkit.profiling import cli
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.counters import write_counter_copy
@@ -104,17 +105,20 @@ def test_png_timeline_is_drawn_for_the_chosen_step(tmp_path, capsys):
 
 def test_an_unknown_step_and_an_empty_directory_exit_2_with_the_reason(tmp_path, capsys):
     run = _write_run(tmp_path / "run")
-    assert cli.main(["report", str(run), "--png", str(tmp_path / "x.png"), "--step", "9"]) == 2
+    assert (
+        overlapkit_cli.main(["report", str(run), "--png", str(tmp_path / "x.png"), "--step", "9"])
+        == 2
+    )
     assert "--step 9 is not in the traces; steps there: [4, 5]" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert cli.main(["report", str(tmp_path / "empty")]) == 2
+    assert overlapkit_cli.main(["report", str(tmp_path / "empty")]) == 2
     assert "no readable profiler trace" in capsys.readouterr().err
 
 
 def test_python_dash_m_runs_the_report(tmp_path):
     run = _write_run(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-m", "overlapkit.profiling.cli", "report", str(run), "--json"],
+        [sys.executable, "-m", "overlapkit.cli", "report", str(run), "--json"],
         capture_output=True,
         text=True,
         timeout=120,

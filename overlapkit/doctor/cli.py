@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 
 from overlapkit.doctor.check import CHECK_NAMES, exit_code, parse_only
 from overlapkit.doctor.render import render, to_json
@@ -71,19 +70,3 @@ def run(args: argparse.Namespace) -> int:
     if facts["rank"] == 0:
         print(json.dumps(to_json(checks, facts), indent=2) if args.json else render(checks, facts))
     return exit_code(checks)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m overlapkit.doctor.cli doctor ...``: the command on its own."""
-    parser = argparse.ArgumentParser(prog="python -m overlapkit.doctor.cli")
-    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"overlapkit {args.command}: error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,9 @@
-"""``overlapkit report RUN_DIR [--json] [--png FILE] [--step N]``.
-
-Also runnable alone: ``python -m overlapkit.profiling.cli report RUN_DIR``.
-"""
+"""``overlapkit report RUN_DIR [--json] [--png FILE] [--step N]``."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.report import format_report
@@ -53,18 +49,3 @@ def run_report(args: argparse.Namespace) -> int:
         if png is not None:
             print(f"\ntimeline: {png}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m overlapkit.profiling.cli")
-    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"overlapkit {args.command}: error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
