@@ -8,7 +8,7 @@ or prefetch depth issues different collectives (a hang at the collective timeout
 versions, options as the user passed them, and every parameter's name, shape, dtype and
 ``requires_grad``) and compare it across the group before their first collective:
 
-- healthy path: **one** ``all_gather_into_tensor`` of a 32-byte SHA-256 digest per rank (4
+- healthy path: **one** ``all_gather_single`` of a 32-byte SHA-256 digest per rank (4
   int64), nothing else;
 - mismatch: every rank sees the same differing digests, so all of them take a second collective
   (``all_gather_object`` of the full descriptions) and raise the same ``ConfigMismatch`` naming
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from overlapkit.failures import FailureScope
+from overlapkit.process_group import all_gather_single
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def check_consistent(
 ) -> None:
     """Raise ``ConfigMismatch`` unless every rank of ``group`` describes the same configuration.
 
-    Collective: every rank of ``group`` must call it. Costs one ``all_gather_into_tensor`` of
+    Collective: every rank of ``group`` must call it. Costs one ``all_gather_single`` of
     32 bytes per rank when the ranks agree.
 
     Args:
@@ -174,7 +175,7 @@ def check_consistent(
     gathered = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
     site = FailureScope(caller, lambda: 0).site(group, "all_gather", "the consistency check")
     try:
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        all_gather_single(gathered, mine, group=group)
     except RuntimeError as error:
         raise site.explain(error) from error
     if bool((gathered.view(size, -1) == mine).all()):

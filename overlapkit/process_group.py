@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 
@@ -36,3 +37,15 @@ def resolve_process_group(
 def backend_of(process_group: dist.ProcessGroup) -> str:
     """The backend name of ``process_group`` in lower case (``"gloo"``, ``"nccl"``, ...)."""
     return str(dist.get_backend(process_group)).lower()
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, *, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | None:
+    """Gather every rank's ``input`` into ``output`` (``group.size()`` times as many elements).
+
+    ``dist.all_gather_single`` where torch has it (torch 2.13 deprecates the older name with a
+    warning on every call), ``dist.all_gather_into_tensor`` before that; looked up per call.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)

@@ -77,7 +77,11 @@ class _CountCollectives:
 
     def __enter__(self):
         self.tensor_gathers = self.object_gathers = 0
-        self._saved = dist.all_gather_into_tensor, dist.all_gather_object
+        # overlapkit.process_group.all_gather_single looks the torch function up per call.
+        self._tensor_name = (
+            "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        )
+        self._saved = getattr(dist, self._tensor_name), dist.all_gather_object
 
         def tensor_gather(*args, **kwargs):
             self.tensor_gathers += 1
@@ -87,11 +91,13 @@ class _CountCollectives:
             self.object_gathers += 1
             return self._saved[1](*args, **kwargs)
 
-        dist.all_gather_into_tensor, dist.all_gather_object = tensor_gather, object_gather
+        setattr(dist, self._tensor_name, tensor_gather)
+        dist.all_gather_object = object_gather
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather_into_tensor, dist.all_gather_object = self._saved
+        setattr(dist, self._tensor_name, self._saved[0])
+        dist.all_gather_object = self._saved[1]
 
 
 def _wrap_every_case(rank, world_size):
@@ -162,7 +168,7 @@ def test_agreeing_ranks_pass_with_one_tiny_all_gather(outcomes, case):
     for rank in range(2):
         got = outcomes[rank][case]
         assert got["error"] is None
-        # One all_gather_into_tensor of 32 bytes per rank; the descriptions never travel.
+        # One tensor all-gather of 32 bytes per rank; the descriptions never travel.
         assert got["tensor_gathers"] == 1 and got["object_gathers"] == 0
 
 

@@ -39,8 +39,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from overlapkit.failures import FailureScope
 from overlapkit.fsdp.stats import UnshardRecorder
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from overlapkit.process_group import all_gather_single
 
 
 class Alloc:
@@ -88,7 +87,7 @@ class BlockAllGather(Alloc, AllGather):
     ) -> dist.Work | None:
         site = self.failures.site(group, "all_gather", self.where)
         try:
-            work = _all_gather(
+            work = all_gather_single(
                 output_tensor, input_tensor, group=group, async_op=async_op or self.force_async
             )
         except RuntimeError as error:  # a blocking all-gather fails here
