@@ -87,6 +87,8 @@ class _Reader:
         while True:
             try:
                 value, end = _DECODER.raw_decode(self.buf, self.pos)
+            except RecursionError:  # json's C scanner recurses per nesting level
+                raise self.error(f"{context} is nested too deeply to decode") from None
             except json.JSONDecodeError as err:
                 # An error near the end of the buffer (or an unterminated string) may only mean
                 # the value continues in the next chunk; an error earlier on is a broken file.
@@ -123,8 +125,8 @@ def _read_events(reader: _Reader, on_event: Callable[[Any], None]) -> int:
                 on_event(event)
                 count += 1
                 pos = separator.end()
-        except (json.JSONDecodeError, StopIteration):
-            pass
+        except (json.JSONDecodeError, StopIteration, RecursionError):
+            pass  # the slow path below decodes it again and names the problem
         reader.pos = pos
         # Slow path for the event at the buffer's edge: refills, errors with context.
         on_event(reader.value(f"traceEvents[{count}]"))

@@ -28,6 +28,7 @@ Every error names the file, the line and the key (``dgx.yaml:12: scale_up.links:
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +50,9 @@ from overlapkit.topology.model import (
 from overlapkit.topology.units import parse_bandwidth, parse_duration
 
 PRESET_DIR = Path(__file__).parent / "presets"
+MAX_RANKS = 2**18
+"""The largest world a topology may describe (262,144 ranks, beyond today's largest clusters);
+a file asking for more is refused before a rank list of that size is built."""
 _MULTI_NODE = re.compile(r"^(?P<base>.+)x(?P<count>\d+)$")
 
 _KEYS = {
@@ -120,6 +124,10 @@ def load_topology(name_or_path: str | Path, *, fabric: str | None = None) -> Top
         if not path.is_file():
             raise FileNotFoundError(f"topology file {text!r} does not exist")
         source, name = str(path), None
+        try:
+            contents = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not a UTF-8 text file ({err.reason})") from None
     else:
         presets = preset_names()
         match = _MULTI_NODE.match(text)
@@ -133,8 +141,9 @@ def load_topology(name_or_path: str | Path, *, fabric: str | None = None) -> Top
         path = PRESET_DIR / f"{text}.yaml"
         source = f"preset {text} ({path.name})"
         name = str(name_or_path)
+        contents = path.read_text(encoding="utf-8")
     return parse_topology_yaml(
-        path.read_text(), source=source, node_multiplier=multiplier, name=name, fabric=fabric
+        contents, source=source, node_multiplier=multiplier, name=name, fabric=fabric
     )
 
 
@@ -199,10 +208,16 @@ def parse_topology_yaml(
     base_name = reader.value("name", _string, default=source)
     if name is None:
         name = base_name if node_multiplier == 1 else f"{base_name}x{node_multiplier}"
+    devices_per_node = reader.value("devices_per_node", _integer(1))
+    if nodes * devices_per_node > MAX_RANKS:
+        raise ValueError(
+            f"{reader.where('nodes')}: {nodes} nodes x {devices_per_node} devices_per_node = "
+            f"{nodes * devices_per_node} ranks; at most {MAX_RANKS} are supported"
+        )
     return uniform_topology(
         name=name,
         nodes=nodes,
-        devices_per_node=reader.value("devices_per_node", _integer(1)),
+        devices_per_node=devices_per_node,
         device_kind=reader.value("device_kind", _choice(DeviceKind), default=DeviceKind.GPU),
         domain=domain,
         nodes_per_domain=nodes_per_domain,
@@ -221,7 +236,14 @@ def _domain_bandwidth(reader: _Reader, scale_up: dict, links: int) -> float:
     if "link_bandwidth" in scale_up:
         if links < 1:
             raise ValueError(f"{reader.where('scale_up.links')}: link_bandwidth needs links >= 1")
-        return links * reader.value("scale_up.link_bandwidth", _bandwidth)
+        per_link = reader.value("scale_up.link_bandwidth", _bandwidth)
+        total = float(links) * per_link if links <= 2**53 else math.inf
+        if not math.isfinite(total):
+            raise ValueError(
+                f"{reader.where('scale_up.links')}: {links} links x {per_link:g} GB/s is not a "
+                "finite bandwidth"
+            )
+        return total
     return reader.value("scale_up.bandwidth", _bandwidth)
 
 
@@ -233,6 +255,7 @@ class _Reader:
 
     @classmethod
     def from_text(cls, text: str, source: str) -> _Reader:
+        _check_bracket_depth(text, source)
         try:
             data = yaml.safe_load(text)
             node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -241,13 +264,16 @@ class _Reader:
             where = f"{source}:{mark.line + 1}" if mark is not None else source
             problem = getattr(err, "problem", None) or str(err)
             raise ValueError(f"{where}: not valid YAML: {problem}") from None
+        except RecursionError:  # PyYAML composes nested collections recursively
+            raise ValueError(f"{source}: nested too deeply for a topology file") from None
         if not isinstance(data, dict):
             raise ValueError(
                 f"{source}: a topology file must be a mapping of keys (name, "
                 f"scale_up, ...), got {type(data).__name__}"
             )
+        _check_depth(node, source)
         lines: dict[str, int] = {}
-        _record_lines(node, "", lines, source)
+        _record_lines(node, "", lines, source, set())
         reader = cls(data, lines, source)
         reader._check_keys("", data)
         return reader
@@ -289,12 +315,60 @@ class _Reader:
             return default
         try:
             return convert(container[last])
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, OverflowError) as err:
             raise ValueError(f"{self.where(key)}: {err}") from None
 
 
-def _record_lines(node: yaml.Node, path: str, lines: dict[str, int], source: str) -> None:
+_MAX_DEPTH = 8  # a topology file nests 3 levels: section, key, list
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _check_bracket_depth(text: str, source: str) -> None:
+    """Refuse flow collections (``[``, ``{``) nested deeper than ``_MAX_DEPTH`` before PyYAML
+    reads them: its scanner takes time quadratic in that depth (seconds for 4,000 levels).
+
+    Brackets inside quoted strings count too, which can only overestimate the depth.
+    """
+    depth = 0
+    for match in _BRACKET.finditer(text):
+        depth = depth + 1 if match[0] in "[{" else max(depth - 1, 0)
+        if depth > _MAX_DEPTH:
+            line = text.count("\n", 0, match.start()) + 1
+            raise ValueError(
+                f"{source}:{line}: brackets nested deeper than {_MAX_DEPTH} levels; not a "
+                "topology file"
+            )
+
+
+def _check_depth(root: yaml.Node, source: str) -> None:
+    """Refuse collections nested deeper than ``_MAX_DEPTH``, before anything recurses into them
+    (a repr of a value nested a thousand levels deep raises RecursionError)."""
+    pending, seen = [(root, 0)], set()
+    while pending:
+        node, depth = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if depth > _MAX_DEPTH:
+            raise ValueError(
+                f"{source}:{node.start_mark.line + 1}: nested deeper than {_MAX_DEPTH} levels; "
+                "not a topology file"
+            )
+        if isinstance(node, yaml.MappingNode):
+            pending.extend((child, depth + 1) for pair in node.value for child in pair)
+        elif isinstance(node, yaml.SequenceNode):
+            pending.extend((child, depth + 1) for child in node.value)
+
+
+def _record_lines(
+    node: yaml.Node, path: str, lines: dict[str, int], source: str, seen_nodes: set[int]
+) -> None:
     lines[path] = node.start_mark.line + 1
+    # An alias is the same node object as its anchor: walk each node once, so that a chain of
+    # aliases (a "billion laughs" document) or an anchor that contains itself stays linear.
+    if id(node) in seen_nodes:
+        return
+    seen_nodes.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
@@ -305,7 +379,10 @@ def _record_lines(node: yaml.Node, path: str, lines: dict[str, int], source: str
                     f"{source}:{key_node.start_mark.line + 1}: {child}: key appears twice"
                 )
             seen.add(key)
-            _record_lines(value_node, child, lines, source)
+            _record_lines(value_node, child, lines, source, seen_nodes)
+
+
+_MAX_COUNT = 2**31 - 1  # no count in a machine description comes near it
 
 
 def _integer(minimum: int) -> Callable[[Any], int]:
@@ -314,6 +391,8 @@ def _integer(minimum: int) -> Callable[[Any], int]:
             raise ValueError(f"expected an integer, got {value!r}")
         if value < minimum:
             raise ValueError(f"must be >= {minimum}, got {value}")
+        if value > _MAX_COUNT:
+            raise ValueError(f"must be <= {_MAX_COUNT}, got {value}")
         return value
 
     return convert
@@ -363,7 +442,10 @@ def _microseconds(value: Any) -> float:
     if not isinstance(value, str):
         # A bare number is ambiguous here (seconds? microseconds?), so a unit is required.
         raise ValueError(f"expected a duration with a unit like 3.4us or 0.5ms, got {value!r}")
-    return round(parse_duration(value, what="") * 1e6, 9)
+    microseconds = parse_duration(value, what="") * 1e6
+    if not math.isfinite(microseconds):
+        raise ValueError(f"expected a finite duration, got {value!r}")
+    return round(microseconds, 9)
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:

@@ -29,10 +29,17 @@ def _lead(what: str) -> str:
     return f"{what}: " if what else ""
 
 
-def _finite(value: float, text: str, what: str) -> float:
+def _finite(value: float, text: str | int | float, what: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{what or 'value'} must be a finite number, got {text!r}")
     return value
+
+
+def _float(number: int | float, what: str) -> float:
+    try:
+        return _finite(float(number), number, what)
+    except OverflowError:  # an int beyond the float range (YAML and JSON allow any size)
+        raise ValueError(f"{what or 'value'} must be a finite number, got {number!r}") from None
 
 
 def parse_size(text: str | int | float, *, what: str = "size") -> float:
@@ -51,7 +58,7 @@ def parse_size(text: str | int | float, *, what: str = "size") -> float:
     if isinstance(text, bool):
         raise TypeError(f"{what} must be a number of bytes or a string like '140GB', got {text!r}")
     if isinstance(text, (int, float)):
-        value = _finite(float(text), repr(text), what)
+        value = _float(text, what)
     else:
         match = _SIZE_RE.match(str(text))
         if match is None:
@@ -67,7 +74,7 @@ def parse_size(text: str | int | float, *, what: str = "size") -> float:
             )
         table = _BINARY if match["binary"] else _DECIMAL
         prefix = match["prefix"].lower()
-        value = _finite(float(match["value"]), repr(text), what) * table[prefix]
+        value = _finite(float(match["value"]) * table[prefix], text, what)
     if value < 0:
         raise ValueError(f"{what or 'size'} must be >= 0 bytes, got {text!r}")
     return value
@@ -89,7 +96,7 @@ def parse_bandwidth(text: str | int | float, *, what: str = "bandwidth") -> floa
     if isinstance(text, bool):
         raise TypeError(f"{what} must be GB/s or a string like '50GB/s', got {text!r}")
     if isinstance(text, (int, float)):
-        value = _finite(float(text), repr(text), what)
+        value = _float(text, what)
     else:
         match = _BANDWIDTH_RE.match(str(text))
         if match is None or (match["unit"] is None and (match["prefix"] or match["binary"])):
@@ -102,7 +109,7 @@ def parse_bandwidth(text: str | int | float, *, what: str = "bandwidth") -> floa
         per_second = float(match["value"]) * table[match["prefix"].lower()]
         if match["unit"] is None:
             per_second *= 1e9  # a bare number is GB/s
-        value = _finite(per_second / (8 if bits else 1) / 1e9, repr(text), what)
+        value = _finite(per_second / (8 if bits else 1) / 1e9, text, what)
     if not value > 0:
         raise ValueError(f"{what or 'bandwidth'} must be > 0, got {text!r}")
     return value
@@ -117,7 +124,7 @@ def parse_duration(text: str | int | float, *, what: str = "duration") -> float:
     if isinstance(text, bool):
         raise TypeError(f"{what} must be seconds or a string like '5us', got {text!r}")
     if isinstance(text, (int, float)):
-        value = _finite(float(text), repr(text), what)
+        value = _float(text, what)
     else:
         match = _DURATION_RE.match(str(text))
         if match is None:
@@ -125,7 +132,7 @@ def parse_duration(text: str | int | float, *, what: str = "duration") -> float:
                 f"{_lead(what)}cannot read {text!r} as a duration; write seconds (1e-6) or a "
                 "number with a unit (5us, 2.5ms)"
             )
-        value = _finite(float(match["value"]) * _SECONDS[match["unit"] or "s"], repr(text), what)
+        value = _finite(float(match["value"]) * _SECONDS[match["unit"] or "s"], text, what)
     if value < 0:
         raise ValueError(f"{what or 'duration'} must be >= 0, got {text!r}")
     return value

@@ -10,12 +10,20 @@ The saved state: the model and optimizer (``get_state_dict``, so DDP, the bucket
 module and FSDP2's sharded parameters all save the same fully qualified names and reshard on
 load), the LR scheduler, the step and data position, and each rank's RNG state (under its own
 key, ``rng_rank<R>``; a resumed job with other ranks keeps its fresh RNG for those).
+
+A checkpoint directory is untrusted input (it may come from someone else's run), and DCP
+unpickles it: its ``.metadata`` with plain ``pickle`` and every non-tensor value with
+``torch.load(weights_only=False)``, either of which runs whatever code the file names. Loading
+here therefore reads the metadata with an unpickler that accepts only DCP's own metadata types
+and loads the non-tensor values with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -25,6 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from overlapkit.train.data import BatchStream
@@ -60,7 +73,7 @@ def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
 
 
 def remove_pending(root: str | Path) -> list[Path]:
-    """Delete the ``.tmp`` directories that interrupted saves left under ``root``."""
+    """Delete the ``.tmp`` directories that interrupted saves (or deletions) left under ``root``."""
     root = Path(root)
     removed = (
         [p for p in root.glob(f"step_*{_PENDING_SUFFIX}") if p.is_dir()] if root.is_dir() else []
@@ -69,6 +82,88 @@ def remove_pending(root: str | Path) -> list[Path]:
         shutil.rmtree(path)
         logger.warning("removed the incomplete checkpoint %s (a save was interrupted)", path)
     return removed
+
+
+def _discard(path: Path) -> None:
+    # Renamed out of the committed names first: a kill in the middle of rmtree must not leave
+    # a committed-looking directory with some of its files gone.
+    doomed = path.with_name(f"{path.name}.old{_PENDING_SUFFIX}")
+    shutil.rmtree(doomed, ignore_errors=True)  # left by an earlier kill
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
+# Every global a DCP ``.metadata`` pickle refers to (torch 2.6 - 2.13); anything else is refused.
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+} | {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which DCP metadata never holds; "
+            "refusing to unpickle it (it could run code)"
+        )
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """``FileSystemReader`` that unpickles ``.metadata`` with DCP's metadata types only."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+            raise ValueError(f"{path}: not a readable DCP checkpoint metadata file: {err}") from err
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads non-tensor values with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"checkpoint value {fqn!r} is not plain data; weights_only=True refused it: {err}"
+            ) from err
+        # As DefaultLoadPlanner.load_bytes, which differs only in weights_only=False.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 def _fsync_dir(path: Path) -> None:
@@ -132,12 +227,12 @@ class TrainingState:
         dcp.save(self.state_dict(step), checkpoint_id=pending)
         if self.rank == 0:
             if final.exists():  # the same step saved again, e.g. by a rerun after a crash
-                shutil.rmtree(final)
+                _discard(final)
             os.replace(pending, final)
             _fsync_dir(root)
             if keep > 0:
                 for _, old in committed_checkpoints(root)[:-keep]:
-                    shutil.rmtree(old)
+                    _discard(old)
             logger.info("checkpoint saved: %s", final)
         # Nobody goes on (or reads it) before the rename.
         dist.barrier()
@@ -151,7 +246,7 @@ class TrainingState:
         """
         path = Path(path)
         state = self.state_dict(0)
-        saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+        saved_keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata.keys()
         rng_key = _rng_key(self.rank)
         if not any(key.startswith(f"{rng_key}.") for key in saved_keys):
             logger.warning(
@@ -161,7 +256,13 @@ class TrainingState:
                 self.rank,
             )
             del state[rng_key]
-        dcp.load(state, checkpoint_id=path)
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        except CheckpointException as err:  # a BaseException: surface our refusal as itself
+            refused = [exc for exc, _ in err.failures.values() if isinstance(exc, ValueError)]
+            if refused:
+                raise ValueError(f"{path}: {refused[0]}") from err
+            raise
         set_state_dict(
             self.model,
             self.optimizer,

@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from overlapkit.train.faults import install_kill_from_env
 from overlapkit.train.loop import RunPaths, resolve_device, train
 from overlapkit.validation import check_int
 
@@ -56,7 +57,9 @@ class LauncherConfig:
     rdzv_timeout_s: int = 300
     """How long a node waits for the others to join, s."""
     max_restarts: int = 0
-    """How often torch elastic restarts the workers after a failure."""
+    """How often torch elastic restarts the workers after one of them fails (all of them
+    restart); with ``train.resume=true`` they resume from the newest complete checkpoint, so a
+    restart loses only the steps after it."""
     collective_timeout_s: float = 300.0
     """Timeout of every collective of the process group, s."""
     threads_per_rank: int | None = None
@@ -149,6 +152,7 @@ def worker_main(
     """
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _setup_worker_logging(rank)
+    install_kill_from_env(rank)  # test-only, and only when OVERLAPKIT_TEST_KILL is set
     torch.set_num_threads(threads)
     device = resolve_device(job["train"]["device"], local_rank)
     if device.type == "cuda":
@@ -171,6 +175,33 @@ def worker_main(
         # GIL, which can deadlock with a gloo thread finishing its last work item (torch 2.13).
         gc.collect()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fresh_store_per_restart(launcher: LauncherConfig) -> Iterator[None]:
+    """With restarts, give each attempt's workers a new store instead of the agent's shared one.
+
+    torch elastic's c10d rendezvous lends its agent's TCPStore to the workers by default, and
+    keeps the same one across restarts; the restarted workers then find the keys the killed
+    attempt wrote (gloo's and NCCL's peer addresses under the same names) and connect to ports
+    that are gone: "Gloo connectFullMesh failed ... Connection refused"
+    (pytorch/pytorch#135712; seen with torch 2.13). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+    torch's own opt-out, makes each rendezvous round publish a fresh port on which rank 0 hosts
+    a new store. It is read by the agent in this process, so it is set only for the launch.
+    """
+    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    if launcher.max_restarts == 0:
+        yield
+        return
+    saved = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 _launch_numbers = itertools.count()
@@ -246,7 +277,7 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
             launcher.nnodes,
             config.rdzv_backend,
         )
-        with _hold_store_until_nodes_leave(launcher):
+        with _hold_store_until_nodes_leave(launcher), _fresh_store_per_restart(launcher):
             results = elastic_launch(config, worker_main)(
                 job, str(run_dir), launcher.threads(), float(launcher.collective_timeout_s)
             )
