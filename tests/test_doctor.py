@@ -369,6 +369,42 @@ def test_unsettled_tuning_warns():
     assert check.status == WARN and "did not settle" in check.value
 
 
+def _prefetch_report(chosen):
+    return TuningReport(
+        knob="prefetch",
+        trials=[
+            Trial(value=0, step_ms=120.0, exposed_ms=None, peak_bytes=2**20),
+            Trial(value=1, step_ms=100.0, exposed_ms=None, peak_bytes=2**21),
+            Trial(value=2, step_ms=80.0, exposed_ms=None, peak_bytes=3 * 2**20),
+        ],
+        chosen=chosen,
+        settled=True,
+        settled_at_step=14,
+        reason="fastest trial",
+    )
+
+
+def test_default_prefetch_slower_than_autos_depth_warns_naming_the_depth():
+    check = perf_checks.check_prefetch(
+        current_depth=1, current_step_ms=None, report=_prefetch_report(2), explicit=False
+    )
+    assert check.name == "prefetch" and check.status == WARN
+    assert "the default prefetch=1; auto chose 2" in check.value and "+25.0%" in check.value
+    assert "use prefetch=2" in check.advice
+
+
+def test_prefetch_agreeing_with_auto_passes():
+    check = perf_checks.check_prefetch(
+        current_depth=2, current_step_ms=81.0, report=_prefetch_report(2), explicit=True
+    )
+    assert check.status == PASS and "your prefetch=2" in check.value
+
+
+def test_doctor_rejects_a_prefetch_depth_it_cannot_judge():
+    with pytest.raises(ValueError, match="--prefetch must be 0, 1 or 2, got 3"):
+        DoctorOptions(prefetch=3)
+
+
 # ----------------------------------------------------------------------------- 6. overlap
 
 

@@ -16,6 +16,7 @@ CHECK_NAMES = (
     "bandwidth",
     "algorithms",
     "bucket_size",
+    "prefetch",
     "overlap",
     "placement",
     "scaling",

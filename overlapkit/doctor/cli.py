@@ -42,6 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--bucket-mb", type=float, metavar="MB", help="your bucket size to judge (default: ours)"
     )
     parser.add_argument(
+        "--prefetch",
+        type=int,
+        metavar="DEPTH",
+        help="your ok.fsdp prefetch depth to judge, 0-2 (default: 1, ok.fsdp's)",
+    )
+    parser.add_argument(
         "--model", choices=("mlp", "gpt_tiny"), default="mlp", help="the small model measured"
     )
     parser.add_argument("--logdir", metavar="DIR", help="keep the profiled run's traces here")
@@ -59,6 +65,7 @@ def options_from_args(args: argparse.Namespace) -> DoctorOptions:
         cp=args.cp,
         pp=args.pp,
         bucket_mb=args.bucket_mb,
+        prefetch=args.prefetch,
         model=args.model,
         logdir=args.logdir,
     )

@@ -18,8 +18,8 @@ BANDWIDTH_FAIL = 0.3
 """Below this fails (against a specified catalogue; a nominal one only warns)."""
 BANDWIDTH_HIGH = 1.5
 """Above this the catalogue underestimates the machine: warn, calibrate."""
-BUCKET_TOLERANCE = 0.05
-"""A bucket size whose step is within 5 % of auto-tuning's choice passes."""
+TUNED_TOLERANCE = 0.05
+"""A bucket size or prefetch depth whose step is within 5 % of auto-tuning's choice passes."""
 EXPOSED_SHARE_PASS = 0.10
 """Exposed comm up to this share of the step passes."""
 SCALING_PASS = 0.8
@@ -101,67 +101,123 @@ def check_bucket_size(
     explicit: bool,
     chosen_step_ms: float | None = None,
 ) -> Check:
-    """Check 5: the bucket size in use vs what ``bucket_mb="auto"`` settles on.
+    """Check 5a: the bucket size in use (MiB) vs what ``bucket_mb="auto"`` settles on.
+
+    See ``check_tuned_setting`` for the arguments; ``current_mb`` is ``--bucket-mb`` or the
+    default for the model.
+    """
+    return check_tuned_setting(
+        name="bucket_size",
+        option="bucket_mb",
+        unit=" MiB",
+        current=current_mb,
+        current_step_ms=current_step_ms,
+        report=report,
+        explicit=explicit,
+        chosen_step_ms=chosen_step_ms,
+    )
+
+
+def check_prefetch(
+    *,
+    current_depth: int,
+    current_step_ms: float | None,
+    report: Any,
+    explicit: bool,
+    chosen_step_ms: float | None = None,
+) -> Check:
+    """Check 5b: the ``ok.fsdp`` prefetch depth in use vs what ``prefetch="auto"`` settles on.
+
+    See ``check_tuned_setting`` for the arguments; ``current_depth`` is ``--prefetch`` or 1,
+    ``ok.fsdp``'s default.
+    """
+    return check_tuned_setting(
+        name="prefetch",
+        option="prefetch",
+        unit="",
+        current=current_depth,
+        current_step_ms=current_step_ms,
+        report=report,
+        explicit=explicit,
+        chosen_step_ms=chosen_step_ms,
+    )
+
+
+def check_tuned_setting(
+    *,
+    name: str,
+    option: str,
+    unit: str,
+    current: float,
+    current_step_ms: float | None,
+    report: Any,
+    explicit: bool,
+    chosen_step_ms: float | None = None,
+) -> Check:
+    """A setting in use vs what auto-tuning of that setting settles on.
 
     Args:
-        current_mb (float): the bucket size compared, MiB (``--bucket-mb``, or the default).
-        current_step_ms (float): median step time measured with ``current_mb``, ms; None to use
-            the tuner's own trial of that size, if it made one.
+        name (str): the check's name.
+        option (str): the wrapper's keyword (``bucket_mb``, ``prefetch``), for the advice.
+        unit (str): appended to values in the message (``" MiB"`` or ``""``).
+        current (float): the value compared (the user's, or overlapkit's default).
+        current_step_ms (float): median step time measured with ``current``, ms; None to use
+            the tuner's own trial of that value, if it made one.
         report (TuningReport): ``ok.tuning_report(model)`` of an ``"auto"`` run (``trials`` of
             ``Trial(value, step_ms, exposed_ms)``, ``chosen``, ``settled``, ``reason``).
-        explicit (bool): ``current_mb`` came from the user (else it is overlapkit's default).
-        chosen_step_ms (float): median step time with the chosen size measured the same way as
-            ``current_step_ms``, ms; None to use the tuner's trial of the chosen size.
+        explicit (bool): ``current`` came from the user (else it is overlapkit's default).
+        chosen_step_ms (float): median step time with the chosen value measured the same way as
+            ``current_step_ms``, ms; None to use the tuner's trial of the chosen value.
     """
-    whose = "your bucket_mb" if explicit else "the default bucket_mb"
+    whose = f"your {option}" if explicit else f"the default {option}"
     trials = {float(t.value): t for t in report.trials}
     details = {
-        "current_mb": current_mb,
+        "current": current,
         "current_step_ms": current_step_ms,
         "tuning": report.to_json(),
     }
     if not report.settled or report.chosen is None:
         return Check(
-            "bucket_size",
+            name,
             WARN,
-            f"auto-tuning did not settle ({len(trials)} trial(s)); {whose}={current_mb:.3g} MiB",
+            f"auto-tuning did not settle ({len(trials)} trial(s)); {whose}={current:.3g}{unit}",
             f"tuning needs more steps than this run gave it ({report.reason}); run longer "
-            "(without --quick) or keep bucket_mb as is",
+            f"(without --quick) or keep {option} as is",
             details,
         )
     chosen = float(report.chosen)
     chosen_trial = trials.get(chosen)
-    value = f"{whose}={current_mb:.3g} MiB; auto chose {chosen:.3g} MiB ({report.reason})"
-    if abs(current_mb - chosen) <= 1e-6 * max(chosen, 1.0):
-        return Check("bucket_size", PASS, value, "auto-tuning agrees with the size in use", details)
-    if current_step_ms is None and current_mb in trials:
-        current_step_ms = trials[current_mb].step_ms
+    value = f"{whose}={current:.3g}{unit}; auto chose {chosen:.3g}{unit} ({report.reason})"
+    if abs(current - chosen) <= 1e-6 * max(chosen, 1.0):
+        return Check(name, PASS, value, "auto-tuning agrees with the value in use", details)
+    if current_step_ms is None and current in trials:
+        current_step_ms = trials[current].step_ms
     if chosen_step_ms is None and chosen_trial is not None:
         chosen_step_ms = chosen_trial.step_ms
     details["chosen_step_ms"] = chosen_step_ms
     if current_step_ms is None or chosen_step_ms is None:
         return Check(
-            "bucket_size",
+            name,
             WARN,
             value,
-            f"no step time to compare; try bucket_mb={chosen:g} or bucket_mb='auto'",
+            f"no step time to compare; try {option}={chosen:g} or {option}='auto'",
             details,
         )
     gap = current_step_ms / chosen_step_ms - 1
     value += f"; step {current_step_ms:.4g} ms vs {chosen_step_ms:.4g} ms with auto's ({gap:+.1%})"
-    if gap <= BUCKET_TOLERANCE:
+    if gap <= TUNED_TOLERANCE:
         return Check(
-            "bucket_size",
+            name,
             PASS,
             value,
-            f"at most {BUCKET_TOLERANCE:.0%} slower than auto-tuning's choice; nothing to gain",
+            f"at most {TUNED_TOLERANCE:.0%} slower than auto-tuning's choice; nothing to gain",
             details,
         )
     return Check(
-        "bucket_size",
+        name,
         WARN,
         value,
-        f"use bucket_mb={chosen:g} (or bucket_mb='auto', which settles in the first steps)",
+        f"use {option}={chosen:g} (or {option}='auto', which settles in the first steps)",
         details,
     )
 

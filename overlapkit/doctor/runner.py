@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import overlapkit as ok
 from overlapkit.ddp.bucket_size import default_bucket_mb
@@ -63,6 +64,8 @@ class DoctorOptions:
     pp: int = 1
     bucket_mb: float | None = None
     """The bucket size to judge (MiB); None: overlapkit's default for the model."""
+    prefetch: int | None = None
+    """The ``ok.fsdp`` prefetch depth to judge (0, 1 or 2); None: its default, 1."""
     model: str = "mlp"
     """``mlp`` or ``gpt_tiny``: the small model the measuring checks train."""
     logdir: str | None = None
@@ -77,6 +80,8 @@ class DoctorOptions:
             raise ValueError(f"--model must be 'mlp' or 'gpt_tiny', got {self.model!r}")
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ValueError(f"--bucket-mb must be > 0 MiB, got {self.bucket_mb!r}")
+        if self.prefetch not in (None, 0, 1, 2):
+            raise ValueError(f"--prefetch must be 0, 1 or 2, got {self.prefetch!r}")
 
     @property
     def steps(self) -> int:
@@ -305,16 +310,7 @@ def _check_bucket_size(ctx: _Context) -> Check:
         )
     new_model, loss, _ = make_workload(ctx.options, ctx.rank, ctx.device)
     tuned = _ddp(ctx, new_model(), "auto")
-    max_steps = 40 if ctx.options.quick else 100
-    optimizer = torch.optim.SGD(tuned.parameters(), lr=1e-3)
-    report = ok.tuning_report(tuned)
-    for _ in range(max_steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss(tuned).backward()
-        optimizer.step()
-        report = ok.tuning_report(tuned)
-        if report.settled:
-            break
+    report = _train_until_settled(ctx, tuned, loss)
     # Once settled the tuned model runs the chosen size; both are timed alike, interleaved.
     model = new_model()
     current = _current_bucket_mb(ctx, model)
@@ -330,6 +326,56 @@ def _check_bucket_size(ctx: _Context) -> Check:
         current_step_ms=current_ms,
         report=report,
         explicit=ctx.options.bucket_mb is not None,
+        chosen_step_ms=chosen_ms if report.settled else None,
+    )
+
+
+def _train_until_settled(ctx: _Context, tuned: nn.Module, loss: Callable) -> Any:
+    """Train ``tuned`` (wrapped with "auto") until its tuning settles or the step budget ends;
+    returns its ``ok.tuning_report``."""
+    optimizer = torch.optim.SGD(tuned.parameters(), lr=1e-3)
+    report = ok.tuning_report(tuned)
+    for _ in range(40 if ctx.options.quick else 100):
+        optimizer.zero_grad(set_to_none=True)
+        loss(tuned).backward()
+        optimizer.step()
+        report = ok.tuning_report(tuned)
+        if report.settled:
+            break
+    return report
+
+
+def _fsdp(ctx: _Context, model: nn.Module, prefetch: int | str) -> nn.Module:
+    # ok.fsdp's mesh must span the world: the doctor's group does (gloo world or its NCCL twin).
+    mesh = (
+        None
+        if ctx.group is dist.group.WORLD
+        else DeviceMesh.from_group(ctx.group, device_type=ctx.device.type)
+    )
+    return ok.fsdp(model, prefetch=prefetch, mesh=mesh)
+
+
+def _check_prefetch(ctx: _Context) -> Check:
+    if ctx.world_size < 2:
+        return perf_checks.not_applicable(
+            "prefetch", "one rank shards nothing", "run with --nproc 2 or more"
+        )
+    new_model, loss, _ = make_workload(ctx.options, ctx.rank, ctx.device)
+    tuned = _fsdp(ctx, new_model(), "auto")
+    report = _train_until_settled(ctx, tuned, loss)
+    current = 1 if ctx.options.prefetch is None else ctx.options.prefetch
+    chosen_ms, current_ms = timed_steps(
+        [tuned, _fsdp(ctx, new_model(), current)],
+        loss,
+        ctx.options.steps,
+        group=ctx.group,
+        device=ctx.device,
+    )
+    return perf_checks.check_prefetch(
+        current_depth=current,
+        current_step_ms=current_ms,
+        report=report,
+        explicit=ctx.options.prefetch is not None,
         chosen_step_ms=chosen_ms if report.settled else None,
     )
 
@@ -400,6 +446,7 @@ CHECKS: dict[str, Callable[[_Context], Check]] = {
     "bandwidth": _check_bandwidth,
     "algorithms": _check_algorithms,
     "bucket_size": _check_bucket_size,
+    "prefetch": _check_prefetch,
     "overlap": _check_overlap,
     "placement": _check_placement,
     "scaling": _check_scaling,
