@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from bench.profile_exposed import exposed_share, make_mlp, run_cases
-from overlapkit.profiling import cli
+from overlapkit import cli
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.tensorboard import TAGS
 
