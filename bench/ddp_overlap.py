@@ -153,7 +153,7 @@ def _build_cases(cfg: dict, rank: int) -> tuple[dict[str, Callable[[], None]], l
     return cases, forward_ms, grad_numel
 
 
-def _rank_main(rank: int, world_size: int, cfg: dict) -> dict:
+def rank_main(rank: int, world_size: int, cfg: dict) -> dict:
     """Per case, this rank's wall and CPU ms per timed step (CPU: all threads, gloo's too)."""
     cases, forward_ms, grad_numel = _build_cases(cfg, rank)
     wall: dict[str, list[float]] = {name: [] for name in cases}
@@ -266,13 +266,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if current_link() is None:
-        print(f"[cpu priority] {prioritize()}", flush=True)
-    enter_emulated_link(args.rate, args.delay_ms)
+def workload_config(args: argparse.Namespace, *, sweep: list[float]) -> dict:
+    """The per-rank workload (``rank_main``'s ``cfg``) from the command line's model options."""
     defaults = MODEL_DEFAULTS[args.model]
-    cfg = {
+    return {
         "model": args.model,
         "layers": args.layers or defaults["layers"],
         "width": args.width or defaults["width"],
@@ -281,10 +278,18 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "rounds": args.rounds,
         "warmup": args.warmup,
-        "sweep": [float(s) for s in args.sweep.split(",") if s],
+        "sweep": sweep,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if current_link() is None:
+        print(f"[cpu priority] {prioritize()}", flush=True)
+    enter_emulated_link(args.rate, args.delay_ms)
+    cfg = workload_config(args, sweep=[float(s) for s in args.sweep.split(",") if s])
     print(f"ddp_overlap: 2 gloo ranks, {cfg}", flush=True)
-    results = run_on_ranks(_rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600)
+    results = run_on_ranks(rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600)
     report = build_report(
         summarize([r["wall"] for r in results], max),
         summarize([r["cpu"] for r in results], sum),

@@ -1,7 +1,7 @@
 """Scaling efficiency at 1..N local ranks, with and without overlapkit's overlap paths.
 
 For every rank count ``n`` in 1, 2, 4, ... N (N included) the cases of ``bench/ddp_overlap.py``
-run on ``n`` gloo ranks (its own ``_rank_main``: interleaved rounds, a barrier before each step,
+run on ``n`` gloo ranks (its ``rank_main``: interleaved rounds, a barrier before each step,
 a step's time is the slowest rank's), each rank with the same per-rank batch (weak scaling).
 Throughput is the job's: ``n x items per rank / median step``; items are tokens for gpt_tiny and
 samples for the MLP. Scaling efficiency is ``T(n) / (n x T(1))`` of each case against its own
@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_priority import prioritize
-from ddp_overlap import BASELINE, MODEL_DEFAULTS, _rank_main, summarize
+from ddp_overlap import BASELINE, MODEL_DEFAULTS, rank_main, summarize, workload_config
 from emulated_link import current_link, enter_emulated_link
 
 from overlapkit.doctor.scaling import rank_counts, scaling_efficiency
@@ -179,22 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     if current_link() is None:
         print(f"[cpu priority] {prioritize()}", flush=True)
     enter_emulated_link(args.rate, args.delay_ms)
-    defaults = MODEL_DEFAULTS[args.model]
-    cfg = {
-        "model": args.model,
-        "layers": args.layers or defaults["layers"],
-        "width": args.width or defaults["width"],
-        "batch": args.batch or defaults["batch"],
-        "seq_len": args.seq_len,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "warmup": args.warmup,
-        "sweep": [],
-    }
+    cfg = workload_config(args, sweep=[])
     print(f"scaling: ranks {rank_counts(args.max_ranks)}, {cfg}", flush=True)
     medians = {}
     for n in rank_counts(args.max_ranks):
-        results = run_on_ranks(_rank_main, n, cfg, collective_timeout_s=120, total_timeout_s=3600)
+        results = run_on_ranks(rank_main, n, cfg, collective_timeout_s=120, total_timeout_s=3600)
         medians[n] = summarize([r["wall"] for r in results], max)
         print(f"  {n} rank(s) done", flush=True)
     report = build_report(medians, cfg)

@@ -309,40 +309,17 @@ def _check_bucket_size(ctx: _Context) -> Check:
             "bucket_size", "one rank reduces nothing", "run with --nproc 2 or more"
         )
     new_model, loss, _ = make_workload(ctx.options, ctx.rank, ctx.device)
-    tuned = _ddp(ctx, new_model(), "auto")
-    report = _train_until_settled(ctx, tuned, loss)
-    # Once settled the tuned model runs the chosen size; both are timed alike, interleaved.
-    model = new_model()
-    current = _current_bucket_mb(ctx, model)
-    chosen_ms, current_ms = timed_steps(
-        [tuned, _ddp(ctx, model, current)],
-        loss,
-        ctx.options.steps,
-        group=ctx.group,
-        device=ctx.device,
+    current = _current_bucket_mb(ctx, new_model())
+    report, chosen_ms, current_ms = _tuned_against_current(
+        ctx, new_model, loss, lambda model, bucket_mb: _ddp(ctx, model, bucket_mb), current
     )
     return perf_checks.check_bucket_size(
         current_mb=current,
         current_step_ms=current_ms,
         report=report,
         explicit=ctx.options.bucket_mb is not None,
-        chosen_step_ms=chosen_ms if report.settled else None,
+        chosen_step_ms=chosen_ms,
     )
-
-
-def _train_until_settled(ctx: _Context, tuned: nn.Module, loss: Callable) -> Any:
-    """Train ``tuned`` (wrapped with "auto") until its tuning settles or the step budget ends;
-    returns its ``ok.tuning_report``."""
-    optimizer = torch.optim.SGD(tuned.parameters(), lr=1e-3)
-    report = ok.tuning_report(tuned)
-    for _ in range(40 if ctx.options.quick else 100):
-        optimizer.zero_grad(set_to_none=True)
-        loss(tuned).backward()
-        optimizer.step()
-        report = ok.tuning_report(tuned)
-        if report.settled:
-            break
-    return report
 
 
 def _fsdp(ctx: _Context, model: nn.Module, prefetch: int | str) -> nn.Module:
@@ -361,23 +338,52 @@ def _check_prefetch(ctx: _Context) -> Check:
             "prefetch", "one rank shards nothing", "run with --nproc 2 or more"
         )
     new_model, loss, _ = make_workload(ctx.options, ctx.rank, ctx.device)
-    tuned = _fsdp(ctx, new_model(), "auto")
-    report = _train_until_settled(ctx, tuned, loss)
     current = 1 if ctx.options.prefetch is None else ctx.options.prefetch
-    chosen_ms, current_ms = timed_steps(
-        [tuned, _fsdp(ctx, new_model(), current)],
-        loss,
-        ctx.options.steps,
-        group=ctx.group,
-        device=ctx.device,
+    report, chosen_ms, current_ms = _tuned_against_current(
+        ctx, new_model, loss, lambda model, prefetch: _fsdp(ctx, model, prefetch), current
     )
     return perf_checks.check_prefetch(
         current_depth=current,
         current_step_ms=current_ms,
         report=report,
         explicit=ctx.options.prefetch is not None,
-        chosen_step_ms=chosen_ms if report.settled else None,
+        chosen_step_ms=chosen_ms,
     )
+
+
+def _tuned_against_current(
+    ctx: _Context,
+    new_model: Callable[[], nn.Module],
+    loss: Callable[[nn.Module], torch.Tensor],
+    wrap: Callable[[nn.Module, Any], nn.Module],
+    current: Any,
+) -> tuple[Any, float | None, float]:
+    """Train ``wrap(model, "auto")`` until its tuning settles (or the step budget ends), then
+    time it interleaved with ``wrap(model, current)``.
+
+    Returns:
+        tuple: the tuning report, the settled model's median step (ms; None if it never settled)
+        and the ``current`` setting's median step (ms).
+    """
+    tuned = wrap(new_model(), "auto")
+    optimizer = torch.optim.SGD(tuned.parameters(), lr=1e-3)
+    report = ok.tuning_report(tuned)
+    for _ in range(40 if ctx.options.quick else 100):
+        optimizer.zero_grad(set_to_none=True)
+        loss(tuned).backward()
+        optimizer.step()
+        report = ok.tuning_report(tuned)
+        if report.settled:
+            break
+    # Once settled the tuned model runs the chosen setting; both are timed alike, interleaved.
+    chosen_ms, current_ms = timed_steps(
+        [tuned, wrap(new_model(), current)],
+        loss,
+        ctx.options.steps,
+        group=ctx.group,
+        device=ctx.device,
+    )
+    return report, chosen_ms if report.settled else None, current_ms
 
 
 def _check_overlap(ctx: _Context) -> Check:
