@@ -75,6 +75,13 @@ def test_dp_takes_what_is_left_and_size_one_axes_are_kept():
         ),
         ({"tp": 8, "dp_shard": 3}, ValueError, r"dp_shard \(3\) must divide dp \(4\)"),
         ({"order": ("pp", "tp")}, ValueError, "order .* must name each mesh axis once"),
+        (
+            # torch can only slice mesh["dp_replicate", "dp_shard"] in mesh order.
+            {"tp": 8, "dp_shard": 2, "order": ("pp", "dp_shard", "dp_replicate", "ep", "cp", "tp")},
+            ValueError,
+            r"order \['pp', 'dp_shard', 'dp_replicate', 'ep', 'cp', 'tp'\] puts dp_shard outside "
+            r"dp_replicate; .*HSDP.*\('pp', 'dp_replicate', 'dp_shard', 'ep', 'cp', 'tp'\)",
+        ),
     ],
 )
 def test_bad_sizes_are_rejected_naming_them(kwargs, error, message):

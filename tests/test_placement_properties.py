@@ -5,12 +5,14 @@
 - when tp divides the domain size, every tp group sits inside one domain;
 - an independent oracle, the cumulative-product rule for equal domains (``_valid``), decides:
   the planner refuses exactly when no allowed order is valid (and then every suggested layout is
-  placeable); otherwise its order is valid, and it is the traffic order whenever that one is.
+  placeable); otherwise its order is valid, and it is the traffic order whenever that one is;
+- a user order with ``dp_shard`` outside ``dp_replicate`` is refused before placing.
 """
 
 import itertools
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -159,8 +161,16 @@ def test_a_user_order_is_placed_exactly_when_the_oracle_says_it_is_valid(layout,
     every = _all_sizes(topology, sizes, dp_shard)
     order = list(every)
     random.shuffle(order)
+    outermost_first = list(reversed(order))
+    if dp_shard is not None and outermost_first.index("dp_shard") < outermost_first.index(
+        "dp_replicate"
+    ):
+        # Refused before placing: mesh["dp_replicate", "dp_shard"] could not be sliced.
+        with pytest.raises(ValueError, match="puts dp_shard outside dp_replicate"):
+            plan(topology, **sizes, dp_shard=dp_shard, order=outermost_first)
+        return
     try:
-        placement = plan(topology, **sizes, dp_shard=dp_shard, order=list(reversed(order)))
+        placement = plan(topology, **sizes, dp_shard=dp_shard, order=outermost_first)
     except PlacementError:
         assert not _valid(len(topology.domains[0].ranks), every, order)
         return

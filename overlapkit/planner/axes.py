@@ -95,12 +95,24 @@ def resolve_sizes(
 
 
 def check_order(order: Sequence[str], names: tuple[str, ...]) -> tuple[str, ...]:
-    """``order`` as a tuple of axis names, checked to name each of ``names`` once."""
+    """``order`` as a tuple of axis names, checked to name each of ``names`` once.
+
+    ``dp_shard`` must come after (inside) ``dp_replicate``, as ``candidate_orders`` keeps it.
+    """
     given = tuple(str(a) for a in ([order] if isinstance(order, str) else order))
     if sorted(given) != sorted(names):
         raise ValueError(
             f"order {list(given)} must name each mesh axis once, outermost first: "
             f"{', '.join(names)}"
+        )
+    if "dp_shard" in given and given.index("dp_shard") < given.index("dp_replicate"):
+        # ok.fsdp takes mesh["dp_replicate", "dp_shard"], which torch can only slice in mesh order.
+        swapped = tuple(
+            {"dp_shard": "dp_replicate", "dp_replicate": "dp_shard"}.get(a, a) for a in given
+        )
+        raise ValueError(
+            f"order {list(given)} puts dp_shard outside dp_replicate; HSDP shards inside each "
+            f'replica (mesh["dp_replicate", "dp_shard"] must be in mesh order): use {swapped}'
         )
     return given
 
