@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -49,3 +51,27 @@ def all_gather_single(
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The collective timeout of ``group`` (the default group when None).
+
+    None for a backend that keeps none (torch's ``fake`` test backend).
+    """
+    group = group if group is not None else dist.group.WORLD
+    options = getattr(group._get_backend(group._device_types[0]), "options", None)
+    return None if options is None else options._timeout
+
+
+def inherit_timeout(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """Give ``group`` the default group's collective timeout, and return it.
+
+    ``DeviceMesh`` and ``new_group`` create groups with torch's default timeout (30 min for
+    gloo), not the default group's, so a collective that hangs on one of them would wait that
+    long whatever ``init_process_group(timeout=...)`` (or torchrun) set. torchtitan resets mesh
+    timeouts the same way (``_set_pg_timeout``, private in torch 2.13).
+    """
+    timeout = group_timeout()
+    if timeout is not None:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return group

@@ -60,7 +60,7 @@ def _train_until_failure(rank, step_fn, mlp, mode):
         armed["step"] = step
         start = time.monotonic()
         try:
-            step_fn(shard(batch, rank, 2))
+            step_fn(shard(batch, rank % 2, 2))
         except Exception as error:  # what the user's loop would see
             return {
                 "step": step,
@@ -106,6 +106,25 @@ def _fsdp_run(rank, world_size, mode):
         nn.functional.mse_loss(model(x), y).backward()
 
     return _train_until_failure(rank, step, model, mode)
+
+
+def _planned_mesh_run(rank, world_size, mode):
+    """GradBucketer over the dp group of a planned 2x2 (dp x tp) mesh; rank 1 faults."""
+    placement = ok.plan(ok.load_topology("cpu-gloox2"), tp=2)
+    mesh = placement.device_mesh("cpu")
+    model = make_mlp()
+    bucketer = ok.GradBucketer(
+        model, bucket_mb=SMALL_BUCKET_MB, process_group=mesh["dp"].get_group()
+    )
+
+    def step(batch):
+        x, y = batch
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        bucketer.wait()
+
+    report = _train_until_failure(rank, step, model, mode)
+    return {"report": report, "dp_groups": placement.groups("dp")}
 
 
 def _survivor_report(fn, mode):
@@ -163,6 +182,20 @@ def test_fsdp_survivor_names_collective_block_and_missing_rank():
     ), report["message"]
     assert report["missing"] == (1,)
     assert report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
+
+
+@pytest.mark.slow
+def test_planned_mesh_groups_time_out_like_the_default_group_not_after_30_min():
+    # Without the planner setting it, the dp group of the mesh waits torch's 30 minutes.
+    results = run_on_ranks(
+        _planned_mesh_run, 4, "stall", collective_timeout_s=TIMEOUT_S, env=ENV, total_timeout_s=60
+    )
+    (peer,) = [r for g in results[0]["dp_groups"] if 1 in g for r in g if r != 1]
+    report = results[peer]["report"]
+    assert report is not None and report["step"] == FAULT_STEP, report
+    assert report["type"] == "CollectiveFailure"
+    assert report["missing"] == (1,), report["message"]
+    assert TIMEOUT_S * 0.9 <= report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
 
 
 # -- the check-in and the message, without processes ------------------------------------------

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 import overlapkit as ok
+from overlapkit.process_group import group_timeout
 from overlapkit.train.mesh import (
     PlanConfig,
     build_layout,
     check_plan,
     data_shard,
-    group_timeout,
     split_parallel,
 )
 from overlapkit.train.models import GPT, GPTConfig, MLPConfig, MoEConfig, MoEGPT

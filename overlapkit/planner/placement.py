@@ -52,6 +52,7 @@ from overlapkit.planner.axes import (
 )
 from overlapkit.planner.grid import BlockViolation, axis_groups, physical_order, rank_grid
 from overlapkit.planner.traffic import CollectiveCost, Workload, step_collectives
+from overlapkit.process_group import inherit_timeout
 from overlapkit.topology.model import Topology
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class _MeshCache:
             torch.tensor(placement.mesh, dtype=torch.int),
             mesh_dim_names=placement.mesh_dim_names,
         )
+        for axis in placement.mesh_dim_names:
+            inherit_timeout(mesh.get_group(axis))
         self._meshes[device_type] = (world, mesh)
         return mesh
 
@@ -178,7 +181,9 @@ class Placement:
         """A torch ``DeviceMesh`` over the planned rank grid (a collective: every rank calls it).
 
         The mesh has every axis of ``mesh_dim_names``, size-1 axes included. It is built once
-        per device type and process group and then reused.
+        per device type and process group and then reused. Its groups time out like the
+        default group (``init_process_group(timeout=...)``, torchrun's), not after torch's
+        30 minutes for new groups: a dead or stuck rank is reported within that timeout.
 
         Args:
             device_type (str): ``"cuda"``, ``"cpu"``, ... Defaults to ``"cuda"`` when CUDA is

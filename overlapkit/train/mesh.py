@@ -23,17 +23,16 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from overlapkit.planner import Placement
 from overlapkit.planner import plan as place
+from overlapkit.process_group import inherit_timeout
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -226,34 +225,13 @@ class Layout:
         assert self.mesh is not None, "expert parallelism needs a placement"
         # DeviceMesh has no public flatten yet; torchtitan uses _flatten the same way.
         axes = tuple(a for a in self.mesh.mesh_dim_names if a in ("dp", "ep"))  # mesh order
-        return _world_timeout(self.mesh[axes]._flatten("_".join(axes)).get_group())
+        return inherit_timeout(self.mesh[axes]._flatten("_".join(axes)).get_group())
 
     def describe(self) -> str:
         if self.placement is None:
             return "world"
         sizes = self.placement.sizes
         return " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 rank"
-
-
-def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
-    """The collective timeout of ``group`` (the default group when None)."""
-    group = group if group is not None else dist.group.WORLD
-    return group._get_backend(torch.device(_device_of(group))).options._timeout
-
-
-def _device_of(group: dist.ProcessGroup) -> str:
-    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-
-
-def _world_timeout(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """Give a mesh group the default group's timeout (``launcher.collective_timeout_s``).
-
-    DeviceMesh creates its groups with torch's default (30 min for gloo), not the default
-    group's; a collective that hangs on one of them would wait that long. torchtitan resets
-    mesh timeouts the same way (``_set_pg_timeout``).
-    """
-    _set_pg_timeout(group_timeout(), group)
-    return group
 
 
 def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layout:
@@ -273,9 +251,7 @@ def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layou
             )
         return Layout(plan)
     placement = place(topology, **plan.plan_kwargs())
-    mesh = placement.device_mesh(device.type)
-    for axis in mesh.mesh_dim_names:
-        _world_timeout(mesh.get_group(axis))
+    mesh = placement.device_mesh(device.type)  # its groups have the default group's timeout
     logger.info(
         "mesh %s on %s: %s",
         dict(placement.sizes),
