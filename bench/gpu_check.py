@@ -192,8 +192,8 @@ def judge_report(report: dict, kernels: int, *, require_cuda: bool) -> tuple[boo
 def judge_topo(view_gpu: dict | None, topo: dict, *, require_cuda: bool) -> tuple[bool, str]:
     """``topo_nvml``: NVML described the GPU and detection reports an NCCL topology."""
     problems = []
-    if require_cuda and view_gpu is None:
-        problems.append("NVML did not describe the GPU (pynvml / driver missing?)")
+    if require_cuda and not (view_gpu or {}).get("nvml"):
+        problems.append("NVML did not describe the GPU (pynvml / driver missing? see the log)")
     if require_cuda and topo.get("library") != "nccl":
         problems.append(f"detected library {topo.get('library')!r}, not 'nccl'")
     domains = ", ".join(f"{d['kind']} {d['ranks']}" for d in topo.get("domains", []))

@@ -554,8 +554,10 @@ def test_gpu_check_counts_kernel_events_in_a_trace(tmp_path):
 
 def test_gpu_check_wants_nvml_and_an_nccl_topology():
     topo = {"world_size": 1, "library": "nccl", "domains": [{"kind": "nvlink", "ranks": [0]}]}
-    view = {"name": "NVIDIA H200", "nvlinks": [{}] * 18}
+    view = {"name": "NVIDIA H200", "nvml": True, "nvlinks": [{}] * 18}
     assert gpu_check.judge_topo(view, topo, require_cuda=True)[0]
+    no_nvml = {"name": "NVIDIA H200", "nvml": False, "nvlinks": []}
+    assert not gpu_check.judge_topo(no_nvml, topo, require_cuda=True)[0]
     ok_, message = gpu_check.judge_topo(None, {**topo, "library": "gloo"}, require_cuda=True)
     assert not ok_ and "NVML did not describe the GPU" in message and "'gloo'" in message
 

@@ -11,8 +11,10 @@ import types
 import pytest
 
 from overlapkit.topology import DomainKind, FabricKind, load_topology, merge_views
-from overlapkit.topology.detect import _describe_gpu, detect_topology
+from overlapkit.topology.detect import detect_topology
+from overlapkit.topology.nvml_probe import describe_gpu
 from tests.multiproc import run_on_ranks
+from tests.nvml_standin import pynvml as standin
 
 # Recorded: four ranks of two torchrun "nodes" on one host.
 TORCHRUN_2_NODES = [
@@ -237,10 +239,8 @@ class _FakeNvml:
     NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK = 2, 0
     NVML_GPU_FABRIC_STATE_NOT_STARTED, NVML_GPU_FABRIC_STATE_IN_PROGRESS = 1, 2
     NVML_GPU_FABRIC_STATE_COMPLETED = 3
-
-    class c_nvmlGpuFabricInfo_t:
-        def __init__(self):
-            self.clusterUuid, self.cliqueId, self.state = bytes(16), 0, 0
+    NVML_SUCCESS, NVML_ERROR_FUNCTION_NOT_FOUND = 0, 13
+    c_nvmlGpuFabricInfoV_t = standin.c_nvmlGpuFabricInfoV_t
 
     def __init__(self):
         self.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: 5
@@ -272,12 +272,12 @@ class _FakeNvml:
     def nvmlDeviceGetP2PStatus(self, a, b, caps):
         return self.NVML_P2P_STATUS_OK
 
-    def nvmlDeviceGetGpuFabricInfo(self, handle, info):
-        info.clusterUuid, info.cliqueId, info.state = bytes(range(16)), 3, 3
+    def nvmlDeviceGetGpuFabricInfoV(self, handle, info):
+        info._obj.clusterUuid[:], info._obj.cliqueId, info._obj.state = range(16), 3, 3
 
 
 def test_gpu_description_reads_links_peers_and_fabric_from_nvml():
-    view = _describe_gpu(_FakeNvml(), 0, name="H100", capability=[9, 0])
+    view = describe_gpu(_FakeNvml(), 0)
     assert len(view["nvlinks"]) == 18
     assert view["nvlinks"][0] == {
         "link": 0,

@@ -5,7 +5,8 @@
 NVLinks (state, remote device type and PCI address, version), NVLink peer-to-peer status, PCIe
 link, and the GPU fabric info that NVL72-style racks report (same cluster UUID and clique id =
 same NVLink domain, even across trays); the node's RDMA NICs (or Ethernet ports) and their PCI
-paths, for NIC-to-GPU affinity. ``merge_views(views)`` turns the views of all ranks into one
+paths, for NIC-to-GPU affinity. NVML is asked in a subprocess (``nvml_probe``), where a crash in
+the driver cannot end the caller. ``merge_views(views)`` turns the views of all ranks into one
 ``Topology``; it is a pure function, tested on recorded views. ``detect_topology()`` is the
 collective that all-gathers the views and merges them.
 
@@ -18,9 +19,13 @@ figures.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlapkit.topology import nvml_probe
 from overlapkit.topology.loading import load_topology
 from overlapkit.topology.model import (
     Device,
@@ -54,6 +60,19 @@ _PCIE_LANE_GBPS = {3: 0.985, 4: 1.969, 5: 3.938, 6: 7.877}
 _PCIE_EFFICIENCY = 12.0 / 15.75
 # NCCL src/graph/tuning.cc hwLat, Ring/Simple step latency (us).
 _STEP_LATENCY_US = {"nvlink": 3.4, "pci": 5.7, "net": 14.0}
+# Seconds the NVML probe may take: nvmlInit alone can take seconds on a node without
+# persistence mode; a probe past this is taken as hung and killed.
+NVML_PROBE_TIMEOUT_S = 30.0
+_NVML_PROBE = Path(nvml_probe.__file__)
+# What a GPU view holds when NVML could not describe the device.
+_NO_NVML_FACTS: dict[str, Any] = {
+    "pci_bus_id": None,
+    "pci_path": None,
+    "nvlinks": [],
+    "p2p_nvlink_peers": [],
+    "pcie": {"generation": None, "width": None},
+    "fabric": None,
+}
 
 
 def local_view(*, rank: int | None = None, cuda_index: int | None = None) -> dict[str, Any]:
@@ -89,108 +108,75 @@ def _env_int(name: str) -> int | None:
     return int(value) if value is not None and value.strip().lstrip("-").isdigit() else None
 
 
-def _gpu_view(cuda_index: int, nvml: Any = None) -> dict[str, Any] | None:
-    """NVML's facts about one CUDA device; None when NVML is unusable here."""
+def _gpu_view(cuda_index: int, *, timeout_s: float = NVML_PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """One CUDA device: its name and capability from torch, the rest from NVML.
+
+    NVML is queried by ``nvml_probe`` in a subprocess (see its module doc), so a segmentation
+    fault or a hang in the driver costs this process the NVML facts, never its life. Without
+    them (``"nvml": False``) the device is still a GPU, with no known NVLinks: a PCIe domain.
+
+    Args:
+        cuda_index (int): the CUDA device.
+        timeout_s (float): seconds the probe may take before it is killed.
+    """
+    props = torch.cuda.get_device_properties(cuda_index)
+    facts = _run_nvml_probe(f"GPU-{props.uuid}", timeout_s=timeout_s)
+    return {
+        "name": props.name,
+        "compute_capability": [props.major, props.minor],
+        "nvml": facts is not None,
+        **(facts or _NO_NVML_FACTS),
+    }
+
+
+def _run_nvml_probe(uuid: str, *, timeout_s: float) -> dict[str, Any] | None:
+    """Run ``nvml_probe.py`` for the GPU ``uuid`` with this interpreter; its JSON or None."""
     try:
-        if nvml is None:
-            import pynvml as nvml
-        nvml.nvmlInit()
-    except Exception as err:  # no driver, no library: detection falls back to PCIe/CPU
-        logger.info("NVML unavailable (%s); GPU links are not detected", err)
-        return None
-    try:
-        props = torch.cuda.get_device_properties(cuda_index)
-        handle = nvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}")
-        return _describe_gpu(nvml, handle, name=props.name, capability=[props.major, props.minor])
-    except Exception as err:
-        logger.warning("NVML could not describe CUDA device %s: %s", cuda_index, err)
-        return None
-    finally:
-        nvml.nvmlShutdown()
-
-
-def _describe_gpu(nvml: Any, handle: Any, *, name: str, capability: list[int]) -> dict[str, Any]:
-    def attempt(call, *args, default=None):
-        try:
-            return call(handle, *args)
-        except nvml.NVMLError:
-            return default
-
-    bus_id = _decode(nvml.nvmlDeviceGetPciInfo(handle).busId)
-    links = []
-    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
-        if attempt(nvml.nvmlDeviceGetNvLinkState, link) != nvml.NVML_FEATURE_ENABLED:
-            continue
-        remote = attempt(nvml.nvmlDeviceGetNvLinkRemotePciInfo, link)
-        kind = attempt(nvml.nvmlDeviceGetNvLinkRemoteDeviceType, link)
-        links.append(
-            {
-                "link": link,
-                "remote_type": {
-                    nvml.NVML_NVLINK_DEVICE_TYPE_GPU: "gpu",
-                    nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH: "switch",
-                }.get(kind, "unknown"),
-                "remote_pci_bus_id": _decode(remote.busId) if remote is not None else None,
-            }
+        done = subprocess.run(
+            [sys.executable, str(_NVML_PROBE), uuid],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
-    peers = []
-    for index in range(nvml.nvmlDeviceGetCount()):
-        other = nvml.nvmlDeviceGetHandleByIndex(index)
-        other_bus = _decode(nvml.nvmlDeviceGetPciInfo(other).busId)
-        if other_bus == bus_id:
-            continue
-        try:
-            status = nvml.nvmlDeviceGetP2PStatus(handle, other, nvml.NVML_P2P_CAPS_INDEX_NVLINK)
-        except nvml.NVMLError:
-            continue
-        if status == nvml.NVML_P2P_STATUS_OK:
-            peers.append(other_bus)
-    return {
-        "name": name,
-        "compute_capability": capability,
-        "pci_bus_id": bus_id,
-        "pci_path": _pci_path(bus_id),
-        "nvlinks": links,
-        "p2p_nvlink_peers": peers,
-        "pcie": {
-            "generation": attempt(nvml.nvmlDeviceGetMaxPcieLinkGeneration),
-            "width": attempt(nvml.nvmlDeviceGetMaxPcieLinkWidth),
-        },
-        "fabric": _fabric_info(nvml, handle),
-    }
-
-
-def _fabric_info(nvml: Any, handle: Any) -> dict[str, Any] | None:
-    """Cluster UUID and clique id of the NVLink fabric (NVL72-style racks), if reported."""
+    except subprocess.TimeoutExpired:
+        logger.warning(
+            "NVML probe of %s did not answer within %.0f s and was killed; "
+            "GPU links are not detected",
+            uuid,
+            timeout_s,
+        )
+        return None
+    except OSError as err:
+        logger.warning(
+            "NVML probe of %s could not start (%s); GPU links are not detected", uuid, err
+        )
+        return None
+    reason = done.stderr.strip().splitlines()[-1:] or ["no message"]
+    if done.returncode == nvml_probe.EXIT_NVML_UNAVAILABLE:
+        logger.info("%s; GPU links are not detected", reason[0])
+        return None
+    if done.returncode < 0:
+        logger.warning(
+            "NVML probe of %s died of %s (%s); GPU links are not detected",
+            uuid,
+            signal.Signals(-done.returncode).name,
+            reason[0],
+        )
+        return None
     try:
-        info = nvml.c_nvmlGpuFabricInfo_t()
-        nvml.nvmlDeviceGetGpuFabricInfo(handle, info)
-    except (nvml.NVMLError, AttributeError):
+        facts = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        facts = None
+    if not isinstance(facts, dict):
+        logger.warning(
+            "NVML probe of %s failed (exit status %s: %s); GPU links are not detected",
+            uuid,
+            done.returncode,
+            reason[0],
+        )
         return None
-    states = {
-        nvml.NVML_GPU_FABRIC_STATE_COMPLETED: "completed",
-        nvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS: "in_progress",
-        nvml.NVML_GPU_FABRIC_STATE_NOT_STARTED: "not_started",
-    }
-    return {
-        "cluster_uuid": bytes(info.clusterUuid).hex(),
-        "clique_id": int(info.cliqueId),
-        "state": states.get(info.state, "not_supported"),
-    }
-
-
-def _decode(value: Any) -> str:
-    return (value.decode() if isinstance(value, bytes) else str(value)).lower()
-
-
-def _pci_path(bus_id: str | None) -> str | None:
-    """The sysfs PCI path of a device (its chain of bridges), for NIC affinity."""
-    if not bus_id:
-        return None
-    # NVML pads the domain to 8 hex digits; sysfs uses 4.
-    domain, _, rest = bus_id.partition(":")
-    path = Path("/sys/bus/pci/devices") / f"{domain[-4:]}:{rest}"
-    return str(path.resolve()) if path.exists() else None
+    return facts
 
 
 def _nics() -> list[dict[str, Any]]:
