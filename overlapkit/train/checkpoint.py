@@ -9,7 +9,9 @@ saving leaves only a ``.tmp`` directory, which is never loaded and is removed by
 The saved state: the model and optimizer (``get_state_dict``, so DDP, the bucketer's plain
 module and FSDP2's sharded parameters all save the same fully qualified names and reshard on
 load), the LR scheduler, the step and data position, and each rank's RNG state (under its own
-key, ``rng_rank<R>``; a resumed job with other ranks keeps its fresh RNG for those).
+key, ``rng_rank<R>``; a resumed job with other ranks keeps its fresh RNG for those): the CPU
+generator, and the CUDA generator of the model's device when the model is on a GPU. A GPU
+checkpoint resumes on a GPU run and a CPU one on a CPU run; across the two, loading refuses.
 
 A checkpoint directory is untrusted input (it may come from someone else's run), and DCP
 unpickles it: its ``.metadata`` with plain ``pickle`` and every non-tensor value with
@@ -178,11 +180,41 @@ def _rng_key(rank: int) -> str:
     return f"rng_rank{rank}"
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
+def _cuda_device(model: torch.nn.Module) -> torch.device | None:
+    """The CUDA device the model lives on, or None for a CPU model."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_cuda:
+            return tensor.device
+    return None
+
+
+def _rng_state(device: torch.device | None) -> dict[str, torch.Tensor]:
+    """This rank's generators: the CPU one, and the CUDA one of ``device`` for a GPU model.
+
+    Whether CUDA's is included depends on the model's device only, never on whether CUDA
+    happens to be initialised in this process (on a GPU host, DCP's writer or a device query
+    initialises it), so a checkpoint and the state expected at load agree.
+    """
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device is not None:
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
+
+
+def _check_rng_kinds(path: Path, rank: int, saved: set[str], expected: set[str]) -> None:
+    """A clear error when a checkpoint's RNG state is of another kind of run than this one."""
+    if saved == expected:
+        return
+
+    def kind(generators: set[str]) -> str:
+        return "a GPU run (CPU and CUDA RNG)" if "cuda" in generators else "a CPU run (CPU RNG)"
+
+    raise ValueError(
+        f"{path}: rank {rank}'s RNG state was saved by {kind(saved)}, but this run is "
+        f"{kind(expected)}: its model is on "
+        f"{'a CUDA device' if 'cuda' in expected else 'the CPU'}. Resume a checkpoint on the "
+        f"kind of device it was written on, or start a new run (another checkpoint directory)."
+    )
 
 
 @dataclass(slots=True)
@@ -203,7 +235,7 @@ class TrainingState:
             "optim": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "progress": {"step": step, "data": self.stream.state_dict()},
-            _rng_key(self.rank): _rng_state(),
+            _rng_key(self.rank): _rng_state(_cuda_device(self.model)),
         }
 
     def save(self, root: str | Path, step: int, *, keep: int) -> Path:
@@ -243,12 +275,19 @@ class TrainingState:
 
         Returns:
             int: the step the checkpoint was saved at.
+
+        Raises:
+            ValueError: the checkpoint is unsafe or unreadable, or its RNG state is of a CPU run
+                and this run's model is on a GPU (or the other way round).
         """
         path = Path(path)
         state = self.state_dict(0)
         saved_keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata.keys()
         rng_key = _rng_key(self.rank)
-        if not any(key.startswith(f"{rng_key}.") for key in saved_keys):
+        saved_rng = {key.split(".", 1)[1] for key in saved_keys if key.startswith(f"{rng_key}.")}
+        if saved_rng:
+            _check_rng_kinds(path, self.rank, saved_rng, set(state[rng_key]))
+        else:
             logger.warning(
                 "checkpoint %s has no RNG state for rank %d (saved by fewer ranks); this rank "
                 "keeps its fresh RNG state",
@@ -273,6 +312,6 @@ class TrainingState:
         self.stream.load_state_dict(state["progress"]["data"])
         if rng_key in state:
             torch.set_rng_state(state[rng_key]["cpu"])
-            if "cuda" in state[rng_key] and torch.cuda.is_available():
-                torch.cuda.set_rng_state(state[rng_key]["cuda"])
+            if "cuda" in state[rng_key]:
+                torch.cuda.set_rng_state(state[rng_key]["cuda"], _cuda_device(self.model))
         return int(state["progress"]["step"])
