@@ -68,6 +68,7 @@ def _train_until_failure(rank, step_fn, mlp, mode):
                 "message": str(error),
                 "elapsed_s": time.monotonic() - start,
                 "missing": getattr(error, "missing_ranks", None),
+                "cause": type(error.__cause__).__name__,
             }
     return None
 
@@ -161,7 +162,10 @@ def test_bucketer_survivor_names_all_reduce_bucket_and_missing_rank(mode):
 @pytest.mark.slow
 def test_ddp_survivor_names_all_reduce_bucket_and_missing_rank():
     report = _survivor_report(_ddp_run, "kill")
-    # DDP re-raises the hook's error as a RuntimeError that carries its message.
+    # The same type as the other wrappers', not DDP's RuntimeError holding its text.
+    assert report["type"] == "CollectiveFailure", report["message"]
+    assert report["missing"] == (1,)
+    assert report["cause"] == "RuntimeError"  # the backend's error
     assert re.search(
         rf"ok\.ddp: all_reduce of bucket \d+ \(step {FAULT_STEP}\) failed on rank 0: "
         r"rank\(s\) \[1\] of the group \[0, 1\] never checked in within 2 s",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from overlapkit.ddp.comm_stats import CommRecorder
+from overlapkit.ddp.failure_relay import FailureRelay
 from overlapkit.failures import FailureScope
 
 __all__ = [
@@ -45,13 +46,14 @@ class CommHookState:
             step in the error of a failed all-reduce (``overlapkit.failures``).
     """
 
-    __slots__ = ("_wire_buffers", "failures", "group_size", "process_group", "recorder")
+    __slots__ = ("_wire_buffers", "failures", "group_size", "process_group", "recorder", "relay")
 
     def __init__(self, process_group: dist.ProcessGroup, recorder: CommRecorder):
         self.process_group = process_group
         self.group_size = process_group.size()
         self.recorder = recorder
         self.failures = FailureScope("ok.ddp", lambda: recorder.step)
+        self.relay = FailureRelay()
         self._wire_buffers: dict[int, torch.Tensor] = {}
 
     def wire_buffer(
@@ -76,18 +78,20 @@ class CommHookState:
         self.group_size = state["group_size"]
         self.recorder = CommRecorder()
         self.failures = FailureScope("ok.ddp", lambda: self.recorder.step)
+        self.relay = FailureRelay()
         self._wire_buffers = {}
 
 
 class PowerSGDHookState:
     """PyTorch's ``PowerSGDState`` plus the recorder that times each bucket."""
 
-    __slots__ = ("failures", "powersgd", "recorder")
+    __slots__ = ("failures", "powersgd", "recorder", "relay")
 
     def __init__(self, powersgd_state: powersgd.PowerSGDState, recorder: CommRecorder):
         self.powersgd = powersgd_state
         self.recorder = recorder
         self.failures = FailureScope("ok.ddp", lambda: recorder.step)
+        self.relay = FailureRelay()
 
 
 def _record(
@@ -112,18 +116,21 @@ def _allreduce_fut(
 ) -> torch.futures.Future[torch.Tensor]:
     """All-reduce (sum) ``wire`` asynchronously, record the bucket's timing, then ``finish``.
 
-    A failed all-reduce (a dead or stuck peer) raises ``CollectiveFailure`` naming the bucket
-    and the missing ranks; the healthy path runs nothing but ``finish``.
+    A failed all-reduce (a dead or stuck peer) makes ``loss.backward()`` raise
+    ``CollectiveFailure`` naming the bucket and the missing ranks (``failure_relay``); the
+    healthy path runs nothing but ``finish``.
     """
     site = state.failures.site(state.process_group, collective, f"bucket {bucket.index()}")
     future = dist.all_reduce(wire, group=state.process_group, async_op=True).get_future()
     _record(state.recorder, bucket, future, wire.numel() * wire.element_size())
+    state.relay.arm()
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:
             reduced = fut.value()[0]
         except RuntimeError as error:
-            raise site.explain(error) from error
+            state.relay.record(site, error)
+            reduced = wire  # not averaged; the relay raises before anyone can use it
         return finish(reduced)
 
     return future.then(done)
@@ -206,11 +213,13 @@ def powersgd_hook(
     site = state.failures.site(group, "PowerSGD all_reduce", f"bucket {bucket.index()}")
     future = powersgd.powerSGD_hook(state.powersgd, bucket)
     _record(state.recorder, bucket, future, None)
+    state.relay.arm()
 
     def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         try:
             return fut.value()
         except RuntimeError as error:
-            raise site.explain(error) from error
+            state.relay.record(site, error)
+            return bucket.buffer()  # not averaged; the relay raises before anyone can use it
 
     return future.then(done)
