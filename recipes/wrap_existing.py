@@ -93,7 +93,10 @@ def train(args: argparse.Namespace, rank: int, local_rank: int, device: torch.de
 def main() -> None:
     args = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
-    cuda = torch.cuda.is_available()
+    # NCCL needs a GPU per rank; with fewer GPUs than local ranks, train on the CPU over gloo.
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(
+        os.environ["LOCAL_WORLD_SIZE"]
+    )
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -4,6 +4,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from overlapkit.planner import cli as planner_cli
 from overlapkit.topology import cli as topology_cli
@@ -41,7 +42,9 @@ def test_topo_table_shows_domains_nodes_rails_and_bandwidths(capsys):
 def test_topo_detects_this_machine_by_default(capsys):
     _, out = _run(["topo", "--json"], capsys)
     doc = json.loads(out)
-    assert doc["name"] == "detected" and doc["library"] == "gloo"
+    # Detection reports the hardware: NCCL where CUDA is, gloo on a CPU-only host.
+    expected = "nccl" if torch.cuda.is_available() else "gloo"
+    assert doc["name"] == "detected" and doc["library"] == expected
 
 
 def test_topo_validates_a_file(tmp_path, capsys):

@@ -28,7 +28,7 @@ from overlapkit.train.data import (
     TextCorpus,
     check_compatible,
 )
-from overlapkit.train.loop import TrainConfig
+from overlapkit.train.loop import TrainConfig, resolve_device
 from overlapkit.train.models import GPT, GPTConfig, MLPConfig
 from overlapkit.train.monitor import RunSummary
 from overlapkit.train.parallel import apply_parallel
@@ -153,6 +153,24 @@ def test_batch_stream_resumes_at_its_position():
 def test_train_config_names_the_bad_field(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "name", "expected"),
+    [(0, "auto", "cpu"), (1, "auto", "cpu"), (2, "auto", "cuda:1"), (2, "cpu", "cpu")],
+)
+def test_auto_device_is_cuda_only_with_a_gpu_per_local_rank(monkeypatch, gpus, name, expected):
+    """Local rank 1 of 2: on a 1-GPU host ``auto`` used to give it ``cuda:1``, which is absent."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert resolve_device(name, 1, local_world_size=2) == torch.device(expected)
+
+
+def test_cuda_device_with_fewer_gpus_than_local_ranks_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"2 rank\(s\) on this node, 1 GPU\(s\) here"):
+        resolve_device("cuda", 1, local_world_size=2)
 
 
 def test_only_committed_checkpoints_are_found(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -101,15 +102,38 @@ class TrainConfig:
                 )
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
+def resolve_device(name: str, local_rank: int, local_world_size: int | None = None) -> torch.device:
     """The device a rank trains on: ``cuda:<local_rank>`` or ``cpu``.
 
+    ``auto`` is CUDA only when every local rank has a GPU of its own: NCCL needs one GPU per
+    rank, and the choice must be the same on all ranks (rank 0 on a GPU and rank 1 on the CPU
+    would pick different backends).
+
+    Args:
+        name (str): ``train.device``: ``auto``, ``cuda`` or ``cpu``.
+        local_rank (int): this rank on its node.
+        local_world_size (int): ranks on this node. Defaults to torchrun's
+            ``LOCAL_WORLD_SIZE``, or 1.
+
     Raises:
-        ValueError: ``cuda`` asked for on a machine without CUDA.
+        ValueError: ``cuda`` asked for on a machine without CUDA, or with fewer GPUs than
+            local ranks.
     """
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda, but CUDA is not available here; use auto or cpu")
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name == "cuda" and gpus < local_world_size:
+        raise ValueError(
+            f"train.device=cuda needs one GPU per local rank: {local_world_size} rank(s) on "
+            f"this node, {gpus} GPU(s) here; use auto or cpu, or fewer launcher.nproc_per_node"
+        )
+    if name == "cpu" or (name == "auto" and gpus < local_world_size):
+        if name == "auto" and gpus > 0:
+            logger.warning(
+                "train.device=auto: %d local rank(s) but %d GPU(s); training on the CPU",
+                local_world_size,
+                gpus,
+            )
         return torch.device("cpu")
     return torch.device("cuda", local_rank)
 
