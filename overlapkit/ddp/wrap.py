@@ -15,6 +15,7 @@ from overlapkit.consistency import check_consistent
 from overlapkit.ddp import hooks
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
+from overlapkit.ddp.compile_guard import refuse_small_first_bucket_under_compile
 from overlapkit.finite import FiniteCheck, check_finite_wrapper, validate_finite_options
 from overlapkit.process_group import backend_of, resolve_process_group
 from overlapkit.tuning.ddp import attach_ddp_tuner, wants_auto_bucket_mb
@@ -51,6 +52,33 @@ def _check_powersgd_fits(params: list[torch.nn.Parameter], bucket_mb: float, bac
     )
 
 
+def _check_adoptable(
+    model: DistributedDataParallel,
+    bucket_mb: float | str | None,
+    process_group: torch.distributed.ProcessGroup | None,
+    ddp_kwargs: Mapping[str, Any],
+) -> None:
+    """``ok.ddp`` on a model that already is a DistributedDataParallel only adds the hook."""
+    if bucket_mb is not None:
+        raise ValueError(
+            f"ok.ddp: the model already is a DistributedDataParallel, whose buckets were fixed "
+            f"when it was built ({model.bucket_bytes_cap / MiB:g} MiB); got bucket_mb="
+            f"{bucket_mb!r}. Pass bucket_mb=None, or set the size where the DDP is built "
+            "(Accelerate: DistributedDataParallelKwargs(bucket_cap_mb=...); HF Trainer: "
+            "TrainingArguments(ddp_bucket_cap_mb=...))"
+        )
+    if ddp_kwargs:
+        raise TypeError(
+            f"ok.ddp: the model already is a DistributedDataParallel; DDP options "
+            f"{sorted(ddp_kwargs)} only apply when ok.ddp builds it (pass the plain module)"
+        )
+    if process_group is not None and process_group is not model.process_group:
+        raise ValueError(
+            "ok.ddp: process_group differs from the group the DistributedDataParallel model "
+            "was built with; pass process_group=None to keep the model's group"
+        )
+
+
 def ddp(
     model: torch.nn.Module,
     *,
@@ -65,7 +93,11 @@ def ddp(
     """Wrap ``model`` in DistributedDataParallel with an overlapkit comm hook.
 
     Args:
-        model (nn.Module): the local replica (already on its device).
+        model (nn.Module): the local replica (already on its device), or a
+            DistributedDataParallel that a framework built (Accelerate's ``prepare``, HF
+            ``Trainer``) and that has no comm hook yet: then only the hook is added, its buckets
+            and group stay as they are, and ``bucket_mb``, ``process_group`` and DDP options
+            must be left out. Call it before the first backward.
         bucket_mb (float | None): DDP bucket size in MiB (``bucket_cap_mb``); it also sets the
             first bucket, because DDP's 1 MiB first bucket applies only when ``bucket_cap_mb`` is
             None. None (the default) means about 1/8 of the model's gradient, between 1 and
@@ -90,8 +122,11 @@ def ddp(
         DistributedDataParallel: the wrapped model; ``ok.comm_stats(model)`` reads its timings.
 
     Raises:
-        ValueError: ``bucket_mb <= 0``, unknown ``compress``, no trainable parameters, or
-            PowerSGD on gloo with more than one bucket.
+        ValueError: ``bucket_mb <= 0``, unknown ``compress``, no trainable parameters,
+            PowerSGD on gloo with more than one bucket, or ``bucket_mb`` given with a model
+            that already is a DistributedDataParallel. Under ``torch.compile`` (DDPOptimizer),
+            the first forward raises ValueError when ``bucket_mb`` < 1 MiB
+            (``overlapkit.ddp.compile_guard``).
         RuntimeError: torch.distributed is not initialised.
         ConfigMismatch: the ranks of the group passed different options or models
             (``overlapkit.consistency``; one 32-byte all-gather when they agree).
@@ -123,18 +158,34 @@ def ddp(
             "rebuilds the bucket from low-rank factors itself); use compress=None, 'bf16' or "
             "'fp16'"
         )
-    params = trainable_parameters(model, caller="ok.ddp")
-    auto = wants_auto_bucket_mb(bucket_mb, caller="ok.ddp", compress=compress)
-    bucket_mb = resolve_bucket_mb(None if auto else bucket_mb, params, caller="ok.ddp")
-    group = resolve_process_group(process_group, caller="ok.ddp")
+    adopted = isinstance(model, DistributedDataParallel)
+    if adopted:
+        # Built by a framework (Accelerate, HF Trainer): its buckets and group are fixed.
+        _check_adoptable(model, bucket_mb, process_group, ddp_kwargs)
+        module = model.module
+        auto = False
+        bucket_mb = model.bucket_bytes_cap / MiB
+        group = model.process_group
+    else:
+        module = model
+        auto = wants_auto_bucket_mb(bucket_mb, caller="ok.ddp", compress=compress)
+    params = trainable_parameters(module, caller="ok.ddp")
+    if not adopted:
+        bucket_mb = resolve_bucket_mb(None if auto else bucket_mb, params, caller="ok.ddp")
+        group = resolve_process_group(process_group, caller="ok.ddp")
     backend = backend_of(group)
     if compress == "powersgd":
         _check_powersgd_fits(params, bucket_mb, backend)
-    check_consistent(model, group, caller="ok.ddp", options=options)
+    check_consistent(module, group, caller="ok.ddp", options=options)
 
-    wrapped = DistributedDataParallel(
-        model, bucket_cap_mb=bucket_mb, process_group=group, **ddp_kwargs
+    wrapped = (
+        model
+        if adopted
+        else DistributedDataParallel(
+            model, bucket_cap_mb=bucket_mb, process_group=group, **ddp_kwargs
+        )
     )
+    refuse_small_first_bucket_under_compile(wrapped, caller="ok.ddp")
     recorder = CommRecorder(device=params[0].device)
     if compress == "powersgd":
         state = hooks.PowerSGDHookState(
@@ -148,7 +199,7 @@ def ddp(
             "fp16": hooks.fp16_allreduce_hook,
         }[compress]
         if check_finite:
-            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             check = FiniteCheck("ok.ddp", on_nonfinite, recorder, named)
             hook = check_finite_wrapper(hook, check)
         wrapped.register_comm_hook(hooks.CommHookState(group, recorder), hook)
