@@ -27,6 +27,7 @@ from overlapkit.train.launch import LauncherConfig
 from overlapkit.train.loop import TrainConfig
 from overlapkit.train.mesh import PlanConfig, split_parallel
 from overlapkit.train.models import MoEGPT
+from tests.test_slurm_env import ONE_NODE_TWO_TASKS
 
 CONF = Path(ok.__file__).parent / "conf"
 REPO = Path(__file__).resolve().parent.parent
@@ -67,10 +68,13 @@ def test_top_level_conf_is_the_installed_tree():
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_every_option_composes_and_builds(group, option):
+def test_every_option_composes_and_builds(group, option, monkeypatch):
     overrides = [f"{group}={option}"]
     if group == "launcher" and option == "multinode":
         overrides += ["launcher.node_rank=1", "launcher.rdzv_endpoint=127.0.0.1:29500"]
+    if group == "launcher" and option == "slurm":  # inside an srun task
+        for name, value in ONE_NODE_TWO_TASKS.items():
+            monkeypatch.setenv(name, value)
     if group == "data" and option == "regression":
         overrides += ["model=mlp"]  # the data for a model of float features
     cfg = _compose(*overrides)

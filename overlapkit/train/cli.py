@@ -10,6 +10,8 @@
     overlapkit-train parallel=ep_dp launcher.nproc_per_node=4   # moe_tiny, ep=2 x dp=2
     # two nodes: the same command on each, with its node_rank
     overlapkit-train launcher=multinode launcher.node_rank=0 launcher.rdzv_endpoint=HOST:29500
+    # inside a Slurm allocation (recipes/slurm/train.sbatch): nodes and ranks from SLURM_*
+    srun overlapkit-train launcher=slurm
 
 The configuration is checked here, before any worker starts, so a bad value is reported once,
 by name, without a traceback per rank. Only node 0 keeps Hydra's outputs (``.hydra/``, the log
@@ -36,11 +38,13 @@ from overlapkit.train.data import check_compatible
 from overlapkit.train.launch import LauncherConfig, launch
 from overlapkit.train.loop import RunPaths
 from overlapkit.train.mesh import check_plan, split_parallel
+from overlapkit.train.slurm import task_index
 
 logger = logging.getLogger(__name__)
 
 _NODE_RANK_KEYS = ("launcher.node_rank=", "+launcher.node_rank=", "++launcher.node_rank=")
 _DETECT = "overlapkit.topology.detect_topology"
+_SLURM_CHOICE = "launcher=slurm"
 
 
 def node_rank_from_argv(argv: list[str]) -> int:
@@ -54,6 +58,17 @@ def node_rank_from_argv(argv: list[str]) -> int:
             if arg.startswith(key) and arg[len(key) :].strip().isdigit():
                 return int(arg[len(key) :])
     return 0
+
+
+def process_index(argv: list[str]) -> int:
+    """Which launch of the job this process is; only 0 keeps Hydra's outputs.
+
+    ``launcher.node_rank=N`` on the command line, or under ``launcher=slurm`` the Slurm task's
+    ``SLURM_PROCID`` (0 hosts rank 0).
+    """
+    if _SLURM_CHOICE in argv:
+        return task_index()
+    return node_rank_from_argv(argv)
 
 
 def check_missing(cfg: DictConfig) -> None:
@@ -132,7 +147,12 @@ def run(cfg: DictConfig) -> None:
     check_missing(cfg)
     launcher: LauncherConfig = instantiate(cfg.launcher)
     expected = node_rank_from_argv(sys.argv[1:])
-    if launcher.node_rank != expected:
+    if HydraConfig.get().runtime.choices.get("launcher") == "slurm":
+        # The node rank comes from SLURM_NODEID; main() must have seen the choice to decide
+        # which task keeps Hydra's outputs.
+        if _SLURM_CHOICE not in sys.argv[1:]:
+            raise ValueError(f"launcher=slurm must be given on the command line ({_SLURM_CHOICE})")
+    elif launcher.node_rank != expected:
         raise ValueError(
             f"launcher.node_rank={launcher.node_rank} must be given on the command line "
             "(launcher.node_rank=N), so that nodes other than 0 keep no Hydra outputs"
@@ -146,7 +166,7 @@ def run(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point: ``overlapkit-train [overrides] [-m]``."""
-    node_rank = node_rank_from_argv(sys.argv[1:])
+    node_rank = process_index(sys.argv[1:])
     if node_rank == 0:
         run()
         return

@@ -6,7 +6,9 @@
 ``GROUP_RANK``, ``MASTER_ADDR``...). A single node uses the c10d rendezvous on a free local port,
 as ``torchrun --standalone`` does. Several nodes use the static rendezvous, as ``torchrun
 --nnodes N --node-rank R --master-addr A --master-port P`` does: node ``node_rank`` 0 hosts the
-store at ``rdzv_endpoint`` and ranks are numbered node by node.
+store at ``rdzv_endpoint`` and ranks are numbered node by node. When an outside launcher starts
+one process per rank (``launcher=slurm`` with several tasks per node, see ``slurm.py``),
+``launcher.local_rank`` is set and the process runs ``worker_main`` itself.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class LauncherConfig:
     """Timeout of every collective of the process group, s."""
     threads_per_rank: int | None = None
     """torch intra-op threads per worker; None divides this machine's cores among them."""
+    local_rank: int | None = None
+    """Set when an outside launcher started one process per rank (``launcher=slurm`` with
+    several tasks per node): this process is the worker with this local rank and joins the
+    group itself, as rank ``node_rank * nproc_per_node + local_rank``; torch elastic is not
+    used. None: torch elastic starts the ``nproc_per_node`` workers."""
 
     def __post_init__(self) -> None:
         check_int("launcher.nproc_per_node", self.nproc_per_node, 1)
@@ -86,6 +93,19 @@ class LauncherConfig:
                 f"launcher.nnodes={self.nnodes} needs launcher.rdzv_endpoint=HOST:PORT (node 0's "
                 "address, reachable from every node)"
             )
+        if self.local_rank is not None:
+            check_int("launcher.local_rank", self.local_rank, 0)
+            if self.local_rank >= self.nproc_per_node or self.rdzv_endpoint is None:
+                raise ValueError(
+                    f"launcher.local_rank ({self.local_rank}) needs launcher.rdzv_endpoint and "
+                    f"must be < launcher.nproc_per_node ({self.nproc_per_node})"
+                )
+            if self.max_restarts:
+                raise ValueError(
+                    f"launcher.max_restarts={self.max_restarts} needs torch elastic, which does "
+                    "not run with one process per rank; run one Slurm task per node "
+                    "(--ntasks-per-node=1), or let Slurm restart the job (sbatch --requeue)"
+                )
         if self.rdzv_endpoint is not None:
             host, _, port = str(self.rdzv_endpoint).rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -248,8 +268,41 @@ def _hold_store_until_nodes_leave(launcher: LauncherConfig) -> Iterator[None]:
         logger.warning("not every node checked in after the launch: %s", err)
 
 
+def _run_here(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict | None:
+    """Be one worker: this process was started per rank (by srun), so it joins the group itself.
+
+    It gets the environment torchrun gives its workers, which ``init_process_group``'s ``env://``
+    rendezvous and topology detection read; rank 0 hosts the store at ``rdzv_endpoint``.
+    """
+    assert launcher.local_rank is not None
+    host, _, port = str(launcher.rdzv_endpoint).rpartition(":")
+    rank = launcher.node_rank * launcher.nproc_per_node + launcher.local_rank
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(launcher.local_rank),
+        GROUP_RANK=str(launcher.node_rank),
+        WORLD_SIZE=str(launcher.nnodes * launcher.nproc_per_node),
+        LOCAL_WORLD_SIZE=str(launcher.nproc_per_node),
+        MASTER_ADDR=host,
+        MASTER_PORT=port,
+    )
+    logger.info(
+        "worker %d of %d (node %d of %d), rendezvous at %s",
+        rank,
+        launcher.nnodes * launcher.nproc_per_node,
+        launcher.node_rank,
+        launcher.nnodes,
+        launcher.rdzv_endpoint,
+    )
+    summary = worker_main(
+        job, str(run_dir), launcher.threads(), float(launcher.collective_timeout_s)
+    )
+    return summary if rank == 0 else None
+
+
 def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict[str, Any] | None:
-    """Run the job's workers on this node and wait for them.
+    """Run the job's workers on this node and wait for them; with ``launcher.local_rank``, be
+    that worker in this process.
 
     Args:
         job (dict): the resolved config (plain containers: it is pickled to the workers).
@@ -266,6 +319,8 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
     # torch elastic logs its whole launch configuration at INFO; keep the console for training.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if launcher.local_rank is not None:
+        return _run_here(job, run_dir, launcher)
     # torch elastic's per-rank error files are read into the exception when a worker fails;
     # afterwards they are of no use, so they live in a directory that goes away.
     with tempfile.TemporaryDirectory(prefix="overlapkit-elastic-") as log_dir:
