@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench lint clean
+.PHONY: install test test-fast fuzz demo bench lint clean
 
 install: $(STAMP)
 
@@ -17,11 +17,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,hta]"
 	touch $(STAMP)
 
+# Property tests draw the same examples on every run (tests/conftest.py, profile "ci")...
 test: $(STAMP)
-	$(PY) -m pytest -q
+	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow"
+
+# ...and `make fuzz` explores: fresh random examples, ten times as many. Keep what it finds as
+# an @example beside the test.
+FUZZ_TESTS := tests/test_fuzz_inputs.py tests/test_intervals.py tests/test_placement_properties.py
+fuzz: $(STAMP)
+	OVERLAPKIT_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q $(FUZZ_TESTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/overlapkit-train recipe=demo

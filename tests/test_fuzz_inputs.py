@@ -14,23 +14,25 @@ import io
 import itertools
 import json
 import math
+import os
+import re
 from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from overlapkit.cli import main as overlapkit_main
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.rank_trace import RankTrace, load_rank_trace
 from overlapkit.profiling.synthetic import TraceBuilder
-from overlapkit.profiling.trace_loader import TraceFormatError, read_trace
+from overlapkit.profiling.trace_loader import MAX_DEPTH, TraceFormatError, read_trace
 from overlapkit.topology import Topology
 from overlapkit.topology.loading import PRESET_DIR, load_topology, parse_topology_yaml
 from overlapkit.topology.units import parse_bandwidth, parse_duration, parse_size
+from tests.conftest import CI_EXAMPLES, PROFILE_ENV
 
-FUZZ = settings(max_examples=150, deadline=None)
 SOURCE = "fuzz.yaml"
 PRESET = (PRESET_DIR / "dgx-h100.yaml").read_text()
 _files = itertools.count()
@@ -64,10 +66,28 @@ def _file(scratch: Path, suffix: str, data: bytes) -> Path:
     return path
 
 
+def _drawn(strategy: st.SearchStrategy) -> list:
+    seen: list = []
+
+    @given(strategy)
+    def draw(value):
+        seen.append(value)
+
+    draw()
+    return seen
+
+
+@pytest.mark.skipif(
+    os.environ.get(PROFILE_ENV, "ci") != "ci", reason="the fuzz profile draws anew each run"
+)
+def test_property_tests_draw_the_same_examples_on_every_run():
+    first = _drawn(st.integers())
+    assert len(first) == CI_EXAMPLES and first == _drawn(st.integers())
+
+
 # ---- sizes, bandwidths, durations --------------------------------------------------------------
 
 
-@FUZZ
 @given(
     text=st.one_of(
         st.text(max_size=30),
@@ -86,7 +106,6 @@ def test_size_and_bandwidth_parsers_return_a_finite_number_or_name_the_value(tex
             assert math.isfinite(value) and value >= 0, (text, value)
 
 
-@FUZZ
 @given(
     text=st.one_of(
         st.text(max_size=30),
@@ -102,7 +121,6 @@ def test_duration_parser_returns_a_finite_number_or_names_the_value(text):
         assert math.isfinite(value) and value >= 0, (text, value)
 
 
-@FUZZ
 @given(number=st.one_of(st.integers(min_value=-(10**400), max_value=10**400), st.floats()))
 def test_numeric_sizes_are_finite_or_refused(number):
     for parse in (parse_size, parse_bandwidth, parse_duration):
@@ -127,13 +145,11 @@ def _topology_or_error(text: str) -> Topology | None:
     return topology
 
 
-@FUZZ
 @given(text=st.text(max_size=300))
 def test_random_text_is_a_topology_or_an_error_naming_the_file(text):
     _topology_or_error(text)
 
 
-@FUZZ
 @given(data=st.data())
 def test_a_preset_with_one_key_replaced_by_a_random_value_is_valid_or_refused(data):
     document = yaml.safe_load(PRESET)
@@ -154,7 +170,6 @@ INTEGER_KEYS = [
 ]
 
 
-@FUZZ
 @given(
     key=st.sampled_from([*INTEGER_KEYS, "scale_out.oversubscription"]),
     number=st.one_of(st.integers(min_value=10**309, max_value=10**400), st.integers(max_value=-1)),
@@ -167,7 +182,6 @@ def test_numbers_beyond_floats_or_negative_are_refused_naming_the_key(key, numbe
         parse_topology_yaml(yaml.safe_dump(document), source=SOURCE)
 
 
-@FUZZ
 @given(key=st.sampled_from(INTEGER_KEYS), number=st.integers(min_value=2**31, max_value=2**70))
 def test_counts_beyond_any_machine_are_refused_naming_the_key(key, number):
     document = yaml.safe_load(PRESET)
@@ -188,7 +202,6 @@ def test_multi_node_preset_name_with_absurd_count_is_refused():
         load_topology("dgx-h100x99999999999")
 
 
-@FUZZ
 @given(depth=st.integers(min_value=50, max_value=20000), bracket=st.sampled_from(["[", "{a: "]))
 def test_deeply_nested_yaml_is_refused(depth, bracket):
     closing = "]" if bracket == "[" else "}"
@@ -225,7 +238,6 @@ def test_yaml_tags_that_build_objects_are_refused(tag, tmp_path, monkeypatch):
     assert not (tmp_path / "ran").exists()
 
 
-@FUZZ
 @given(data=st.binary(max_size=300))
 def test_topology_file_of_random_bytes_is_refused_naming_the_file(scratch, data):
     path = _file(scratch, ".yaml", data)
@@ -260,13 +272,11 @@ VALID_TRACE = json.dumps(_valid_trace()).encode()
 GZ_TRACE = gzip.compress(VALID_TRACE)
 
 
-@FUZZ
 @given(data=st.binary(max_size=400), gz=st.booleans())
 def test_trace_of_random_bytes_is_refused_naming_the_file(scratch, data, gz):
     _read_or_error(_file(scratch, ".pt.trace.json.gz" if gz else ".pt.trace.json", data))
 
 
-@FUZZ
 @given(cut=st.integers(min_value=0, max_value=len(VALID_TRACE) - 1), gz=st.booleans())
 def test_truncated_trace_is_refused_naming_the_file(scratch, cut, gz):
     data = GZ_TRACE[: cut % len(GZ_TRACE)] if gz else VALID_TRACE[:cut]
@@ -274,17 +284,33 @@ def test_truncated_trace_is_refused_naming_the_file(scratch, cut, gz):
     assert _read_or_error(path) is None
 
 
-@FUZZ
 @given(document=values)
 def test_any_json_document_is_a_trace_or_refused(scratch, document):
     _read_or_error(_file(scratch, ".json", json.dumps(document).encode()))
 
 
-@FUZZ
 @given(depth=st.integers(min_value=3000, max_value=100000))
 def test_deeply_nested_trace_json_is_refused(scratch, depth):
     data = b'{"traceEvents": [' + b"[" * depth + b"]" * depth + b"]}"
     assert _read_or_error(_file(scratch, ".json", data)) is None
+
+
+@pytest.mark.parametrize("where", ["event", "top-level value"])
+def test_trace_nesting_limit_is_the_readers_own_not_the_interpreters(tmp_path, where):
+    # MAX_DEPTH + 1 levels is far below any interpreter's recursion limit, so the refusal can
+    # only come from the reader's own check; MAX_DEPTH levels still read.
+    def document(depth: int) -> bytes:
+        nested = b"[" * depth + b"]" * depth
+        if where == "event":
+            return b'{"traceEvents": [' + nested + b"]}"
+        return b'{"traceEvents": [], "deviceProperties": ' + nested + b"}"
+
+    path = tmp_path / "deep.pt.trace.json"
+    path.write_bytes(document(MAX_DEPTH))
+    assert read_trace(path, lambda event: None)["_event_count"] == (where == "event")
+    path.write_bytes(document(MAX_DEPTH + 1))
+    with pytest.raises(TraceFormatError, match=rf"nested deeper than {MAX_DEPTH} levels"):
+        read_trace(path, lambda event: None)
 
 
 event_fields = st.fixed_dictionaries(
@@ -329,8 +355,21 @@ event_fields = st.fixed_dictionaries(
 )
 
 
-@FUZZ
 @given(events=st.lists(st.one_of(event_fields, values), max_size=8), info=values)
+# Found by exploration (issue 17): a ts beyond the float range crashed with OverflowError.
+@example(
+    events=[
+        {
+            "ph": "X",
+            "args": {},
+            "tid": None,
+            "pid": None,
+            "cat": "cpu_op",
+            "ts": 190_270_053_104_187_226_769 * 10**300,
+        }
+    ],
+    info=None,
+)
 def test_trace_with_malformed_events_is_analysed_or_refused_naming_the_file(scratch, events, info):
     document = _valid_trace()
     document["traceEvents"] += events
@@ -340,6 +379,93 @@ def test_trace_with_malformed_events_is_analysed_or_refused_naming_the_file(scra
         assert isinstance(load_rank_trace(path), RankTrace)
     except TraceFormatError as err:
         assert str(err).startswith(str(path)), err
+
+
+HUGE = 10**400  # an int JSON allows and float() cannot hold
+GLOO = {"name": "gloo:all_reduce"}  # a range whose "Input Dims" the reader sizes
+
+
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        ({"ts": HUGE}, '"ts" is 100000000000000000000000... (401 characters); expected a finite'),
+        ({"ts": -HUGE}, '"ts" is -10000000000000000000000... (402 characters)'),
+        ({"ts": math.nan}, '"ts" is nan; expected a finite number of µs'),
+        ({"ts": "12.5"}, "\"ts\" is '12.5'; expected a finite number of µs"),
+        ({"ts": True}, '"ts" is True'),
+        ({"dur": HUGE}, '"dur" is 1000'),
+        ({"dur": -math.inf}, '"dur" is -inf'),
+        ({"ts": 1e308, "dur": 1e308}, '"ts" + "dur" is inf'),
+        ({"pid": [1]}, '"pid" is [1]; expected a number or a string'),
+        ({"tid": {"a": 1}}, "\"tid\" is {'a': 1}"),
+        ({"name": "ProfilerStep#" + "9" * 5000}, "step number '9999"),
+        (
+            {**GLOO, "args": {"Input Dims": [[HUGE]], "Input type": ["float"]}},
+            '"Input Dims"[0] is 1000',
+        ),
+        (
+            {**GLOO, "args": {"Input Dims": [[2**62, 4]], "Input type": ["float"]}},
+            '"Input Dims"[0] gives 3.689e+19 bytes; more than any tensor holds',
+        ),
+        (
+            {**GLOO, "args": {"Input Dims": [[1.5]], "Input type": ["float"]}},
+            '"Input Dims"[0] is 1.5; expected a whole number in [0, 2**63)',
+        ),
+        (
+            {**GLOO, "args": {"Input Dims": [7], "Input type": ["float"]}},
+            '"Input Dims"[0] is 7; expected the list of a tensor\'s sizes',
+        ),
+        ({"args": {"In msg nelems": math.inf, "dtype": "float"}}, '"In msg nelems" is inf'),
+        ({"args": {"In msg nelems": -1}}, '"In msg nelems" is -1'),
+        ({"args": {"External id": [2]}}, '"External id" is [2]'),
+        ({"cat": "kernel", "args": {"correlation": {}}}, '"correlation" is {}'),
+        ({"cat": "cuda_runtime", "args": {"correlation": [3]}}, '"correlation" is [3]'),
+    ],
+)
+def test_out_of_range_numbers_and_ids_in_an_event_are_refused_naming_file_event_and_field(
+    tmp_path, fields, refused
+):
+    document = _valid_trace()
+    index = len(document["traceEvents"])
+    event = {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 5.0, "dur": 1.0}
+    document["traceEvents"].append({**event, "pid": 4242, "tid": 4242, **fields})
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps(document))
+    name = repr(fields.get("name", event["name"]))[:24]
+    with pytest.raises(TraceFormatError) as refusal:
+        load_rank_trace(path)
+    assert str(refusal.value).startswith(f"{path}: traceEvents[{index}]: {name}"), refusal.value
+    assert f": {refused}" in str(refusal.value), refusal.value
+    code, err = _cli("report", str(tmp_path))
+    assert code == 2 and f"traceEvents[{index}]: {name}" in err, err
+
+
+@pytest.mark.parametrize(
+    "info",
+    [{"rank": 10**40}, {"rank": -1}, {"rank": 0, "world_size": 0}, {"rank": 0, "world_size": HUGE}],
+)
+def test_out_of_range_rank_or_world_size_is_refused_naming_the_file(tmp_path, info):
+    document = {**_valid_trace(), "distributedInfo": info}
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(
+        TraceFormatError, match=rf"^{re.escape(str(path))}: distributedInfo has rank"
+    ):
+        load_rank_trace(path)
+
+
+def test_an_integer_literal_longer_than_python_reads_is_refused_naming_the_file(tmp_path):
+    for where, data in (
+        ("traceEvents[0]", '{"traceEvents": [{"ph": "X", "ts": ' + "9" * 5000 + "}]}"),
+        ("top-level key 'x'", '{"traceEvents": [], "x": ' + "9" * 5000 + "}"),
+    ):
+        path = tmp_path / "long.pt.trace.json"
+        path.write_text(data)
+        with pytest.raises(
+            TraceFormatError,
+            match=rf"long\.pt\.trace\.json: {re.escape(where)} holds an integer with too many",
+        ):
+            read_trace(path, lambda event: None)
 
 
 # ---- the overlapkit command, in process --------------------------------------------------
@@ -356,7 +482,6 @@ def _cli(*argv: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-@FUZZ
 @given(size=st.text(max_size=20), bandwidth=st.text(max_size=20))
 def test_estimate_command_with_random_sizes_exits_cleanly(size, bandwidth):
     code, err = _cli(
@@ -373,7 +498,6 @@ def test_estimate_command_with_random_sizes_exits_cleanly(size, bandwidth):
         assert "error:" in err and ("--bytes" in err or "--bandwidth" in err), err
 
 
-@FUZZ
 @given(name=st.text(max_size=30))
 def test_topo_and_plan_commands_with_random_topology_names_exit_cleanly(name):
     for argv in (("topo", f"--preset={name}"), ("plan", f"--topology={name}", "--tp", "2")):
@@ -383,7 +507,6 @@ def test_topo_and_plan_commands_with_random_topology_names_exit_cleanly(name):
             assert "error:" in err, err
 
 
-@FUZZ
 @given(data=st.binary(max_size=300))
 def test_topo_command_with_a_random_file_exits_cleanly_naming_it(scratch, data):
     path = _file(scratch, ".yaml", data)
@@ -393,7 +516,6 @@ def test_topo_command_with_a_random_file_exits_cleanly_naming_it(scratch, data):
         assert str(path) in err, err
 
 
-@FUZZ
 @given(data=st.binary(max_size=300))
 def test_report_command_with_a_random_trace_exits_cleanly_naming_it(scratch, data):
     run_dir = scratch / f"run{next(_files)}"

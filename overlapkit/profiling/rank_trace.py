@@ -17,6 +17,12 @@ What counts as what (Kineto traces written by ``torch.profiler``):
 - **Backward compute** (for the tail): operators named ``autograd::engine::evaluate_function:*``
   on CPU; on GPU, kernels launched from inside such an operator (on any thread, since CUDA
   backward runs on autograd's device threads).
+
+An event of a kept category whose time (``ts``, ``dur``), size (``In msg nelems``, ``Input Dims``),
+id (``pid``, ``tid``, ``correlation``, ``External id``) or step number is present but not a value
+of its kind (a time that is not a finite number, a size or step that is not a whole number in
+``[0, 2**63)``, an id that is a list or an object) makes the file refused with a
+``TraceFormatError`` naming the file, the event's index and name, the field and the value.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from overlapkit.profiling import intervals
-from overlapkit.profiling.trace_loader import TraceFormatError, read_trace
+from overlapkit.profiling.trace_loader import EventError, TraceFormatError, read_trace
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,9 @@ _KIND_PATTERNS = (
     ("all_to_all", re.compile(r"all_?to_?all", re.IGNORECASE)),
 )
 _STEP_NAME = re.compile(r"ProfilerStep#(\d+)$")
+_MAX_COUNT = 2**63 - 1
+"""Largest element count, dimension, byte size or step number accepted: torch sizes are int64."""
+_MAX_RANK = 2**31 - 1
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 # Enqueue ops of collectives on the calling thread: bookkeeping, not compute.
 _COMM_OP_PREFIXES = ("c10d::", "record_param_comms", "nccl:", "gloo:")
@@ -88,17 +97,57 @@ def collective_kind(name: str) -> str:
     return "other"
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)``, shortened: a refused value may be a 300-digit number."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
+
+
+def _time(value: Any, field: str) -> float:
+    """``value`` in µs as a float; ``EventError`` unless it is a finite number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond 1.8e308: JSON allows any number of digits
+            number = math.inf
+        if math.isfinite(number):
+            return number
+    raise EventError(f"{field} is {_shown(value)}; expected a finite number of µs")
+
+
+def _count(value: Any, field: str) -> int:
+    """``value`` as an int; ``EventError`` unless it is a whole number in ``[0, 2**63)``."""
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or not 0 <= value <= _MAX_COUNT:
+        raise EventError(f"{field} is {_shown(value)}; expected a whole number in [0, 2**63)")
+    return int(value)
+
+
+def _identifier(value: Any, field: str) -> Any:
+    """``value`` if it can key a dict (ids match launches to kernels); else ``EventError``."""
+    if isinstance(value, (list, dict)):
+        raise EventError(f"{field} is {_shown(value)}; expected a number or a string")
+    return value
+
+
 def _element_bytes(dtype: Any) -> int | None:
     return DTYPE_BYTES.get(str(dtype).strip().lower()) if dtype is not None else None
 
 
+def _byte_count(elements: int, size: int, field: str) -> int:
+    if elements * size > _MAX_COUNT:
+        raise EventError(f"{field} gives {elements * size:.3e} bytes; more than any tensor holds")
+    return elements * size
+
+
 def _metadata_bytes(args: dict[str, Any]) -> int | None:
     """Input bytes from NCCL collective metadata (``In msg nelems`` × ``dtype``)."""
-    size = _element_bytes(args.get("dtype"))
     nelems = args.get("In msg nelems")
-    if size is None or not isinstance(nelems, (int, float)):
+    if nelems is None:
         return None
-    return int(nelems) * size
+    count = _count(nelems, '"In msg nelems"')
+    size = _element_bytes(args.get("dtype"))
+    return None if size is None else _byte_count(count, size, '"In msg nelems"')
 
 
 def _shape_bytes(args: dict[str, Any]) -> int | None:
@@ -107,12 +156,18 @@ def _shape_bytes(args: dict[str, Any]) -> int | None:
     if not isinstance(dims, list) or not isinstance(types, list) or not dims:
         return None
     nbytes = 0
-    for shape, dtype in zip(dims, types, strict=False):
+    for index, (shape, dtype) in enumerate(zip(dims, types, strict=False)):
         size = _element_bytes(dtype)
-        if size is None or not isinstance(shape, list):
+        if size is None:
             return None
-        nbytes += math.prod(int(d) for d in shape) * size
-    return nbytes
+        field = f'"Input Dims"[{index}]'
+        if not isinstance(shape, list):
+            raise EventError(f"{field} is {_shown(shape)}; expected the list of a tensor's sizes")
+        elements = 1
+        for d in shape:
+            elements = min(elements * _count(d, field), _MAX_COUNT + 1)
+        nbytes += _byte_count(elements, size, field)
+    return _byte_count(nbytes, 1, '"Input Dims"')
 
 
 @dataclass(slots=True)
@@ -166,25 +221,31 @@ class _Collector:
             return
         cat = event.get("cat")
         cat = cat.lower() if isinstance(cat, str) else ""
-        if cat not in _KEPT_CATEGORIES:
-            return
-        try:
-            ts = float(event["ts"])
-            end = ts + float(event.get("dur", 0.0))
-        except (KeyError, TypeError, ValueError):
+        if cat not in _KEPT_CATEGORIES or event.get("ts") is None:
             return
         name = event.get("name")
         name = name if isinstance(name, str) else str(name)
+        try:
+            self._classify(event, cat, name)
+        except EventError as err:
+            raise EventError(f"{_shown(name)}: {err}") from None
+
+    def _classify(self, event: dict[str, Any], cat: str, name: str) -> None:
+        ts = _time(event["ts"], '"ts"')
+        dur = event.get("dur")
+        end = ts if dur is None else _time(ts + _time(dur, '"dur"'), '"ts" + "dur"')
+        pid = _identifier(event.get("pid"), '"pid"')
+        tid = _identifier(event.get("tid"), '"tid"')
         args = event.get("args")
         args = args if isinstance(args, dict) else {}
         if cat == "kernel":
             self._kernel(ts, end, name, args)
         elif cat in _LAUNCH_CATEGORIES:
-            correlation = args.get("correlation")
+            correlation = _identifier(args.get("correlation"), '"correlation"')
             if correlation is not None:
-                self.launches[correlation] = (ts, event.get("pid"), event.get("tid"))
+                self.launches[correlation] = (ts, pid, tid)
         else:
-            self._host_range(ts, end, cat, name, args, event.get("pid"), event.get("tid"))
+            self._host_range(ts, end, cat, name, args, pid, tid)
 
     def _kernel(self, ts: float, end: float, name: str, args: dict[str, Any]) -> None:
         comm = None
@@ -192,18 +253,24 @@ class _Collector:
             comm = (collective_kind(str(args["Collective name"])), _metadata_bytes(args))
         elif name[:4].lower() == "nccl":
             comm = (collective_kind(name), None)  # sized later from record_param_comms
-        self.kernels.append((ts, end, args.get("correlation"), args.get("External id"), comm))
+        correlation = _identifier(args.get("correlation"), '"correlation"')
+        external_id = _identifier(args.get("External id"), '"External id"')
+        self.kernels.append((ts, end, correlation, external_id, comm))
 
     def _host_range(self, ts, end, cat, name, args, pid, tid) -> None:
         step = _STEP_NAME.match(name)
         if step:
-            self.steps.append((int(step.group(1)), ts, end, pid, tid))
+            digits = step.group(1)
+            if len(digits) > 18:  # beyond int64 (and int() refuses strings past 4300 digits)
+                raise EventError(f"step number {_shown(digits)} has more than 18 digits")
+            self.steps.append((int(digits), ts, end, pid, tid))
         elif name.startswith("gloo:"):
             self.gloo.append((ts, end, collective_kind(name), _shape_bytes(args)))
         elif cat == "cpu_op":
             if name == "record_param_comms":
                 kind = collective_kind(str(args.get("Collective name", "")))
-                self.comm_metadata[args.get("External id")] = (kind, _metadata_bytes(args))
+                external_id = _identifier(args.get("External id"), '"External id"')
+                self.comm_metadata[external_id] = (kind, _metadata_bytes(args))
             if name.startswith(_COMM_OP_PREFIXES):
                 self.comm_ops[(pid, tid)].append((ts, end))
             else:
@@ -217,15 +284,26 @@ def _main_thread(steps: list[tuple[int, float, float, Any, Any]]) -> tuple[Any, 
 
 def _distributed_info(header: dict[str, Any], path: Path) -> tuple[int, int | None, list[str]]:
     info = header.get("distributedInfo")
-    if isinstance(info, dict) and isinstance(info.get("rank"), int):
-        world = info.get("world_size")
-        return info["rank"], world if isinstance(world, int) else None, []
+    if isinstance(info, dict) and _is_int(info.get("rank")):
+        rank, world = info["rank"], info.get("world_size")
+        world = world if _is_int(world) else None
+        if not 0 <= rank <= _MAX_RANK or (world is not None and not 1 <= world <= _MAX_RANK):
+            raise TraceFormatError(
+                f"{path}: distributedInfo has rank {_shown(rank)} and world_size "
+                f"{_shown(world)}; expected a rank in [0, {_MAX_RANK}] and a world_size in "
+                f"[1, {_MAX_RANK}]"
+            )
+        return rank, world, []
     message = (
         f"{path.name}: no distributedInfo (rank) in the trace; treating it as rank 0. "
         "Traces of a single process without torch.distributed look like this."
     )
     logger.warning("%s", message)
     return 0, None, [message]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _gpu_intervals(col: _Collector) -> tuple[list, list, list]:

@@ -6,8 +6,11 @@
 a 100 MB trace never exists as one Python object tree; memory is bounded by what ``on_event``
 keeps.
 
-A file that is not a JSON object with a ``traceEvents`` array, or that ends early (a worker killed
-while writing), raises ``TraceFormatError`` naming the file and the character offset.
+A file that is not a JSON object with a ``traceEvents`` array, that ends early (a worker killed
+while writing) or that nests lists and objects deeper than ``MAX_DEPTH`` raises
+``TraceFormatError`` naming the file and the character offset. ``on_event`` refuses an event by
+raising ``EventError``; ``read_trace`` turns it into a ``TraceFormatError`` naming the file and the
+event's index.
 """
 
 from __future__ import annotations
@@ -25,10 +28,48 @@ _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 _TAIL_MARGIN = 64
+MAX_DEPTH = 32
+"""Deepest nesting of lists and objects accepted in one event or top-level value. Kineto's
+deepest is 4 (event, ``args``, ``Input Dims``, one shape). The limit is the reader's own, so a
+trace is accepted or refused alike on every Python version (json's C scanner recurses once per
+level, and how deep it may go differs between interpreters)."""
 
 
 class TraceFormatError(ValueError):
     """A file is not a readable profiler trace; the message names the file and the reason."""
+
+
+class EventError(ValueError):
+    """Raised by an ``on_event`` callback to refuse one event; the message says why.
+
+    ``read_trace`` re-raises it as a ``TraceFormatError`` naming the file and the event's index.
+    """
+
+
+def _nesting(value: Any) -> int:
+    """How deeply lists and dicts nest in ``value`` (0 for a scalar), counted without recursion
+    and only up to just past ``MAX_DEPTH``."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_DEPTH:
+            break
+        pending.extend((child, depth + 1) for child in item)
+    return deepest
+
+
+def _too_deep(text: str, start: int, end: int, value: Any) -> bool:
+    """Whether ``value``, decoded from ``text[start:end]``, nests deeper than ``MAX_DEPTH``."""
+    # Counting brackets is C-speed and bounds the depth from above (brackets inside strings only
+    # overestimate it); the exact walk runs only for the rare event with many brackets.
+    if text.count("[", start, end) + text.count("{", start, end) <= MAX_DEPTH:
+        return False
+    return _nesting(value) > MAX_DEPTH
 
 
 def open_text(path: Path) -> TextIO:
@@ -98,9 +139,13 @@ class _Reader:
                 if unterminated or err.pos >= len(self.buf) - 1:
                     raise self.error(f"file ends early in {context}; truncated?") from None
                 raise self.error(f"invalid JSON in {context}: {err.msg}") from None
+            except ValueError:  # int() refuses literals longer than sys.get_int_max_str_digits()
+                raise self.error(f"{context} holds an integer with too many digits") from None
             # A number (or literal) at the very end of the buffer may continue in the next chunk.
             if end == len(self.buf) and self._refill():
                 continue
+            if _too_deep(self.buf, self.pos, end, value):
+                raise self.error(f"{context} is nested deeper than {MAX_DEPTH} levels")
             self.pos = end
             return value
 
@@ -113,34 +158,40 @@ def _read_events(reader: _Reader, on_event: Callable[[Any], None]) -> int:
         return 0
     # The C scanner behind raw_decode, without its Python wrapper: this loop runs per event.
     decode, separator_at = _DECODER.scan_once, _SEPARATOR.match
-    while True:
-        # Fast path: events wholly inside the buffer, one decode and one regex match each.
-        buf, pos = reader.buf, reader.pos
-        try:
+    try:
+        while True:
+            # Fast path: events wholly inside the buffer, one decode and one regex match each.
+            buf, pos = reader.buf, reader.pos
             while True:
-                event, end = decode(buf, pos)
+                try:
+                    event, end = decode(buf, pos)
+                except (ValueError, StopIteration, RecursionError):
+                    break  # the slow path below decodes it again and names the problem
                 separator = separator_at(buf, end)
                 if separator is None or separator.end() == len(buf):
                     break  # the array's end, or the next event is not in the buffer yet
+                if _too_deep(buf, pos, end, event):
+                    break  # refused by the slow path, with the offset
                 on_event(event)
                 count += 1
                 pos = separator.end()
-        except (json.JSONDecodeError, StopIteration, RecursionError):
-            pass  # the slow path below decodes it again and names the problem
-        reader.pos = pos
-        # Slow path for the event at the buffer's edge: refills, errors with context.
-        on_event(reader.value(f"traceEvents[{count}]"))
-        count += 1
-        separator = reader.peek()
-        if separator == ",":
-            reader.pos += 1
-        elif separator == "]":
-            reader.pos += 1
-            return count
-        elif separator == "":
-            raise reader.error(f"file ends early after traceEvents[{count - 1}]; truncated?")
-        else:
-            raise reader.error(f"expected ',' or ']' after traceEvents[{count - 1}]")
+            reader.pos = pos
+            # Slow path for the event at the buffer's edge: refills, errors with context.
+            on_event(reader.value(f"traceEvents[{count}]"))
+            count += 1
+            separator = reader.peek()
+            if separator == ",":
+                reader.pos += 1
+            elif separator == "]":
+                reader.pos += 1
+                return count
+            elif separator == "":
+                raise reader.error(f"file ends early after traceEvents[{count - 1}]; truncated?")
+            else:
+                raise reader.error(f"expected ',' or ']' after traceEvents[{count - 1}]")
+    except EventError as err:
+        # on_event refused the event it was handed: the events before it make up the count.
+        raise TraceFormatError(f"{reader.path}: traceEvents[{count}]: {err}") from None
 
 
 def read_trace(path: str | Path, on_event: Callable[[Any], None]) -> dict[str, Any]:
@@ -148,14 +199,16 @@ def read_trace(path: str | Path, on_event: Callable[[Any], None]) -> dict[str, A
 
     Args:
         path (str | Path): a ``.json`` or ``.json.gz`` Chrome/Kineto trace.
-        on_event (Callable): called with each event (usually a dict) in file order.
+        on_event (Callable): called with each event (usually a dict) in file order; it may
+            raise ``EventError`` to refuse the event.
 
     Returns:
         dict: the top-level keys other than ``traceEvents``, plus ``"_event_count"``.
 
     Raises:
-        TraceFormatError: not a JSON object with a ``traceEvents`` list, invalid JSON, a
-            truncated file or a broken gzip stream (the message names the file).
+        TraceFormatError: not a JSON object with a ``traceEvents`` list, invalid JSON, values
+            nested deeper than ``MAX_DEPTH``, a truncated file, a broken gzip stream, or an
+            event ``on_event`` refused (the message names the file, and the event's index).
         OSError: the file cannot be opened.
     """
     path = Path(path)

@@ -1,0 +1,46 @@
+"""Settings every test shares: deterministic property tests, seeded random generators.
+
+Hypothesis profiles, chosen by ``OVERLAPKIT_HYPOTHESIS_PROFILE`` (``ci`` when unset):
+
+- ``ci`` (``make test``, ``.ci/run``): derandomized, so a commit draws the same examples on every
+  run and CI passes or fails alike each time; no example database, so nothing left over from an
+  earlier run changes what is drawn. A failure found by exploration is kept as an ``@example``.
+- ``fuzz`` (``make fuzz``): fresh random examples on every run and ten times as many; failures go
+  to the local database (``.hypothesis/``, git-ignored) and are replayed first on the next run,
+  and hypothesis prints the reproducing ``@reproduce_failure`` blob.
+
+A test that sets ``max_examples`` itself keeps it under both profiles.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+
+PROFILE_ENV = "OVERLAPKIT_HYPOTHESIS_PROFILE"
+CI_EXAMPLES = 150
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    max_examples=CI_EXAMPLES,
+)
+settings.register_profile("fuzz", deadline=None, print_blob=True, max_examples=10 * CI_EXAMPLES)
+settings.load_profile(os.environ.get(PROFILE_ENV, "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _seeded_generators() -> None:
+    """Seed Python's, NumPy's and torch's global generators before each test, so a test that
+    draws from them without its own seed still sees the same numbers whatever ran before it."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
