@@ -24,6 +24,7 @@ from overlapkit.planner.explain import (
     same_layout,
 )
 from overlapkit.planner.placement import Placement, naive_placement, plan
+from overlapkit.planner.published import render_checks, validate
 from overlapkit.planner.traffic import MIXTRAL_EXPERT_FRACTION, Workload
 from overlapkit.topology.cli import FABRIC_CHOICES
 from overlapkit.topology.loading import load_topology
@@ -44,9 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_calibrate(subparsers)
 
 
-def add_topology_arguments(parser: argparse.ArgumentParser, *, allow_link: bool) -> None:
+def add_topology_arguments(
+    parser: argparse.ArgumentParser, *, allow_link: bool, required: bool = True
+) -> None:
     """Add ``--topology``, ``--fabric`` and (``allow_link``) ``--bandwidth``, ``--latency``."""
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group(required=required)
     source.add_argument(
         "--topology",
         metavar="NAME|FILE",
@@ -208,16 +211,11 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
         description="Predict a collective's time with the alpha-beta model and NCCL-like "
         "algorithm choice. Sizes: 140e9, 140GB, 1.5GiB.",
     )
+    parser.add_argument("--collective", metavar="NAME", help=f"one of {', '.join(COLLECTIVES)}")
     parser.add_argument(
-        "--collective", required=True, metavar="NAME", help=f"one of {', '.join(COLLECTIVES)}"
+        "--bytes", metavar="SIZE", help="size as nccl-tests counts it: 140e9, 140GB, 1.5GiB"
     )
-    parser.add_argument(
-        "--bytes",
-        required=True,
-        metavar="SIZE",
-        help="size as nccl-tests counts it: 140e9, 140GB, 1.5GiB",
-    )
-    add_topology_arguments(parser, allow_link=True)
+    add_topology_arguments(parser, allow_link=True, required=False)
     parser.add_argument(
         "--group-size",
         type=int,
@@ -236,11 +234,35 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
         choices=ALGORITHMS,
         help="force an algorithm (like NCCL_ALGO); default: the fastest",
     )
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="instead of one estimate, predict every published nccl-tests busbw the model is "
+        "checked against (system, published, predicted, error, source)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run_estimate)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
+    if args.validate:
+        checks = validate()
+        if args.json:
+            print(json.dumps({"checks": [c.to_dict() for c in checks]}, indent=2))
+        else:
+            print(render_checks(checks))
+        return 0 if all(c.within_tolerance for c in checks) else 1
+    missing = [
+        flag
+        for flag, value in (
+            ("--collective", args.collective),
+            ("--bytes", args.bytes),
+            ("--topology or --bandwidth", args.topology or args.bandwidth),
+        )
+        if not value
+    ]
+    if missing:
+        raise ValueError(f"estimate needs {', '.join(missing)} (or --validate)")
     nbytes = parse_size(args.bytes, what="--bytes")
     if args.group is not None and args.group_size is not None:
         raise ValueError("pass either --group (a placement axis) or --group-size, not both")

@@ -7,11 +7,14 @@ crosses giving the latency and the bottleneck bandwidth:
   the network when the group spans ``k`` scale-up domains (NCCL's count); reduce-scatter and
   all-gather move ``(n-1)/n x S`` in ``n-1`` steps; broadcast pipelines ``S`` through ``n-1``.
 - **tree** (double binary tree, all-reduce): every rank sends and receives ``S`` up and down,
-  ``2 x depth`` steps; NCCL's tree is a chain inside a domain.
+  ``2 x depth`` steps; NCCL's tree is a chain inside a domain. Across ``k`` domains a domain's
+  NICs carry ``min(2, k/2) x S`` each way (``tree_network_volume``).
 - **hierarchical** (all-reduce): reduce-scatter inside each domain, all-reduce of ``S/m`` across
   domains (one ring per rail), all-gather inside each domain.
 - **switch** (in-network reduction, NVLS / SHARP): each rank sends ``S`` once and receives it
-  once; across domains without network reduction it becomes NVLS-tree.
+  once; under NCCL at what the NVSwitch data path sustains (``planner.nvls``). Across domains
+  without network reduction it becomes NVLS-tree: in-switch reduction in each domain, a tree
+  between domains over the NICs.
 - **pairwise** (all-to-all): ``(m-1)/n x S`` inside the domain and ``(n-m)/n x S`` through the
   NICs at the same time; the slower tier decides.
 - **p2p** (send/recv between two ranks).
@@ -41,6 +44,7 @@ from typing import Protocol
 from overlapkit.planner.libraries import (
     HIERARCHICAL,
     LIBRARIES,
+    NCCL,
     P2P,
     PAIRWISE,
     RING,
@@ -48,6 +52,11 @@ from overlapkit.planner.libraries import (
     SWITCH,
     TREE,
     LibraryModel,
+)
+from overlapkit.planner.nvls import (
+    TREE_INTRA_FACTOR,
+    nvls_allreduce_GBps,
+    nvls_collective_GBps,
 )
 from overlapkit.topology.model import (
     DomainKind,
@@ -143,6 +152,10 @@ class GroupShape:
     switch_reduces: bool
     """Every domain holding two or more of the group's ranks reduces in its switch."""
     fabric_reduces: bool
+    nvls_GBps: float | None = None
+    """NCCL NVLS all-reduce algbw in the slowest shared domain (None: no switch reduces)."""
+    nvls_collective_GBps: float | None = None
+    """NCCL NVLS reduce-scatter / all-gather link rate in the slowest shared domain."""
 
     @property
     def ring_GBps(self) -> float:
@@ -172,6 +185,11 @@ def group_shape(
             latency_us=max(d.latency_us for d, _ in shared),
             link_class=min((d for d, _ in shared), key=lambda d: d.achieved_GBps).link_class,
         )
+    switch_reduces = all(d.in_network_reduction for d, _ in shared)
+    nvls = nvls_collective = None
+    if shared and switch_reduces:
+        nvls = min(nvls_allreduce_GBps(d, len(members)) for d, members in shared)
+        nvls_collective = min(nvls_collective_GBps(d) for d, _ in shared)
     inter_ring = inter_rank = None
     fabric = topology.fabric
     if len(by_domain) > 1:
@@ -190,8 +208,10 @@ def group_shape(
         intra=intra,
         inter_ring=inter_ring,
         inter_rank=inter_rank,
-        switch_reduces=all(d.in_network_reduction for d, _ in shared),
+        switch_reduces=switch_reduces,
         fabric_reduces=fabric.in_network_reduction,
+        nvls_GBps=nvls,
+        nvls_collective_GBps=nvls_collective,
     )
 
 
@@ -277,6 +297,17 @@ def _ring(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> flo
     return _seconds(latency, volume, bw)
 
 
+def tree_network_volume(domains: int) -> float:
+    """Bytes a domain's NICs carry each way in a double binary tree, in units of ``S``.
+
+    Each tree carries half the data. With 2 domains each is the other's only peer (``S``); with 3,
+    a domain is the two-child root of one tree and a leaf of the other (``1.5 S``); from 4 on,
+    an inner node of one tree (two children and a parent) and a leaf of the other (``2 S``,
+    NCCL's tree bus-to-algorithm ratio of 0.5 in tuning.cc).
+    """
+    return min(2.0, domains / 2)
+
+
 def _tree(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> float:
     m, k = g.per_domain, g.domains
     intra_depth = m - 1 if lib.tree_chains_within_domain else math.ceil(math.log2(m))
@@ -284,14 +315,14 @@ def _tree(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> flo
         intra_depth * _step_us(g.intra, lib, TREE, proto)
         + math.ceil(math.log2(k)) * _step_us(g.inter_ring, lib, TREE, proto)
     )
-    bw = (
-        g.ring_GBps
-        * lib.size_correction(TREE, proto, S)
-        * lib.bandwidth_factor(
-            TREE, proto, collective=c, multi_domain=k > 1, ranks_per_domain=g.size / k
-        )
+    factor = lib.size_correction(TREE, proto, S) * lib.bandwidth_factor(
+        TREE, proto, collective=c, multi_domain=k > 1, ranks_per_domain=g.size / k
     )
-    return _seconds(latency, 2 * S, bw)
+    # Inside a domain every rank sends and receives S up and down; between domains the
+    # domain's NICs carry the tree's share, at the same time.
+    intra = 2 * S / g.intra.GBps if g.intra is not None else 0.0
+    inter = tree_network_volume(k) * S / g.inter_ring.GBps if k > 1 else 0.0
+    return latency * 1e-6 + max(intra, inter) / (factor * 1e9)
 
 
 def _hierarchical(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> float:
@@ -311,21 +342,30 @@ def _hierarchical(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str
 
 def _switch(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> float:
     n, k = g.size, g.domains
-    factor = lib.bandwidth_factor(
-        SWITCH, proto, collective=c, multi_domain=k > 1, ranks_per_domain=n / k
-    )
     latency = lib.base_latency_us(SWITCH, proto) + _step_us(g.intra, lib, SWITCH, proto)
+    # Per-GPU rate inside the domains: NCCL's NVLS data path (planner.nvls), or every byte
+    # once each way at the link rate for a library without one (ideal).
+    nccl = lib is NCCL
+    if g.intra is None:
+        in_domain = math.inf
+    elif c == "all_reduce":
+        in_domain = g.nvls_GBps if nccl else g.intra.GBps
+    else:
+        in_domain = g.nvls_collective_GBps if nccl else g.intra.GBps
     volume = S if c == "all_reduce" else (n - 1) / n * S
     if k == 1:
-        return _seconds(latency, volume, g.intra.GBps * factor)
+        return _seconds(latency, volume, in_domain)
     if g.fabric_reduces:
-        # The switches of both tiers reduce: one pass through each (NVLS + SHARP).
+        # The switches of both tiers reduce: one pass through each (NVLS + SHARP); a domain's
+        # NICs carry its S once each way. Not checked against a measurement.
         latency += _step_us(g.inter_ring, lib, SWITCH, proto)
-        return _seconds(latency, volume, g.ring_GBps * factor)
+        return _seconds(latency, volume, min(in_domain, g.inter_ring.GBps))
     # NVLS-tree: reduce in each domain's switch, a tree across domains over the network.
     latency += 2 * math.ceil(math.log2(k)) * _step_us(g.inter_ring, lib, RING, SIMPLE)
-    inter = g.inter_ring.GBps if k <= 2 else g.inter_ring.GBps / 2
-    return _seconds(latency, S, min(g.intra.GBps, inter) * factor)
+    if nccl:
+        in_domain *= TREE_INTRA_FACTOR
+    inter = g.inter_ring.GBps / tree_network_volume(k)
+    return _seconds(latency, S, min(in_domain, inter))
 
 
 def _pairwise(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> float:

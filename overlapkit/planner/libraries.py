@@ -10,8 +10,8 @@ NCCL's own tuning model does (``src/graph/tuning.cc``, NVIDIA/nccl at b6475625, 
   protocol. Bus bandwidth is scaled per algorithm and protocol: LL sends 8-byte lines carrying
   4 bytes of data and polls flags (ring x1/4, tree x1/3.8); LL128 keeps 120 of every 128 bytes
   (x0.92, x0.7 with one rank per node); tree is x0.92 and has a medium-size correction table;
-  NVLS (in-switch reduction) converts bus to algorithm bandwidth with x5/6; a multi-node
-  Simple ring's latency grows x1.4 ("plateau effect of ring").
+  a multi-node Simple ring's latency grows x1.4 ("plateau effect of ring"). NVLS (in-switch
+  reduction) is modelled from its data path and ``nvlsEfficiency`` in ``planner.nvls``.
 - gloo runs one ring algorithm; its figures come from ``overlapkit calibrate`` (measured), so it
   adds nothing on top of the topology.
 - "ideal" is a bare link at line rate: DESIGN.md's arithmetic.
@@ -119,7 +119,6 @@ _NCCL_TREE_CORRECTION = (
     ),
 )
 _NCCL_RING_PLATEAU = 1.4  # multi-node Simple ring all-reduce latency, compute capability >= 8.0
-_NCCL_NVLS_RATIO = 5.0 / 6.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,8 +199,6 @@ class NcclModel(LibraryModel):
         multi_domain: bool,
         ranks_per_domain: float,
     ) -> float:
-        if algorithm == SWITCH:
-            return _NCCL_NVLS_RATIO
         if algorithm == TREE:
             factor = 0.92
             if protocol == LL:
