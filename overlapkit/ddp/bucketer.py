@@ -37,6 +37,12 @@ from torch.distributed.tensor import DTensor
 from overlapkit.consistency import check_consistent
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
+from overlapkit.ddp.overlapped_step import (
+    OverlappedStep,
+    resolve_overlap_options,
+    tail_launch_order,
+    validate_optimizer,
+)
 from overlapkit.failures import FailureScope
 from overlapkit.finite import FiniteCheck, validate_finite_options
 from overlapkit.process_group import resolve_process_group
@@ -123,6 +129,14 @@ class GradBucketer:
             ``wait()`` on every rank, naming the parameters) or ``"skip"`` (every ``.grad`` set
             to None, so ``optimizer.step()`` changes nothing; the step is listed in
             ``ok.comm_stats(bucketer).skipped_steps``). Defaults to ``"raise"``.
+        optimizer (torch.optim.Optimizer | None): attach the optimizer of the model's
+            parameters: ``bucketer.step()`` then replaces ``wait(); optimizer.step();
+            optimizer.zero_grad()``, applying each bucket's update once its all-reduce is done
+            and letting the next forward start before the last buckets are reduced
+            (``overlapkit.ddp.overlapped_step``). Defaults to None (``wait()`` as usual).
+        forward_order_tail (int | None): with ``optimizer``: the last this-many buckets of
+            backward (the first layers) are launched first-layer first, so the next forward's
+            first modules wait for less. None (the default) means 2; 0 keeps backward order.
 
     Raises:
         ValueError: ``bucket_mb <= 0`` or the model has no trainable parameters.
@@ -145,10 +159,15 @@ class GradBucketer:
         process_group: dist.ProcessGroup | None = None,
         check_finite: bool = False,
         on_nonfinite: str = "raise",
+        optimizer: torch.optim.Optimizer | None = None,
+        forward_order_tail: int | None = None,
     ):
         self._params = trainable_parameters(model, caller="ok.GradBucketer")
         validate_finite_options(check_finite, on_nonfinite, caller="ok.GradBucketer")
         auto = wants_auto_bucket_mb(bucket_mb, caller="ok.GradBucketer")
+        self._tail = resolve_overlap_options(
+            optimizer, forward_order_tail, auto_bucket_mb=auto, on_nonfinite=on_nonfinite
+        )
         self.bucket_mb = resolve_bucket_mb(
             None if auto else bucket_mb, self._params, caller="ok.GradBucketer"
         )
@@ -161,10 +180,14 @@ class GradBucketer:
                 "bucket_mb": bucket_mb,
                 "check_finite": check_finite,
                 "on_nonfinite": on_nonfinite,
+                "optimizer": None if optimizer is None else type(optimizer).__name__,
+                "forward_order_tail": self._tail,
             },
         )
         ids = {id(p) for p in self._params}
         self._names = [n for n, p in model.named_parameters() if id(p) in ids]
+        if optimizer is not None:
+            validate_optimizer(optimizer, self._params, self._names)
         self._group_size = self.process_group.size()
         self._recorder = CommRecorder(device=self._params[0].device)
         self._failures = FailureScope("ok.GradBucketer", lambda: self._recorder.step)
@@ -190,6 +213,7 @@ class GradBucketer:
         ]
         register_recorder(self, self._recorder)
         self._tuner = attach_bucketer_tuner(self) if auto else None
+        self._overlap = None if optimizer is None else OverlappedStep(self, model, optimizer)
 
     @property
     def num_buckets(self) -> int:
@@ -217,6 +241,7 @@ class GradBucketer:
             groups[-1].append(i)
             size += p.numel() * p.element_size()
         self._buckets = [_Bucket(g, self._params) for g in groups]
+        self._launch_order = tail_launch_order(len(self._buckets), self._tail)
         self._bucket_of = [(0, 0)] * len(self._params)
         for b, bucket in enumerate(self._buckets):
             for pos, i in enumerate(bucket.indices):
@@ -237,6 +262,8 @@ class GradBucketer:
                 "wait(); call bucketer.wait() after each backward, or accumulate micro-batches "
                 "inside `with bucketer.no_sync():`"
             )
+        if self._overlap is not None:
+            self._overlap.grad_handed_over(index, param)
         self._ready[index] = True
         self._in_step = True
         if self._ready_order is not None:
@@ -247,16 +274,17 @@ class GradBucketer:
         if not _holds(param, view):
             view.copy_(_local(param.grad))
         bucket.pending -= 1
-        if bucket.pending == 0 and b == self._next_to_launch:
+        if bucket.pending == 0:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Issue every ready bucket from the next one in order, stopping at the first not ready."""
+        """Issue every ready bucket from the next one in launch order, up to the first not ready."""
+        order = self._launch_order
         while (
-            self._next_to_launch < len(self._buckets)
-            and self._buckets[self._next_to_launch].pending == 0
+            self._next_to_launch < len(order)
+            and self._buckets[order[self._next_to_launch]].pending == 0
         ):
-            self._launch(self._next_to_launch)
+            self._launch(order[self._next_to_launch])
             self._next_to_launch += 1
 
     def _launch(self, b: int) -> None:
@@ -280,53 +308,90 @@ class GradBucketer:
                 NaN/Inf after the all-reduce (on every rank alike).
             CollectiveFailure: an all-reduce failed: a rank died or is stuck (named).
         """
+        if self._overlap is not None:
+            raise RuntimeError(
+                "ok.GradBucketer.wait() is the synchronous form; this bucketer was given "
+                "optimizer=, so call bucketer.step() (it replaces wait(), optimizer.step() and "
+                "optimizer.zero_grad())"
+            )
         if not self._in_step:
             raise RuntimeError(
                 "ok.GradBucketer.wait() was called but no backward has produced gradients since "
                 "the last wait() (or all ran inside no_sync()); call loss.backward() first"
             )
+        missing, step = self._end_backward()
+        for b in self._launch_order:
+            self._finish_bucket(b, missing)
+        self._end_step(step)
+
+    def step(self) -> None:
+        """With ``optimizer=``: start this step's per-bucket updates and return at once.
+
+        Replaces ``wait(); optimizer.step(); optimizer.zero_grad()``; parameters are final when
+        a module's forward reaches them, or after ``synchronize()`` (see
+        ``overlapkit.ddp.overlapped_step``).
+
+        Raises:
+            RuntimeError: no ``optimizer=`` was given, or no backward since the last step.
+            OverlapConflict: gradients were edited after backward (clipping, ``GradScaler``).
+        """
+        if self._overlap is None:
+            raise RuntimeError(
+                "ok.GradBucketer.step() needs the optimizer: ok.GradBucketer(model, "
+                "optimizer=opt); without it call bucketer.wait() and then optimizer.step()"
+            )
+        self._overlap.step()
+
+    def synchronize(self) -> None:
+        """With ``optimizer=``: apply every pending update now (no-op otherwise)."""
+        if self._overlap is not None:
+            self._overlap.synchronize()
+
+    def _end_backward(self) -> tuple[dict[int, torch.Tensor | None], int]:
+        """Close the step's backward: every bucket launched; returns (missing, step)."""
         missing = self._zero_missing_gradients()
         self._launch_ready()
         step = self._recorder.step
         self._recorder.end_step()
-        for bucket in self._buckets:
-            bucket.work.wait()
-            bucket.work = None
-        if self._finite is not None:
-            self._inspect_buckets()
-        for bucket in self._buckets:
-            # Flags are read back only where this rank lacked a gradient: a parameter it used
-            # itself is used somewhere by definition, and skipping the read avoids a device sync.
-            used = bucket.flags.tolist() if any(i in missing for i in bucket.indices) else None
-            for pos, i in enumerate(bucket.indices):
-                param, view = self._params[i], bucket.views[pos]
-                if i not in missing or used[pos] > 0:
-                    if not _holds(param, view):
-                        _set_grad(param, view)
-                elif missing[i] is not None:
-                    view.copy_(missing[i])
-            bucket.flags.fill_(1)
-            bucket.pending = len(bucket.indices)
         self._ready = [False] * len(self._params)
         self._next_to_launch = 0
         self._in_step = False
+        return missing, step
+
+    def _finish_bucket(self, b: int, missing: dict[int, torch.Tensor | None]) -> None:
+        """Wait for bucket ``b``'s all-reduce; point the gradients at it; reset it."""
+        bucket = self._buckets[b]
+        bucket.work.wait()
+        bucket.work = None
+        if self._finite is not None:
+            self._finite.inspect(
+                f"bucket {b}",
+                bucket.flat,
+                lambda: [
+                    (self._names[i], view)
+                    for i, view in zip(bucket.indices, bucket.views, strict=True)
+                ],
+            )
+        # Flags are read back only where this rank lacked a gradient: a parameter it used
+        # itself is used somewhere by definition, and skipping the read avoids a device sync.
+        used = bucket.flags.tolist() if any(i in missing for i in bucket.indices) else None
+        for pos, i in enumerate(bucket.indices):
+            param, view = self._params[i], bucket.views[pos]
+            if i not in missing or used[pos] > 0:
+                if not _holds(param, view):
+                    _set_grad(param, view)
+            elif missing[i] is not None:
+                view.copy_(missing[i])
+        bucket.flags.fill_(1)
+        bucket.pending = len(bucket.indices)
+
+    def _end_step(self, step: int) -> None:
         if self._ready_order is not None:
             self._adopt_rank0_order()
         if self._tuner is not None:
             self._tuner.step_ended(self._recorder.step - 1)
         if self._finite is not None:
             self._finite.finish_step(step)
-
-    def _inspect_buckets(self) -> None:
-        for b, bucket in enumerate(self._buckets):
-            self._finite.inspect(
-                f"bucket {b}",
-                bucket.flat,
-                lambda bucket=bucket: [
-                    (self._names[i], view)
-                    for i, view in zip(bucket.indices, bucket.views, strict=True)
-                ],
-            )
 
     def _zero_missing_gradients(self) -> dict[int, torch.Tensor | None]:
         """Mark parameters with no gradient this step ready, contributing zeros.
@@ -390,7 +455,9 @@ class GradBucketer:
             self._sync = previous
 
     def remove(self) -> None:
-        """Detach the gradient hooks; the bucketer stops reducing."""
+        """Detach the gradient hooks (with ``optimizer=``: after applying what is pending)."""
+        if self._overlap is not None:
+            self._overlap.remove()
         for handle in self._handles:
             handle.remove()
         self._handles = []
