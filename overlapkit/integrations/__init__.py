@@ -1,0 +1,13 @@
+"""Thin adapters for the frameworks people train with; each calls overlapkit's public API only.
+
+- ``overlapkit.integrations.lightning``: ``OverlapDDPStrategy`` (``strategy="overlapkit_ddp"``)
+  wraps with ``ok.ddp`` on every backend; ``ok.fsdp`` goes in ``configure_model`` under
+  Lightning's ``ModelParallelStrategy``.
+- ``overlapkit.integrations.accelerate``: ``OverlapDDPKwargs``, a kwargs handler that puts
+  ``ok.ddp``'s hook on the DDP model ``Accelerator.prepare`` builds.
+- ``overlapkit.integrations.hf_trainer``: ``OverlapTrainer``, a ``transformers.Trainer`` that
+  does the same for the model ``Trainer.train()`` wraps.
+
+The frameworks are optional (``pip install overlapkit[integrations]``); importing this package
+imports none of them.
+"""

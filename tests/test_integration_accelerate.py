@@ -1,0 +1,181 @@
+"""Real ``Accelerator.prepare`` and HF ``Trainer.train()`` on two gloo ranks with ok.ddp's hook.
+
+Each rank runs as under ``accelerate launch``/torchrun (``LOCAL_RANK`` set, the process group
+already initialised), with a tiny model built here and nothing downloaded. One spawn trains, with
+the same model and data each time: plain Accelerate (the reference), ``use_ok_ddp`` (fp32 and
+bf16 on gloo), plain ``Trainer`` and ``OverlapTrainer``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("accelerate", reason="the integrations extra is not installed")
+pytest.importorskip("transformers", reason="the integrations extra is not installed")
+
+from tests.multiproc import run_on_ranks
+from tests.test_fsdp_blocks import make_mlp
+
+STEPS = 3
+PER_RANK = 4
+WIDTH = 64
+# As in the Lightning test: one bf16 rounding (2**-9 relative) of each all-reduced gradient,
+# three SGD steps at lr 0.1 move the parameters by far less than this from fp32 DDP.
+BF16_PARAM_TOL = 1e-3
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    n = 2 * PER_RANK * STEPS
+    return torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g)
+
+
+def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("module."): p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _accelerate(**overlap) -> dict:
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import overlapkit as ok
+    from overlapkit.integrations.accelerate import use_ok_ddp
+
+    accelerator = Accelerator(cpu=True)
+    if overlap:
+        use_ok_ddp(accelerator, **overlap)
+    model = make_mlp(blocks=4, width=WIDTH)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(*_data()), batch_size=PER_RANK)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for x, y in loader:
+        optimizer.zero_grad()
+        accelerator.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+    stats = ok.comm_stats(model) if overlap else None
+    return {
+        "params": _params(model),
+        "records": len(stats.records) if stats else 0,
+        "buckets": len(stats.by_bucket()) if stats else 0,
+    }
+
+
+class _Regressor(torch.nn.Module):
+    """The Trainer's model: returns the loss, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_mlp(blocks=4, width=WIDTH)
+
+    def forward(self, x, labels):
+        return {"loss": F.mse_loss(self.net(x), labels)}
+
+
+def _trainer(tmp: str, overlap: bool) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    import overlapkit as ok
+    from overlapkit.integrations.hf_trainer import OverlapTrainer
+
+    x, y = _data()
+    data = [{"x": xi, "labels": yi} for xi, yi in zip(x, y, strict=True)]
+    args = TrainingArguments(
+        output_dir=tmp,
+        per_device_train_batch_size=PER_RANK,
+        max_steps=STEPS,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    model = _Regressor()
+    initial = _params(model)
+    if overlap:
+        trainer = OverlapTrainer(model=model, args=args, train_dataset=data, overlapkit_options={})
+    else:
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return {
+        "initial": initial,
+        "params": _params(model),
+        "records": len(ok.comm_stats(trainer.model_wrapped).records) if overlap else 0,
+    }
+
+
+def _all_runs(rank: int, world_size: int, tmp: str) -> dict:
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from overlapkit.integrations.accelerate import OverlapDDPKwargs
+
+    try:
+        OverlapDDPKwargs(comm_hook="bf16")
+        hook_error = None
+    except ValueError as e:
+        hook_error = str(e)
+    return {
+        "plain": _accelerate(),
+        "overlap": _accelerate(compress=None),
+        "bf16": _accelerate(compress="bf16", bucket_mb=0.02),
+        "trainer_plain": _trainer(os.path.join(tmp, "plain"), overlap=False),
+        "trainer_overlap": _trainer(os.path.join(tmp, "overlap"), overlap=True),
+        "hook_error": hook_error,
+        # DDP options stay DDP's: ours are not passed to the DDP constructor.
+        "ddp_kwargs": OverlapDDPKwargs(bucket_cap_mb=5, compress="bf16").to_kwargs(),
+        "plain_kwargs": DistributedDataParallelKwargs(bucket_cap_mb=5).to_kwargs(),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("hf"))
+    return run_on_ranks(
+        _all_runs, 2, tmp, total_timeout_s=240, collective_timeout_s=60, env=OFFLINE
+    )
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_use_ok_ddp_matches_plain_accelerate(two_ranks):
+    for result in two_ranks:
+        assert _max_diff(result["overlap"]["params"], result["plain"]["params"]) < 1e-6
+        assert result["overlap"]["records"] >= STEPS  # ok.ddp's hook ran every step
+    assert _max_diff(two_ranks[0]["overlap"]["params"], two_ranks[1]["overlap"]["params"]) == 0
+
+
+@pytest.mark.slow
+def test_use_ok_ddp_compresses_to_bf16_on_gloo(two_ranks):
+    for result in two_ranks:
+        diff = _max_diff(result["bf16"]["params"], result["plain"]["params"])
+        assert 0 < diff < BF16_PARAM_TOL
+        assert result["bf16"]["buckets"] > 1  # bucket_mb=0.02 reached Accelerate's DDP
+
+
+@pytest.mark.slow
+def test_overlap_trainer_matches_plain_trainer(two_ranks):
+    for result in two_ranks:
+        overlap, plain = result["trainer_overlap"], result["trainer_plain"]
+        assert _max_diff(overlap["params"], plain["params"]) < 1e-6
+        # The Trainer really trained (parameters moved) and ok.ddp's hook saw every step.
+        assert _max_diff(plain["params"], plain["initial"]) > 1e-3
+        assert overlap["records"] >= STEPS
+
+
+@pytest.mark.slow
+def test_overlap_kwargs_keep_ddp_options_and_refuse_accelerates_hook(two_ranks):
+    result = two_ranks[0]
+    assert result["ddp_kwargs"] == result["plain_kwargs"] == {"bucket_cap_mb": 5}
+    assert result["hook_error"] is not None and "comm_hook" in result["hook_error"]

@@ -1,0 +1,166 @@
+"""A real ``lightning.Trainer`` on two gloo ranks: OverlapDDPStrategy; ok.fsdp in configure_model.
+
+Each rank runs as under torchrun (``LOCAL_RANK`` set, so Lightning launches nothing itself and
+uses the process group that is already there). One spawn fits four times with the same model and
+data: Lightning's own ``DDPStrategy`` (the reference), ``strategy="overlapkit_ddp"`` (fp32),
+``OverlapDDPStrategy(compress="bf16")`` and ``ModelParallelStrategy`` + ``ok.fsdp``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lightning", reason="the integrations extra is not installed")
+
+from tests.multiproc import run_on_ranks
+from tests.test_fsdp_blocks import make_mlp
+
+STEPS = 3
+PER_RANK = 4
+WIDTH = 64
+# bf16 keeps 8 significant bits; the gradient is rounded once per all-reduce (2**-9 relative)
+# and the SGD step moves parameters by lr x gradient, so after three steps the parameters differ
+# from fp32 DDP by far less than lr x 3 x 2**-8 x max|grad| (~1e-4 here).
+BF16_PARAM_TOL = 1e-3
+
+
+def _fit(strategy, fsdp: bool = False) -> dict:
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import overlapkit as ok
+    from overlapkit.integrations.lightning import OverlapDDPStrategy
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_mlp(blocks=4, width=WIDTH)
+            self.grads: list[dict[str, torch.Tensor]] = []
+            self.wrapped: list[torch.nn.Module] = []
+
+        def configure_model(self):
+            if fsdp:
+                ok.fsdp(self.net, mesh=self.device_mesh["data_parallel"], prefetch=1)
+
+        def training_step(self, batch, _batch_idx):
+            x, y = batch
+            return F.mse_loss(self(x), y)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def on_before_optimizer_step(self, _optimizer):
+            # Gradients here are what DDP/FSDP reduced (FSDP: this rank's shard, made full).
+            self.grads.append(
+                {
+                    n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                    for n, p in self.named_parameters()
+                }
+            )
+
+        def on_train_start(self):
+            # The DDP model ok.ddp built (Lightning unwraps it at teardown); kept in a list,
+            # since assigning a module to an attribute would make it a sub-module.
+            self.wrapped.append(self.trainer.strategy.model)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(5)
+    n = 2 * PER_RANK * STEPS
+    data = TensorDataset(torch.randn(n, WIDTH, generator=g), torch.randn(n, WIDTH, generator=g))
+    model = Net()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=PER_RANK))
+    params = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+    overlap = isinstance(strategy, OverlapDDPStrategy) or strategy == "overlapkit_ddp"
+    stats = ok.comm_stats(model.wrapped[0]) if overlap else None
+    return {
+        "grads": model.grads,
+        "params": params,
+        "records": len(stats.records) if stats else 0,
+        "buckets": len(stats.by_bucket()) if stats else 0,
+    }
+
+
+def _all_fits(rank: int, world_size: int) -> dict:
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from overlapkit.integrations.lightning import OverlapDDPStrategy
+
+    try:
+        OverlapDDPStrategy(ddp_comm_hook=lambda *a: None)
+        hook_error = None
+    except ValueError as e:
+        hook_error = str(e)
+    return {
+        "plain": _fit(DDPStrategy()),
+        # By name, as a user writes it after importing the integration.
+        "overlap": _fit("overlapkit_ddp"),
+        "bf16": _fit(OverlapDDPStrategy(compress="bf16", bucket_mb=0.02)),
+        "fsdp": _fit(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), True),
+        "hook_error": hook_error,
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    # Lightning seeds every rank the same and reads the environment run_on_ranks sets.
+    return run_on_ranks(_all_fits, 2, total_timeout_s=240, collective_timeout_s=60)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_overlapkit_ddp_strategy_matches_lightning_ddp(two_ranks):
+    for result in two_ranks:
+        plain, overlap = result["plain"], result["overlap"]
+        assert len(overlap["grads"]) == STEPS
+        for got, want in zip(overlap["grads"], plain["grads"], strict=True):
+            assert _max_diff(got, want) < 1e-6
+        assert _max_diff(overlap["params"], plain["params"]) < 1e-6
+        # ok.ddp's instrumented hook ran: at least one bucket record per step.
+        assert overlap["records"] >= STEPS
+    # Data parallel: both ranks hold the same parameters.
+    assert _max_diff(two_ranks[0]["overlap"]["params"], two_ranks[1]["overlap"]["params"]) == 0
+
+
+@pytest.mark.slow
+def test_bf16_compression_works_on_gloo_under_lightning(two_ranks):
+    for result in two_ranks:
+        bf16, plain = result["bf16"], result["plain"]
+        diff = _max_diff(bf16["params"], plain["params"])
+        assert 0 < diff < BF16_PARAM_TOL  # compressed (not bitwise fp32), yet close
+        assert bf16["buckets"] > 1  # bucket_mb=0.02 splits the 66 KB of gradients
+        # DDP reduces the first step in one bucket and rebuilds its buckets after it.
+        assert bf16["records"] == 1 + (STEPS - 1) * bf16["buckets"]
+
+
+@pytest.mark.slow
+def test_ok_fsdp_in_configure_model_matches_lightning_ddp(two_ranks):
+    for result in two_ranks:
+        assert _max_diff(result["fsdp"]["params"], result["plain"]["params"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_strategy_refuses_a_second_comm_hook(two_ranks):
+    message = two_ranks[0]["hook_error"]
+    assert message is not None and "ddp_comm_hook" in message
