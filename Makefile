@@ -1,21 +1,33 @@
 # Each target installs what it needs into .venv first, so a fresh clone needs only `make test`.
 PYTHON ?= python3
+# The CPU build that lies on this machine. `TORCH_SPEC=torch==2.10.0 make test` (any pip
+# requirement) builds and uses a venv of its own, .venv-torch-2.10.0, so .venv keeps its torch.
+ifeq ($(origin TORCH_SPEC),undefined)
+TORCH_SPEC := torch==2.13.0
 VENV := .venv
+else
+VENV := .venv-$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.' '-' | tr -s '-')
+endif
 PY := $(VENV)/bin/python
-# The CPU build that lies on this machine; set TORCH_SPEC to another requirement elsewhere.
-TORCH_SPEC ?= torch==2.13.0
+BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 
 .PHONY: install test test-fast fuzz demo bench lint clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# What `make demo` needs: the package and its dependencies, none of the extras.
+$(BASE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Keep a torch that is already installed; only a missing one is installed (never a CUDA build by accident).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,hta]"
-	touch $(STAMP)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+# `make test` adds the test tools, HTA and the frameworks of overlapkit.integrations.
+$(STAMP): $(BASE_STAMP)
+	$(PY) -m pip install --quiet -e ".[dev,hta,integrations]"
+	touch $@
 
 # Property tests draw the same examples on every run (tests/conftest.py, profile "ci")...
 test: $(STAMP)
@@ -30,7 +42,7 @@ FUZZ_TESTS := tests/test_fuzz_inputs.py tests/test_intervals.py tests/test_place
 fuzz: $(STAMP)
 	OVERLAPKIT_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q $(FUZZ_TESTS)
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(VENV)/bin/overlapkit-train recipe=demo
 
 # Benchmarks print side-by-side ratios measured in one run; JSON copies go to bench/results/.
