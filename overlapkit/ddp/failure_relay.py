@@ -24,9 +24,10 @@ from overlapkit.failures import CollectiveFailure, CollectiveSite
 class FailureRelay:
     """The first ``CollectiveFailure`` of a DDP step, raised once DDP has finished the step."""
 
-    __slots__ = ("_failure", "_lock", "_queued")
+    __slots__ = ("_claimed", "_failure", "_lock", "_queued")
 
     def __init__(self) -> None:
+        self._claimed = False
         self._failure: CollectiveFailure | None = None
         self._lock = threading.Lock()
         self._queued = False
@@ -44,17 +45,22 @@ class FailureRelay:
         engine.queue_callback(lambda: engine.queue_callback(self._raise_recorded))
 
     def record(self, site: CollectiveSite, error: BaseException) -> CollectiveFailure:
-        """Explain ``error`` (a failed future, any thread) and keep the step's first failure."""
+        """Explain ``error`` (a failed future, any thread) and keep the step's first failure.
+
+        The first bucket to fail is kept (claimed before the check-in's grace period): the
+        others fail because of it ("Application timeout caused pair closure").
+        """
+        with self._lock:
+            first, self._claimed = not self._claimed, True
         failure = site.explain(error)
         failure.__cause__ = error
-        with self._lock:
-            if self._failure is None:
-                self._failure = failure
+        if first:
+            self._failure = failure
         return failure
 
     def _raise_recorded(self) -> None:
         self._queued = False
-        with self._lock:
-            failure, self._failure = self._failure, None
+        with self._lock:  # DDP's final callback has waited for every bucket's future
+            failure, self._failure, self._claimed = self._failure, None, False
         if failure is not None:
             raise failure
