@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 
+def is_finite_number(value: Any) -> bool:
+    """Whether ``value`` is an int or float that a float holds: not a bool, NaN, an infinity, or
+    an int beyond ±1.8e308 (where ``float()`` raises OverflowError)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and -sys.float_info.max <= value <= sys.float_info.max
+    )
+
+
 def validate_bucket_mb(bucket_mb: float, *, caller: str) -> float:
-    """Check a bucket size in MiB: a positive number."""
+    """Check a bucket size in MiB: a positive finite number."""
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
         raise TypeError(f"{caller}: bucket_mb must be a number of MiB, got {bucket_mb!r}")
     if not bucket_mb > 0:
         raise ValueError(f"{caller}: bucket_mb must be > 0 MiB, got {bucket_mb!r}")
+    if not is_finite_number(bucket_mb):
+        raise ValueError(f"{caller}: bucket_mb must be a finite number of MiB, got {bucket_mb!r}")
     return float(bucket_mb)
 
 

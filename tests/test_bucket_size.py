@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -27,3 +29,6 @@ def test_an_explicit_size_wins_and_is_validated():
     assert resolve_bucket_mb(7, _fp32_params(32), caller="x") == 7.0
     with pytest.raises(TypeError, match="x: bucket_mb must be a number of MiB, got '4'"):
         resolve_bucket_mb("4", _fp32_params(32), caller="x")
+    for size in (math.inf, 10**400):
+        with pytest.raises(ValueError, match="x: bucket_mb must be a finite number of MiB"):
+            resolve_bucket_mb(size, _fp32_params(32), caller="x")

@@ -249,6 +249,10 @@ def test_bad_values_are_reported_by_their_key_before_launch(overrides, error, me
         ),
         (["launcher.rdzv_endpoint=localhost"], r"launcher.rdzv_endpoint must be HOST:PORT"),
         (["launcher.nproc_per_node=0"], r"launcher.nproc_per_node must be >= 1, got 0"),
+        (
+            ["launcher.collective_timeout_s=inf"],
+            r"launcher.collective_timeout_s must be a finite number > 0 s, got inf",
+        ),
     ],
 )
 def test_launcher_values_are_checked(overrides, message):

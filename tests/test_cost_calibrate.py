@@ -1,11 +1,14 @@
 """Calibration: the fit on exact synthetic data, the written topology, a real tiny run."""
 
+import math
+
 import pytest
 
 from overlapkit.planner import estimate
 from overlapkit.planner.calibrate import (
     Measurement,
     TierFit,
+    calibrate,
     calibrated_yaml,
     fit_ring_all_reduce,
     sample_quantile,
@@ -101,6 +104,12 @@ def test_sample_quantile_interpolates_and_half_is_the_median():
 def test_sample_quantile_outside_zero_one_names_the_value(quantile):
     with pytest.raises(ValueError, match=f"quantile must be in \\(0, 1\\), got {quantile}"):
         sample_quantile([1.0, 2.0], quantile)
+
+
+@pytest.mark.parametrize("budget_s", [math.inf, math.nan, 10**400, 0])
+def test_a_budget_that_is_not_a_finite_positive_number_is_refused_before_spawning(budget_s):
+    with pytest.raises(ValueError, match="--budget-s must be a finite number of seconds > 0"):
+        calibrate(budget_s=budget_s, output=None)
 
 
 def test_fit_from_min_bytes_ignores_a_small_message_regime():

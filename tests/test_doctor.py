@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -83,6 +84,8 @@ def test_options_name_the_offending_value():
         DoctorOptions(model="bert")
     with pytest.raises(ValueError, match="--bucket-mb must be > 0 MiB, got -1"):
         DoctorOptions(bucket_mb=-1.0)
+    with pytest.raises(ValueError, match="--bucket-mb must be a finite number of MiB, got inf"):
+        DoctorOptions(bucket_mb=math.inf)
 
 
 # ----------------------------------------------------------------------------- 1. topology

@@ -146,6 +146,10 @@ def _topology_or_error(text: str) -> Topology | None:
 
 
 @given(text=st.text(max_size=300))
+# Values PyYAML resolves to a type whose constructor then raises a bare ValueError (issue 17).
+@example(text="name: 2001-13-01\n")
+@example(text="name: !!int 0o99\n")
+@example(text="nodes: " + "9" * 5000 + "\n")
 def test_random_text_is_a_topology_or_an_error_naming_the_file(text):
     _topology_or_error(text)
 
@@ -174,6 +178,7 @@ INTEGER_KEYS = [
     key=st.sampled_from([*INTEGER_KEYS, "scale_out.oversubscription"]),
     number=st.one_of(st.integers(min_value=10**309, max_value=10**400), st.integers(max_value=-1)),
 )
+@example(key="scale_out.oversubscription", number=math.inf)  # was accepted (issue 17)
 def test_numbers_beyond_floats_or_negative_are_refused_naming_the_key(key, number):
     document = yaml.safe_load(PRESET)
     section, _, name = key.rpartition(".")
@@ -200,6 +205,8 @@ def test_a_preset_with_absurd_node_count_is_refused(nodes):
 def test_multi_node_preset_name_with_absurd_count_is_refused():
     with pytest.raises(ValueError, match=r"nodes: 99999999999 nodes x 8 devices_per_node"):
         load_topology("dgx-h100x99999999999")
+    with pytest.raises(ValueError, match=r"dgx-h100x<N>: N has 5000 digits; at most 262144 ranks"):
+        load_topology("dgx-h100x" + "9" * 5000)
 
 
 @given(depth=st.integers(min_value=50, max_value=20000), bracket=st.sampled_from(["[", "{a: "]))

@@ -41,7 +41,7 @@ from overlapkit.topology.detect import detect_topology, local_view
 from overlapkit.topology.loading import load_topology
 from overlapkit.topology.model import Topology
 from overlapkit.train.models import GPT, MLP, GPTConfig, MLPConfig
-from overlapkit.validation import check_int
+from overlapkit.validation import check_int, is_finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class DoctorOptions:
             raise ValueError(f"--model must be 'mlp' or 'gpt_tiny', got {self.model!r}")
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ValueError(f"--bucket-mb must be > 0 MiB, got {self.bucket_mb!r}")
+        if self.bucket_mb is not None and not is_finite_number(self.bucket_mb):
+            raise ValueError(f"--bucket-mb must be a finite number of MiB, got {self.bucket_mb!r}")
         if self.prefetch not in (None, 0, 1, 2):
             raise ValueError(f"--prefetch must be 0, 1 or 2, got {self.prefetch!r}")
 

@@ -39,6 +39,7 @@ from overlapkit.topology.detect import detect_topology
 from overlapkit.topology.loading import parse_topology_yaml
 from overlapkit.topology.model import DomainKind, FabricKind, Topology
 from overlapkit.topology.units import format_bytes, format_seconds
+from overlapkit.validation import is_finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,11 @@ def fit_ring_all_reduce(
     return a / (2 * (n - 1)) * 1e6, 2 * (n - 1) / n / b / 1e9
 
 
+def _check_budget(budget_s: float) -> None:
+    if not is_finite_number(budget_s) or not budget_s > 0:
+        raise ValueError(f"--budget-s must be a finite number of seconds > 0, got {budget_s!r}")
+
+
 def measure_all_reduce(
     sizes: Sequence[int],
     *,
@@ -187,6 +193,7 @@ def measure_all_reduce(
         list[Measurement]: one per size, identical on every rank.
     """
     sample_quantile([0.0], quantile)  # reject a bad quantile before any collective
+    _check_budget(budget_s)
     group = group or dist.group.WORLD
     n = dist.get_world_size(group)
     device = (
@@ -321,6 +328,7 @@ def calibrate(
         raise ValueError(f"--ranks must be >= 2 to measure a collective, got {ranks}")
     sizes = sizes_between(min_bytes, max_bytes)
     sample_quantile([0.0], quantile)
+    _check_budget(budget_s)  # here, before workers are spawned to find it
     if sum(size >= fit_min_bytes for size in sizes) < 2:
         raise ValueError(
             f"--fit-min-bytes {fit_min_bytes} leaves fewer than two of the measured sizes "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,11 @@ def load_topology(name_or_path: str | Path, *, fabric: str | None = None) -> Top
         presets = preset_names()
         match = _MULTI_NODE.match(text)
         if text not in presets and match and match["base"] in presets:
+            if len(match["count"]) > 18:  # int() of a long digit string is slow, or refused
+                raise ValueError(
+                    f"topology {match['base']}x<N>: N has {len(match['count'])} digits; at most "
+                    f"{MAX_RANKS} ranks are supported"
+                )
             multiplier = int(match["count"])
             if multiplier < 1:
                 raise ValueError(f"topology {text!r}: the node count after 'x' must be >= 1")
@@ -266,6 +272,10 @@ class _Reader:
             raise ValueError(f"{where}: not valid YAML: {problem}") from None
         except RecursionError:  # PyYAML composes nested collections recursively
             raise ValueError(f"{source}: nested too deeply for a topology file") from None
+        except ValueError as err:
+            # A scalar that resolves to a type whose constructor then refuses it: the date
+            # 2001-13-01, the octal 0o99, an integer past sys.get_int_max_str_digits().
+            raise ValueError(f"{source}: not valid YAML: a value cannot be read ({err})") from None
         if not isinstance(data, dict):
             raise ValueError(
                 f"{source}: a topology file must be a mapping of keys (name, "
@@ -404,6 +414,10 @@ def _real(minimum: float) -> Callable[[Any], float]:
             raise ValueError(f"expected a number, got {value!r}")
         if not value >= minimum:
             raise ValueError(f"must be >= {minimum:g}, got {value}")
+        if value == math.inf:
+            raise ValueError(f"must be a finite number, got {value}")
+        if value > sys.float_info.max:  # an int: YAML allows any number of digits
+            raise ValueError(f"must be a finite number, got an integer of {len(str(value))} digits")
         return float(value)
 
     return convert

@@ -36,7 +36,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from overlapkit.train.faults import install_kill_from_env
 from overlapkit.train.loop import RunPaths, resolve_device, train
-from overlapkit.validation import check_int
+from overlapkit.validation import check_int, is_finite_number
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +80,10 @@ class LauncherConfig:
         check_int("launcher.max_restarts", self.max_restarts, 0)
         if self.threads_per_rank is not None:
             check_int("launcher.threads_per_rank", self.threads_per_rank, 1)
-        if not self.collective_timeout_s > 0:
+        if not self.collective_timeout_s > 0 or not is_finite_number(self.collective_timeout_s):
             raise ValueError(
-                f"launcher.collective_timeout_s must be > 0 s, got {self.collective_timeout_s!r}"
+                "launcher.collective_timeout_s must be a finite number > 0 s, got "
+                f"{self.collective_timeout_s!r}"
             )
         if self.node_rank >= self.nnodes:
             raise ValueError(
