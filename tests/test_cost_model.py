@@ -9,9 +9,10 @@ from overlapkit.planner import estimate, group_shape
 from overlapkit.planner.cost import tree_network_volume
 from overlapkit.planner.libraries import NCCL
 from overlapkit.planner.nvls import (
-    TREE_INTRA_FACTOR,
+    TREE_WARP_FACTOR,
     nvlink_generation,
     nvls_allreduce_GBps,
+    nvls_tree_domain_GBps,
     rack_factor,
 )
 from overlapkit.topology import FabricKind, bare_link, load_topology
@@ -273,8 +274,16 @@ def test_nvls_tree_is_bound_by_the_nodes_nics_or_the_slower_in_node_switch_path(
     assert b200x2.algorithm == "switch"
     assert b200x2.algbw_GBps == pytest.approx(8 * NDR_NIC, rel=0.01)
     h100x2 = estimate("all_reduce", nbytes=2**33, topology=load_topology("dgx-h100x2"))
-    assert h100x2.algbw_GBps == pytest.approx(
-        18 * 20.6 * 0.85 * 8 / 9 * TREE_INTRA_FACTOR, rel=0.01
+    assert h100x2.algbw_GBps == pytest.approx(18 * 20.6 * 0.85 * 8 / 9 * TREE_WARP_FACTOR, rel=0.01)
+
+
+def test_blackwell_nvls_tree_makes_up_its_slower_channels_with_more_of_them():
+    # nvls.cc: 32 NVLS channels across nodes against 24 in one NVLink domain on SM100; Hopper
+    # runs 16 in both, so only Hopper's in-domain part drops to TREE_WARP_FACTOR.
+    b200, h100 = load_topology("hgx-b200").domains[0], load_topology("dgx-h100").domains[0]
+    assert nvls_tree_domain_GBps(b200, 8) == pytest.approx(nvls_allreduce_GBps(b200, 8))
+    assert nvls_tree_domain_GBps(h100, 8) == pytest.approx(
+        nvls_allreduce_GBps(h100, 8) * TREE_WARP_FACTOR
     )
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from overlapkit.cli import main
 from overlapkit.planner import estimate
-from overlapkit.planner.nvls import RACK_EXPONENT, TREE_INTRA_FACTOR
+from overlapkit.planner.nvls import RACK_EXPONENT, TREE_WARP_FACTOR
 from overlapkit.planner.published import (
     TOLERANCE,
     load_measurements,
@@ -39,14 +39,14 @@ def test_most_rows_are_held_out_and_each_fit_row_sets_one_constant():
 
 def test_fitted_constants_follow_from_their_rows():
     # RACK_EXPONENT: 72-GPU NVLS algbw 425.49 GB/s (the row's algbw column) against
-    # 721.8 x 0.74 x 72/73 at board scale; TREE_INTRA_FACTOR: 440.58 / (2 x 15/16) against
+    # 721.8 x 0.74 x 72/73 at board scale; TREE_WARP_FACTOR: 440.58 / (2 x 15/16) against
     # 8-GPU H100 NVLS 370.8 x 0.85 x 8/9.
     board = 18 * 40.1 * 0.74 * 72 / 73
     rack_exponent = math.log(425.49 / board) / math.log(8 / 72)
     assert abs(RACK_EXPONENT - rack_exponent) < 1e-3
     h100 = 18 * 20.6 * 0.85 * 8 / 9
     tree_intra_factor = 440.58 / (2 * 15 / 16) / h100
-    assert abs(TREE_INTRA_FACTOR - tree_intra_factor) < 1e-3
+    assert abs(TREE_WARP_FACTOR - tree_intra_factor) < 1e-3
 
 
 def test_every_row_quotes_a_public_source():

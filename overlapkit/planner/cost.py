@@ -54,9 +54,9 @@ from overlapkit.planner.libraries import (
     LibraryModel,
 )
 from overlapkit.planner.nvls import (
-    TREE_INTRA_FACTOR,
     nvls_allreduce_GBps,
     nvls_collective_GBps,
+    nvls_tree_domain_GBps,
 )
 from overlapkit.topology.model import (
     DomainKind,
@@ -156,6 +156,8 @@ class GroupShape:
     """NCCL NVLS all-reduce algbw in the slowest shared domain (None: no switch reduces)."""
     nvls_collective_GBps: float | None = None
     """NCCL NVLS reduce-scatter / all-gather link rate in the slowest shared domain."""
+    nvls_tree_GBps: float | None = None
+    """NCCL NVLS-tree's in-domain all-reduce algbw in the slowest shared domain."""
 
     @property
     def ring_GBps(self) -> float:
@@ -186,10 +188,11 @@ def group_shape(
             link_class=min((d for d, _ in shared), key=lambda d: d.achieved_GBps).link_class,
         )
     switch_reduces = all(d.in_network_reduction for d, _ in shared)
-    nvls = nvls_collective = None
+    nvls = nvls_collective = nvls_tree = None
     if shared and switch_reduces:
         nvls = min(nvls_allreduce_GBps(d, len(members)) for d, members in shared)
         nvls_collective = min(nvls_collective_GBps(d) for d, _ in shared)
+        nvls_tree = min(nvls_tree_domain_GBps(d, len(members)) for d, members in shared)
     inter_ring = inter_rank = None
     fabric = topology.fabric
     if len(by_domain) > 1:
@@ -212,6 +215,7 @@ def group_shape(
         fabric_reduces=fabric.in_network_reduction,
         nvls_GBps=nvls,
         nvls_collective_GBps=nvls_collective,
+        nvls_tree_GBps=nvls_tree,
     )
 
 
@@ -362,8 +366,8 @@ def _switch(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> f
         return _seconds(latency, volume, min(in_domain, g.inter_ring.GBps))
     # NVLS-tree: reduce in each domain's switch, a tree across domains over the network.
     latency += 2 * math.ceil(math.log2(k)) * _step_us(g.inter_ring, lib, RING, SIMPLE)
-    if nccl:
-        in_domain *= TREE_INTRA_FACTOR
+    if nccl and g.nvls_tree_GBps is not None:
+        in_domain = g.nvls_tree_GBps
     inter = g.inter_ring.GBps / tree_network_volume(k)
     return _seconds(latency, S, min(in_domain, inter))
 

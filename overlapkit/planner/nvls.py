@@ -19,9 +19,13 @@ shard): ``(n+1)/n x S`` through the GPU's links, so
   GPUs, 4 GiB: 839.16 GB/s busbw, ``tests/data/published_busbw.tsv`` row ``gb200-nvl72-72-4g``).
 - Across domains (NVLS-tree: reduce in each domain's switch, a tree between domains over the
   NICs), NCCL gives the switch part fewer warps per channel (``all_reduce.h``: 3 reduce + 2
-  broadcast warps when there is a network peer, 5 reduce warps inside one node), so the in-domain
-  part runs slower: ``TREE_INTRA_FACTOR`` is **fitted** to one published measurement (2 x 8 H100
-  over InfiniBand, 8 GiB: 440.58 GB/s busbw, row ``dgx-h100x2-16-8g``).
+  broadcast warps when there is a network peer, 5 reduce warps inside one node), so each channel
+  moves less: ``TREE_WARP_FACTOR`` is **fitted** to one published measurement (2 x 8 H100 over
+  InfiniBand, 8 GiB: 440.58 GB/s busbw, row ``dgx-h100x2-16-8g``), where the channel count is
+  the same in both cases. Blackwell runs more NVLS channels across nodes than inside one NVLink
+  domain (``src/transport/nvls.cc``: ``NVLS_NCHANNELS_SM100`` 32 vs ``NVLS_NCHANNELS_SM100_NVL``
+  24; Hopper ``NVLS_NCHANNELS_SM90`` 16 in both), which makes up for it; the in-domain part
+  never exceeds what one domain's NVLS achieves.
 
 NVLink generation comes from the per-link rate: NVLink 4 (Hopper, 3rd-generation NVSwitch, the
 first with NVLS) carries 25 GB/s per link and direction, NVLink 5 (Blackwell) 50 GB/s.
@@ -38,9 +42,12 @@ BOARD_GPUS = 8
 RACK_EXPONENT = 0.0972
 """Fitted: rack_factor(n) = (8/n) ** RACK_EXPONENT for n > 8; 0.8077 at n = 72 makes the
 GB200 NVL72 72-GPU prediction equal 839.16 GB/s (CoreWeave nccl-tests README, NCCL 2.26.2)."""
-TREE_INTRA_FACTOR = 0.8387
-"""Fitted: the in-domain part of NVLS-tree runs at this fraction of single-domain NVLS; makes
+TREE_WARP_FACTOR = 0.8387
+"""Fitted: an NVLS-tree channel's in-domain rate over a one-domain NVLS channel's; makes
 2 x 8 H100 (NDR InfiniBand) equal 440.58 GB/s (coreweave/nccl-tests PR #92, 8 GiB)."""
+NVLS_CHANNELS = {4: (16, 16), 5: (24, 32)}
+"""NVLS channels (one NVLink domain, several nodes) by NVLink generation: nvls.cc
+``NVLS_NCHANNELS_SM90`` 16; ``NVLS_NCHANNELS_SM100_NVL`` 24, ``NVLS_NCHANNELS_SM100`` 32."""
 _NVLINK5_MIN_LINK_GBPS = 40.0
 """Per-link rates from here up are NVLink 5 (50 GB/s per direction); below, NVLink 4 (25)."""
 
@@ -65,6 +72,16 @@ def nvls_allreduce_GBps(domain: ScaleUpDomain, ranks: int) -> float:
     """
     efficiency = NVLS_EFFICIENCY[nvlink_generation(domain)]
     return domain.achieved_GBps * efficiency * ranks / (ranks + 1) * rack_factor(ranks)
+
+
+def nvls_tree_domain_GBps(domain: ScaleUpDomain, ranks: int) -> float:
+    """The in-domain part of NCCL's NVLS-tree all-reduce: algbw of ``ranks`` GPUs (GB/s per GPU).
+
+    Fewer warps per channel (``TREE_WARP_FACTOR``) times the channel ratio across nodes,
+    never above one domain's NVLS.
+    """
+    one_domain, several = NVLS_CHANNELS[nvlink_generation(domain)]
+    return nvls_allreduce_GBps(domain, ranks) * min(1.0, TREE_WARP_FACTOR * several / one_domain)
 
 
 def nvls_collective_GBps(domain: ScaleUpDomain) -> float:
