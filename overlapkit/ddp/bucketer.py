@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
@@ -222,6 +223,64 @@ class GradBucketer:
     def bucket_parameter_names(self) -> list[list[str]]:
         """The parameter names in each bucket, in launch order."""
         return [[self._names[i] for i in b.indices] for b in self._buckets]
+
+    def state_dict(self) -> dict[str, object]:
+        """The bucket layout, to save with a checkpoint (plain values only).
+
+        The buckets are rebuilt once, after the first step, in the order rank 0 saw gradients
+        become ready; a new bucketer starts from reverse registration order. The ring
+        all-reduce's summation order follows the flat layout, so a resumed run needs the
+        layout back to reduce bit for bit as the uninterrupted run does.
+
+        Returns:
+            dict: ``"parameters"``: parameter names in layout order (bucket after bucket);
+            ``"bucket_mb"``: the bucket size in MiB; ``"ready_order_adopted"``: whether the
+            rebuild in rank 0's ready order has happened (if not, it happens after the next
+            step).
+        """
+        return {
+            "parameters": [self._names[i] for bucket in self._buckets for i in bucket.indices],
+            "bucket_mb": self.bucket_mb,
+            "ready_order_adopted": self._ready_order is None,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Rebuild the buckets in a layout from ``state_dict()``; between steps, on every rank.
+
+        With ``bucket_mb="auto"`` the tuner still starts over, and may change the size again.
+
+        Raises:
+            RuntimeError: called between a backward and ``wait()``.
+            ValueError: the layout names other parameters than this bucketer reduces, or
+                ``bucket_mb`` is not a positive number.
+        """
+        if self._in_step:
+            raise RuntimeError(
+                "ok.GradBucketer.load_state_dict() was called between a backward and wait(); "
+                "load the layout before training, or after wait()"
+            )
+        names = list(state["parameters"])
+        bucket_mb = state["bucket_mb"]
+        if sorted(names) != sorted(self._names):
+            extra = sorted(set(names) - set(self._names))
+            absent = sorted(set(self._names) - set(names))
+            raise ValueError(
+                "ok.GradBucketer.load_state_dict: the saved layout is of another model: it names "
+                f"{extra} that this bucketer does not reduce and lacks {absent} "
+                f"({len(names)} saved names, {len(self._names)} here)"
+            )
+        if (
+            isinstance(bucket_mb, bool)
+            or not isinstance(bucket_mb, int | float)
+            or not 0 < bucket_mb < math.inf
+        ):
+            raise ValueError(
+                f"ok.GradBucketer.load_state_dict: bucket_mb must be > 0, got {bucket_mb!r}"
+            )
+        self.bucket_mb = float(bucket_mb)
+        self._ready_order = None if state["ready_order_adopted"] else []
+        index = {name: i for i, name in enumerate(self._names)}
+        self._rebuild_keeping_grads([index[name] for name in names])
 
     def _build(self, order: list[int]) -> None:
         # DDP's rule: a bucket takes parameters until it holds at least ``bucket_mb`` (so a bias

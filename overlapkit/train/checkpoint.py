@@ -8,10 +8,12 @@ saving leaves only a ``.tmp`` directory, which is never loaded and is removed by
 
 The saved state: the model and optimizer (``get_state_dict``, so DDP, the bucketer's plain
 module and FSDP2's sharded parameters all save the same fully qualified names and reshard on
-load), the LR scheduler, the step and data position, and each rank's RNG state (under its own
-key, ``rng_rank<R>``; a resumed job with other ranks keeps its fresh RNG for those): the CPU
-generator, and the CUDA generator of the model's device when the model is on a GPU. A GPU
-checkpoint resumes on a GPU run and a CPU one on a CPU run; across the two, loading refuses.
+load), the LR scheduler, the step and data position, each ``GradBucketer``'s bucket layout
+(``bucketers.<i>``: its all-reduces sum in an order that follows it), and each rank's RNG state
+(under its own key, ``rng_rank<R>``; a resumed job with other ranks keeps its fresh RNG for
+those): the CPU generator, and the CUDA generator of the model's device when the model is on a
+GPU. A GPU checkpoint resumes on a GPU run and a CPU one on a CPU run; across the two, loading
+refuses.
 
 A checkpoint directory is untrusted input (it may come from someone else's run), and DCP
 unpickles it: its ``.metadata`` with plain ``pickle`` and every non-tensor value with
@@ -28,9 +30,10 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from overlapkit.train.data import BatchStream
+
+if TYPE_CHECKING:
+    from overlapkit.ddp import GradBucketer
 
 logger = logging.getLogger(__name__)
 
@@ -226,17 +232,22 @@ class TrainingState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     stream: BatchStream
     rank: int
+    bucketers: Sequence[GradBucketer] = ()
+    """The run's bucketers (``Parallelized.bucketers``), whose layouts are saved and restored."""
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The state at ``step`` in DCP's form (nested dicts of tensors and plain values)."""
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {
+        state = {
             "model": model_state,
             "optim": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "progress": {"step": step, "data": self.stream.state_dict()},
             _rng_key(self.rank): _rng_state(_cuda_device(self.model)),
         }
+        if self.bucketers:
+            state["bucketers"] = {str(i): b.state_dict() for i, b in enumerate(self.bucketers)}
+        return state
 
     def save(self, root: str | Path, step: int, *, keep: int) -> Path:
         """Save the state at ``step`` under ``root`` atomically; a collective of all ranks.
@@ -295,6 +306,13 @@ class TrainingState:
                 self.rank,
             )
             del state[rng_key]
+        if self.bucketers and not any(key.startswith("bucketers.") for key in saved_keys):
+            logger.warning(
+                "checkpoint %s has no bucket layout (saved without a GradBucketer); the "
+                "bucketers rebuild theirs after the first step",
+                path,
+            )
+            del state["bucketers"]
         try:
             dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
         except CheckpointException as err:  # a BaseException: surface our refusal as itself
@@ -310,6 +328,8 @@ class TrainingState:
         )
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state_dict(state["progress"]["data"])
+        for i, bucketer in enumerate(self.bucketers if "bucketers" in state else ()):
+            bucketer.load_state_dict(state["bucketers"][str(i)])
         if rng_key in state:
             torch.set_rng_state(state[rng_key]["cpu"])
             if "cuda" in state[rng_key]:
