@@ -6,41 +6,71 @@ The public surface (see DESIGN.md)::
     model = ok.ddp(model, bucket_mb=25, compress=None)
     bucketer = ok.GradBucketer(model, bucket_mb=25)
     ok.comm_stats(model)
+
+Every name is imported on first use (PEP 562 module ``__getattr__``), so ``import overlapkit``
+costs milliseconds and ``overlapkit topo`` never loads DTensor, FSDP or the profiler. Two names
+are also sub-packages (``ok.ddp`` and ``ok.fsdp``): when Python imports the sub-package
+``overlapkit.ddp`` it would bind the attribute ``overlapkit.ddp`` to the module; the module
+class below keeps the function there instead, as the eager ``from ... import ddp`` used to.
 """
 
-from overlapkit.consistency import ConfigMismatch
-from overlapkit.ddp import BucketCommRecord, CommStats, GradBucketer, comm_stats, ddp
-from overlapkit.failures import CollectiveFailure
-from overlapkit.finite import NonFiniteGradients
-from overlapkit.fsdp import fsdp, fsdp_stats
-from overlapkit.planner import Estimate, Placement, estimate, plan
-from overlapkit.profiling import profile
-from overlapkit.topology import Topology, detect_topology, load_topology
-from overlapkit.tuning import Trial, TuningReport, tuning_report
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BucketCommRecord",
-    "CollectiveFailure",
-    "CommStats",
-    "ConfigMismatch",
-    "Estimate",
-    "GradBucketer",
-    "NonFiniteGradients",
-    "Placement",
-    "Topology",
-    "Trial",
-    "TuningReport",
-    "__version__",
-    "comm_stats",
-    "ddp",
-    "detect_topology",
-    "estimate",
-    "fsdp",
-    "fsdp_stats",
-    "load_topology",
-    "plan",
-    "profile",
-    "tuning_report",
-]
+# Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "ConfigMismatch": "overlapkit.consistency",
+    "BucketCommRecord": "overlapkit.ddp",
+    "CommStats": "overlapkit.ddp",
+    "GradBucketer": "overlapkit.ddp",
+    "comm_stats": "overlapkit.ddp",
+    "ddp": "overlapkit.ddp",
+    "CollectiveFailure": "overlapkit.failures",
+    "NonFiniteGradients": "overlapkit.finite",
+    "fsdp": "overlapkit.fsdp",
+    "fsdp_stats": "overlapkit.fsdp",
+    "Estimate": "overlapkit.planner",
+    "Placement": "overlapkit.planner",
+    "estimate": "overlapkit.planner",
+    "plan": "overlapkit.planner",
+    "profile": "overlapkit.profiling",
+    "Topology": "overlapkit.topology",
+    "detect_topology": "overlapkit.topology",
+    "load_topology": "overlapkit.topology",
+    "Trial": "overlapkit.tuning",
+    "TuningReport": "overlapkit.tuning",
+    "tuning_report": "overlapkit.tuning",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+class _PublicAPI(types.ModuleType):
+    """The ``overlapkit`` module: public names load on first access and are then cached."""
+
+    def __getattr__(self, name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'overlapkit' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        super().__setattr__(name, value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The import system binds a sub-package that shares a public name (overlapkit.ddp,
+        # overlapkit.fsdp) here; the public function keeps the name.
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *_EXPORTS})
+
+
+sys.modules[__name__].__class__ = _PublicAPI

@@ -11,28 +11,46 @@ import argparse
 import importlib
 import sys
 
-# Imported lazily so that ``overlapkit topo`` does not pay for matplotlib or the profiler.
-COMMAND_MODULES = (
-    "overlapkit.topology.cli",
-    "overlapkit.planner.cli",
-    "overlapkit.profiling.cli",
-    "overlapkit.doctor.cli",
-)
+# Sub-command -> the module that defines it (``register``). Only the module of the command
+# given is imported, so ``overlapkit --help`` imports no torch and ``overlapkit topo`` does
+# not pay for matplotlib, DTensor or the profiler.
+COMMANDS = {
+    "topo": "overlapkit.topology.cli",
+    "plan": "overlapkit.planner.cli",
+    "estimate": "overlapkit.planner.cli",
+    "calibrate": "overlapkit.planner.cli",
+    "report": "overlapkit.profiling.cli",
+    "doctor": "overlapkit.doctor.cli",
+}
+COMMAND_MODULES = tuple(dict.fromkeys(COMMANDS.values()))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``overlapkit`` parser; with a known ``command``, only that command's module is loaded.
+
+    Without one, every command is listed by name (``overlapkit COMMAND --help`` shows its
+    options) and no command module is imported.
+    """
     parser = argparse.ArgumentParser(
         prog="overlapkit",
         description="Topology, placement, cost model and overlap reports for distributed training.",
+        epilog="Run 'overlapkit COMMAND --help' for a command's options.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help=", ".join(COMMANDS)
+    )
+    if command in COMMANDS:
+        importlib.import_module(COMMANDS[command]).register(subparsers)
+    else:
+        for name in COMMANDS:
+            subparsers.add_parser(name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as err:
