@@ -1,22 +1,26 @@
 """What NCCL's in-switch reduction (NVLS, NVLink SHARP) achieves per GPU, in GB/s of algbw.
 
-NVLS is bounded by the NVSwitch data path, not by the link rate alone. Its all-reduce inside one
+NVLS is bounded by the NVSwitch data path, not by the link rate alone (NCCL sources read at
+NVIDIA/nccl 5067397c). Its all-reduce inside one
 NVLink domain (NCCL ``src/device/all_reduce.h``, ``RunWorkColl<..., NCCL_ALGO_NVLS, ...>`` with
 ``oneNode``) runs in three steps per channel: every rank scatters its input into its own
 multicast-bound buffer, each head rank pulls its 1/n shard through the switch with
 ``multimem.ld_reduce`` (the switch reads that shard from all n GPUs, the head's own included, and
 returns the sum), then stores the sum with ``multimem.st`` (the switch writes it to all n GPUs).
-Per GPU and direction that is ``S`` (its shards read by n heads) plus ``S/n`` (its own reduced
-shard): ``(n+1)/n x S`` through the GPU's links, so
+The scatter and the final gather are copies within the GPU's own memory (``src/transport/nvls.cc``
+binds the buffers as "Reduce UC -> MC" and "Broadcast MC -> UC"), so per GPU and direction the
+links carry ``S`` (its shards read by the n heads) plus ``S/n`` (its own reduced shard):
+``(n+1)/n x S``, and
 
     algbw = achieved NVLink x nvls_efficiency x n / (n+1) x rack_factor(n)
 
 - ``nvls_efficiency``: NCCL ``src/graph/tuning.cc`` ``nvlsEfficiency`` (Hopper 0.85, Blackwell
   0.74) -- the fraction of the link the switch's reduction path sustains, per NVSwitch generation.
-- ``rack_factor``: 1 up to the 8 GPUs of an HGX board (where ``nvlsEfficiency`` is tuned); beyond
-  that, in a rack-scale (multi-node NVLink, MNNVL) domain, busbw stops growing with n. NCCL has no
-  constant for this; ``RACK_EXPONENT`` is **fitted** to one published measurement (GB200 NVL72, 72
-  GPUs, 4 GiB: 839.16 GB/s busbw, ``tests/data/published_busbw.tsv`` row ``gb200-nvl72-72-4g``).
+- ``rack_factor``: 1 up to the 8 GPUs of an HGX board (where the formula meets measured H100,
+  H200, H800 and B200 nodes within 3 %); beyond that, in a rack-scale (multi-node NVLink, MNNVL)
+  domain, busbw stops growing with n. NCCL has no constant for this; ``RACK_EXPONENT`` is
+  **fitted** to one published measurement (GB200 NVL72, 72 GPUs, 4 GiB: 839.16 GB/s busbw,
+  ``planner/data/published_busbw.tsv`` row ``gb200-nvl72-72-4g``).
 - Across domains (NVLS-tree: reduce in each domain's switch, a tree between domains over the
   NICs), NCCL gives the switch part fewer warps per channel (``all_reduce.h``: 3 reduce + 2
   broadcast warps when there is a network peer, 5 reduce warps inside one node), so each channel
