@@ -1,0 +1,59 @@
+"""``import overlapkit`` loads nothing heavy; every public name still resolves to its object."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import overlapkit as ok
+
+
+def _fresh_python(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout.strip()
+
+
+def test_import_overlapkit_imports_no_torch():
+    assert _fresh_python("import sys, overlapkit; print('torch' in sys.modules)") == "False"
+
+
+def test_cli_help_imports_no_command_module():
+    code = (
+        "import sys, contextlib, io, overlapkit.cli as c\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    c.main(['--help'])\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch', 'overlapkit.'))))"
+    )
+    assert _fresh_python(code) == "['overlapkit.cli']"
+
+
+def test_every_public_name_resolves():
+    for name in ok.__all__:
+        assert getattr(ok, name) is not None, name
+    from overlapkit.ddp.wrap import ddp
+    from overlapkit.fsdp.wrap import fsdp
+
+    assert ok.ddp is ddp and ok.fsdp is fsdp
+
+
+def test_ddp_and_fsdp_stay_functions_after_their_subpackages_load():
+    # Importing overlapkit.ddp.* binds the sub-package to overlapkit.ddp unless prevented.
+    code = (
+        "import types, overlapkit as ok\n"
+        "import overlapkit.ddp.compile_guard, overlapkit.fsdp.mesh\n"
+        "print(isinstance(ok.ddp, types.FunctionType), isinstance(ok.fsdp, types.FunctionType))"
+    )
+    assert _fresh_python(code) == "True True"
+    assert isinstance(ok.ddp, types.FunctionType)
+
+
+def test_unknown_name_raises_attribute_error():
+    try:
+        ok.no_such_name  # noqa: B018
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("ok.no_such_name did not raise AttributeError")
