@@ -1,5 +1,6 @@
 """The cost model against published nccl-tests bus bandwidths (planner/data/published_busbw.tsv)."""
 
+import dataclasses
 import json
 import math
 
@@ -72,7 +73,15 @@ def test_overrides_describe_hardware_the_preset_lacks():
     assert predict(nvl4).algorithm == "ring"
 
 
-def test_nvls_stops_winning_below_about_a_mebibyte_on_one_h100_node():
+def test_overrides_that_do_not_fit_the_preset_are_named():
+    h800 = next(m for m in load_measurements() if m.id == "h800-8-nvls-1374")
+    with pytest.raises(ValueError, match="override 'scale_up.linkz' is not a preset key"):
+        topology_for(dataclasses.replace(h800, overrides=(("scale_up.linkz", 8),)))
+    with pytest.raises(ValueError, match="give the node count as nodes=N"):
+        topology_for(dataclasses.replace(h800, topology="dgx-h100x2"))
+
+
+def test_nvls_stops_winning_below_half_a_mebibyte_on_one_h100_node():
     topo = load_topology("dgx-h100")
     assert estimate("all_reduce", nbytes=64 * 2**10, topology=topo).algorithm != "switch"
     assert estimate("all_reduce", nbytes=4 * 2**20, topology=topo).algorithm == "switch"

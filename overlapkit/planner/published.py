@@ -157,30 +157,35 @@ def _overrides(text: str) -> tuple[tuple[str, object], ...]:
 
 
 def topology_for(measurement: Measurement) -> Topology:
-    """The measured system: its preset, with the row's YAML overrides applied."""
+    """The measured system: its preset, with the row's YAML overrides applied.
+
+    Raises:
+        ValueError: overrides on a ``<preset>x<N>`` form (give ``nodes=`` instead) or on a key
+            the preset does not have.
+    """
     if not measurement.overrides:
         return load_topology(measurement.topology)
-    preset, multiplier = _split_multi_node(measurement.topology)
-    document = yaml.safe_load((PRESET_DIR / f"{preset}.yaml").read_text(encoding="utf-8"))
+    path = PRESET_DIR / f"{measurement.topology}.yaml"
+    if not path.is_file():
+        raise ValueError(
+            f"row {measurement.id!r}: overrides apply to a preset name, not "
+            f"{measurement.topology!r}; give the node count as nodes=N"
+        )
+    document = yaml.safe_load(path.read_text(encoding="utf-8"))
     for key, value in measurement.overrides:
         *sections, leaf = key.split(".")
         node = document
         for section in sections:
-            node = node[section]
+            node = node.get(section) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            raise ValueError(f"row {measurement.id!r}: override {key!r} is not a preset key")
         node[leaf] = value
+    described = ", ".join(f"{key}={value}" for key, value in measurement.overrides)
     return parse_topology_yaml(
         yaml.safe_dump(document, sort_keys=False),
         source=f"{measurement.topology} with {measurement.id}'s overrides",
-        node_multiplier=multiplier,
-        name=f"{measurement.topology}*",
+        name=f"{measurement.topology} ({described})",
     )
-
-
-def _split_multi_node(spec: str) -> tuple[str, int]:
-    preset, sep, count = spec.rpartition("x")
-    if sep and count.isdigit() and (PRESET_DIR / f"{preset}.yaml").is_file():
-        return preset, int(count)
-    return spec, 1
 
 
 def predict(measurement: Measurement) -> Estimate:
