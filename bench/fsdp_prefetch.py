@@ -61,6 +61,7 @@ from torch import nn
 import overlapkit as ok
 from overlapkit.fsdp.prefetch import set_explicit_prefetch
 from overlapkit.local_ranks import run_on_ranks
+from overlapkit.process_group import all_gather_single, reduce_scatter_single
 
 BASELINE = "fsdp2_default"
 CASES = (
@@ -129,11 +130,9 @@ def _collective_ms(numel: int, world_size: int, repeats: int = 12) -> dict[str, 
     full, shard = torch.randn(numel), torch.empty(numel // world_size)
     received = torch.empty(numel)
     calls = {
-        "reduce_scatter_single": lambda: dist.reduce_scatter_single(
-            shard, full, op=dist.ReduceOp.AVG
-        ),
+        "reduce_scatter_single": lambda: reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG),
         "all_to_all_single": lambda: dist.all_to_all_single(received, full),
-        "all_gather_single": lambda: dist.all_gather_single(full, shard),
+        "all_gather_single": lambda: all_gather_single(full, shard, group=None),
     }
     medians = {}
     for name, call in calls.items():

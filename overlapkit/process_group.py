@@ -53,6 +53,23 @@ def all_gather_single(
     return gather(output, input, group=group, async_op=async_op)
 
 
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Reduce ``input`` over ``group`` and keep this rank's slice of the result in ``output``.
+
+    ``dist.reduce_scatter_single`` where torch has it (2.13 does, 2.11 does not),
+    ``dist.reduce_scatter_tensor`` before that (same arguments); looked up per call.
+    """
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, group=group, op=op, async_op=async_op)
+
+
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
     """The collective timeout of ``group`` (the default group when None).
 

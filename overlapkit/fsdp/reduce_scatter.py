@@ -34,10 +34,10 @@ from torch.distributed.tensor import DTensor
 
 from overlapkit.failures import FailureScope
 from overlapkit.fsdp.comms import Alloc
+from overlapkit.process_group import reduce_scatter_single as _reduce_scatter
 
 logger = logging.getLogger(__name__)
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 Finish = Callable[[], None]
 
 
