@@ -256,6 +256,66 @@ def _refusals(rank, world_size):
     return found
 
 
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("overlapkit.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+TRAIN_SMALL = [
+    "model=mlp",
+    "model.config.width=32",
+    "model.config.n_layer=3",
+    "train.batch_size=8",
+    "train.grad_accum=2",
+    "train.steps=4",
+    "train.clip_grad_norm=null",
+    "optim.optimizer.lr=1e-2",
+    "optim.scheduler.warmup_steps=1",
+]
+
+
+def _train_loop(rank, world_size):
+    """overlapkit-train's step (``_train_step``) with parallel=bucketer and =bucketer_overlap."""
+    from hydra.utils import instantiate
+
+    from overlapkit.train.data import BatchStream
+    from overlapkit.train.loop import _train_step
+    from overlapkit.train.mesh import split_parallel
+    from overlapkit.train.parallel import apply_parallel, check_run_optimizer
+
+    out = {}
+    for option in ("bucketer", "bucketer_overlap"):
+        cfg = _compose(f"parallel={option}", *TRAIN_SMALL)
+        train_cfg = instantiate(cfg.train)
+        torch.manual_seed(0)
+        model = instantiate(cfg.model)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+        source = instantiate(cfg.data)
+        plan, factory = split_parallel(cfg.parallel)
+        check_run_optimizer(factory, clip_grad_norm=train_cfg.clip_grad_norm, plan=plan)
+        make_optimizer = instantiate(cfg.optim.optimizer)
+        par = apply_parallel(model, instantiate(factory), make_optimizer=make_optimizer)
+        optimizer = par.optimizer or make_optimizer(par.model.parameters())
+        scheduler = instantiate(cfg.optim.scheduler)(optimizer, total_steps=train_cfg.steps)
+        stream = BatchStream(source, rank=rank, batch_size=train_cfg.batch_size)
+        losses = []
+        for _ in range(train_cfg.steps):
+            losses.append(
+                _train_step(par, optimizer, stream, source, train_cfg, torch.device("cpu"))[0]
+            )
+            scheduler.step()
+        par.settle()
+        out[option] = {
+            "losses": losses,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "description": par.description,
+            "initial": initial,
+        }
+    return out
+
+
 def _all_scenarios(rank, world_size, root):
     out = {"bitwise": {}, "accumulation": {}}
     for opt_name in OPTIMIZERS:
@@ -267,6 +327,7 @@ def _all_scenarios(rank, world_size, root):
         out["accumulation"][mode] = _accumulation_and_unused(rank, world_size, mode)
     out["event_order"] = _event_order(rank, world_size)
     out["refusals"] = _refusals(rank, world_size)
+    out["train_loop"] = _train_loop(rank, world_size)
     return out
 
 
@@ -420,3 +481,26 @@ def test_dead_rank_raises_collective_failure_naming_the_bucket():
         r"rank\(s\) \[1\] of the group \[0, 1\] never checked in",
         report["message"],
     ), report["message"]
+
+
+@pytest.mark.slow
+def test_train_option_bucketer_overlap_follows_parallel_bucketer_bitwise(scenarios):
+    for result in scenarios:
+        sync, overlap = result["train_loop"]["bucketer"], result["train_loop"]["bucketer_overlap"]
+        assert "per-bucket optimizer updates" in overlap["description"]
+        assert overlap["losses"] == sync["losses"]
+        for name, before in overlap["initial"].items():  # every parameter was updated
+            assert not torch.equal(overlap["params"][name], before), name
+        _assert_bitwise(overlap["params"], sync["params"], "params")
+
+
+def test_train_refuses_bucketer_overlap_with_clip_grad_norm_naming_the_key():
+    from hydra.utils import instantiate
+
+    from overlapkit.train.cli import check_job
+
+    cfg = _compose("parallel=bucketer_overlap")
+    with pytest.raises(
+        ValueError, match=r"train\.clip_grad_norm=1\.0 cannot be used with per-bucket"
+    ):
+        check_job(cfg, instantiate(cfg.launcher))

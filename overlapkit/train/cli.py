@@ -38,6 +38,7 @@ from overlapkit.train.data import check_compatible
 from overlapkit.train.launch import LauncherConfig, launch
 from overlapkit.train.loop import RunPaths
 from overlapkit.train.mesh import check_plan, split_parallel
+from overlapkit.train.parallel import check_run_optimizer
 from overlapkit.train.slurm import task_index
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
     check_plan(
         plan, world_size=world_size, model_config=model_config, target=factory.get("_target_")
     )
+    check_run_optimizer(factory, clip_grad_norm=cfg.train.clip_grad_norm, plan=plan)
     topology = cfg.get("topology")
     if topology is None and not plan.trivial:
         raise ValueError(

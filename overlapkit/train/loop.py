@@ -30,7 +30,12 @@ from overlapkit.train.data import BatchStream, DataSource, check_compatible
 from overlapkit.train.mesh import Layout, build_layout, split_parallel
 from overlapkit.train.models.moe import MoE
 from overlapkit.train.monitor import Monitor, RunSummary, scaling_efficiency
-from overlapkit.train.parallel import Parallelized, apply_parallel, clip_grad_norm
+from overlapkit.train.parallel import (
+    Parallelized,
+    apply_parallel,
+    check_run_optimizer,
+    clip_grad_norm,
+)
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -209,6 +214,8 @@ def _train_step(
             loss.backward()
         loss_sum += loss.detach()
     par.finish_backward()
+    if par.optimizer is not None:  # the wrapper applies the optimizer per bucket itself
+        return loss_sum.item(), None
     grad_norm = _grad_norm(par, cfg.clip_grad_norm)
     optimizer.step()
     return loss_sum.item(), grad_norm
@@ -282,8 +289,10 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     topology = _topology(job, world_size, rank, paths)
     plan, factory = split_parallel(job.parallel)
     layout = build_layout(plan, topology, device)
-    par = apply_parallel(model, instantiate(factory), layout)
-    optimizer = instantiate(job.optim.optimizer)(par.model.parameters())
+    check_run_optimizer(factory, clip_grad_norm=cfg.clip_grad_norm, plan=plan)
+    make_optimizer = instantiate(job.optim.optimizer)
+    par = apply_parallel(model, instantiate(factory), layout, make_optimizer=make_optimizer)
+    optimizer = par.optimizer or make_optimizer(par.model.parameters())
     scheduler = instantiate(job.optim.scheduler)(optimizer, total_steps=cfg.steps)
     # Ranks of one tensor-parallel group read the same batches.
     data_index, data_shards = layout.data_shard(rank, world_size)
@@ -351,6 +360,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
             every = cfg.checkpoint_every
             if every and (step % every == 0 or step == end_step):
                 checkpoint = state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
+        par.settle()
         seconds = time.perf_counter() - started
     dist.barrier()  # every rank's traces are written before rank 0 reads them
     dispatch = _gather_dispatch(par, world_size)

@@ -23,9 +23,10 @@ Two layouts are prepared here before the factory runs:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -42,6 +43,9 @@ from overlapkit.train.mesh import Layout, PlanConfig
 from overlapkit.train.models.moe import MoE, shard_experts
 
 logger = logging.getLogger(__name__)
+
+RUN_OPTIMIZER = "optim"
+"""``parallel.optimizer: optim``: the factory gets the run's optimizer (bucketer_overlap)."""
 
 
 def _nothing() -> None:
@@ -61,6 +65,11 @@ class Parallelized:
     zero_grad_to_none: bool
     """Whether ``optimizer.zero_grad`` may free gradients (the bucketer keeps them as views)."""
     description: str
+    optimizer: torch.optim.Optimizer | None = None
+    """The optimizer that ``finish_backward`` steps itself (per-bucket updates); the loop then
+    neither clips nor calls ``optimizer.step()``. None: the loop does both."""
+    settle: Callable[[], None] = _nothing
+    """Makes every parameter final (applies pending per-bucket updates)."""
 
 
 @contextlib.contextmanager
@@ -72,8 +81,43 @@ def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
+def check_run_optimizer(
+    factory_cfg: Mapping[str, object], *, clip_grad_norm: float | None, plan: PlanConfig
+) -> None:
+    """Refuse what per-bucket updates (``parallel.optimizer: optim``) cannot do; names the keys.
+
+    Raises:
+        ValueError: the target is not ``overlapkit.GradBucketer``, ``train.clip_grad_norm`` is
+            set, or ``parallel.plan.tp`` / ``parallel.plan.ep`` is above 1.
+    """
+    if factory_cfg.get("optimizer") != RUN_OPTIMIZER:
+        return
+    target = factory_cfg.get("_target_")
+    if target != "overlapkit.GradBucketer":
+        raise ValueError(
+            f"parallel.optimizer={RUN_OPTIMIZER} (per-bucket optimizer updates) needs "
+            f"parallel._target_ overlapkit.GradBucketer, got {target!r}"
+        )
+    if clip_grad_norm is not None:
+        raise ValueError(
+            f"train.clip_grad_norm={clip_grad_norm} cannot be used with per-bucket optimizer "
+            "updates (parallel=bucketer_overlap): global-norm clipping needs every reduced "
+            "gradient before any update, and clipping each bucket by its own norm is different "
+            "math. Set train.clip_grad_norm=null, or use parallel=bucketer to clip"
+        )
+    if plan.tp > 1 or plan.ep > 1:
+        raise ValueError(
+            f"parallel.optimizer={RUN_OPTIMIZER} (per-bucket optimizer updates) works with plain "
+            f"data parallelism only, got parallel.plan.tp={plan.tp}, parallel.plan.ep={plan.ep}"
+        )
+
+
 def apply_parallel(
-    model: nn.Module, factory: Callable[..., object], layout: Layout | None = None
+    model: nn.Module,
+    factory: Callable[..., object],
+    layout: Layout | None = None,
+    *,
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> Parallelized:
     """Prepare ``model`` for ``layout`` (tensor or expert parallel), call ``factory``, adapt it.
 
@@ -82,6 +126,8 @@ def apply_parallel(
         factory (Callable): the instantiated ``parallel`` group (a partial of ``ok.ddp``,
             ``ok.GradBucketer``, ``ok.fsdp`` or any function returning one of those or a module).
         layout (Layout): the planner's groups; None means plain data parallelism over the world.
+        make_optimizer (Callable): builds the run's optimizer from parameters; used when the
+            factory asks for it (``optimizer=optim``, ``parallel=bucketer_overlap``).
 
     Returns:
         Parallelized: the module to run and its synchronisation controls.
@@ -94,6 +140,17 @@ def apply_parallel(
         apply_tensor_parallel(model, layout.tp_mesh)
     if layout.plan.ep > 1:
         return _expert_parallel(model, factory, layout)
+    optimizer = None
+    if (
+        isinstance(factory, functools.partial)
+        and factory.keywords.get("optimizer") == RUN_OPTIMIZER
+    ):
+        if make_optimizer is None:
+            raise ValueError(
+                f"parallel.optimizer={RUN_OPTIMIZER}: apply_parallel needs make_optimizer"
+            )
+        optimizer = make_optimizer(model.parameters())
+        factory = functools.partial(factory, optimizer=optimizer)
     result = factory(model, **_group_kwargs(factory, layout))
     match result:
         case DistributedDataParallel():
@@ -102,6 +159,16 @@ def apply_parallel(
             what = f"ok.GradBucketer ({result.num_buckets} buckets)"
             if layout.plan.tp > 1:
                 what += f" over dp, tensor parallel tp={layout.plan.tp}"
+            if optimizer is not None:
+                return Parallelized(
+                    model,
+                    result.no_sync,
+                    result.step,
+                    True,
+                    what + ", per-bucket optimizer updates",
+                    optimizer=optimizer,
+                    settle=result.synchronize,
+                )
             return Parallelized(model, result.no_sync, result.wait, False, what)
         case FSDPModule():
             what = "ok.fsdp" + (" (HSDP)" if layout.plan.dp_shard is not None else "")
