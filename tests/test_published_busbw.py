@@ -115,8 +115,10 @@ def test_estimate_validate_prints_the_table_and_exits_zero(capsys):
 
 
 def test_estimate_without_a_size_names_what_is_missing(capsys):
-    assert main(["estimate", "--collective", "all_reduce"]) == 2
-    assert "needs --bytes, --topology or --bandwidth" in capsys.readouterr().err
+    assert main(["estimate", "--collective", "all_reduce", "--topology", "dgx-h100"]) == 2
+    assert "estimate needs --bytes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a topology, a bandwidth or --validate, as for plan
+        main(["estimate", "--collective", "all_reduce", "--bytes", "1"])
 
 
 @pytest.mark.parametrize(

@@ -46,10 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_topology_arguments(
-    parser: argparse.ArgumentParser, *, allow_link: bool, required: bool = True
-) -> None:
-    """Add ``--topology``, ``--fabric`` and (``allow_link``) ``--bandwidth``, ``--latency``."""
-    source = parser.add_mutually_exclusive_group(required=required)
+    parser: argparse.ArgumentParser, *, allow_link: bool
+) -> argparse._MutuallyExclusiveGroup:
+    """Add ``--topology``, ``--fabric`` and (``allow_link``) ``--bandwidth``, ``--latency``.
+
+    Returns the (required) group of topology sources, for a command with another source.
+    """
+    source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--topology",
         metavar="NAME|FILE",
@@ -70,6 +73,7 @@ def add_topology_arguments(
     parser.add_argument(
         "--fabric", choices=FABRIC_CHOICES, help="switch the topology's scale-out fabric"
     )
+    return source
 
 
 def topology_from_args(args: argparse.Namespace, *, group_size: int | None) -> Topology:
@@ -215,7 +219,7 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--bytes", metavar="SIZE", help="size as nccl-tests counts it: 140e9, 140GB, 1.5GiB"
     )
-    add_topology_arguments(parser, allow_link=True, required=False)
+    source = add_topology_arguments(parser, allow_link=True)
     parser.add_argument(
         "--group-size",
         type=int,
@@ -234,7 +238,7 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
         choices=ALGORITHMS,
         help="force an algorithm (like NCCL_ALGO); default: the fastest",
     )
-    parser.add_argument(
+    source.add_argument(
         "--validate",
         action="store_true",
         help="instead of one estimate, predict every published nccl-tests busbw the model is "
@@ -252,17 +256,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         else:
             print(render_checks(checks))
         return 0 if all(c.within_tolerance for c in checks) else 1
-    missing = [
-        flag
-        for flag, value in (
-            ("--collective", args.collective),
-            ("--bytes", args.bytes),
-            ("--topology or --bandwidth", args.topology or args.bandwidth),
-        )
-        if not value
-    ]
+    missing = [flag for flag in ("collective", "bytes") if getattr(args, flag) is None]
     if missing:
-        raise ValueError(f"estimate needs {', '.join(missing)} (or --validate)")
+        raise ValueError(f"estimate needs {' and '.join('--' + m for m in missing)}")
     nbytes = parse_size(args.bytes, what="--bytes")
     if args.group is not None and args.group_size is not None:
         raise ValueError("pass either --group (a placement axis) or --group-size, not both")
