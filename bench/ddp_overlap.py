@@ -13,6 +13,17 @@ Cases:
     bucketer         ok.GradBucketer(model) with its default bucket size
     ok_ddp_bf16      ok.ddp(model, compress="bf16")
 
+With ``--optimizer sgd|adamw`` (default adamw; ``none`` leaves them out), three cases that include
+the optimizer step, each timed as ``--steps`` consecutive steps with no barrier in between (the
+per-bucket updates of one step overlap the next step's forward, so a barrier per step would hide
+their cost); the block ends when every update is applied:
+    ddp_opt          DDP default, optimizer.step(), zero_grad()
+    bucketer_opt     ok.GradBucketer: wait(), optimizer.step(), zero_grad()
+    bucketer_overlap ok.GradBucketer(optimizer=opt): step() (per-bucket updates, the next forward
+                     waits per module), same default bucket size
+``--profile-dir DIR`` then profiles bucketer_opt and bucketer_overlap with ``ok.profile`` and
+reports their exposed communication per step (``overlapkit report DIR/<case>`` for detail).
+
 Models: ``--model mlp`` (default: 8 blocks of Linear(1024) + ReLU, 64 rows per rank) or
 ``--model gpt_tiny`` (4 blocks, width 256, 2 sequences of 64 tokens per rank).
 
@@ -28,6 +39,7 @@ Example::
     python bench/ddp_overlap.py --rate none --layers 4 --width 512
     python bench/ddp_overlap.py --model gpt_tiny
     python bench/ddp_overlap.py --sweep 1,2,4,8,25   # ok_ddp / bucketer at these bucket sizes
+    python bench/ddp_overlap.py --only optimizer --profile-dir runs/bucketer_overlap
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ import torch
 import torch.distributed as dist
 from cpu_priority import prioritize
 from emulated_link import current_link, enter_emulated_link
+from profile_exposed import exposed_share
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -55,6 +68,15 @@ from overlapkit.local_ranks import run_on_ranks
 from overlapkit.train.models import GPT, MLP, GPTConfig, MLPConfig
 
 BASELINE = "ddp_default"
+OPTIMIZER_BASELINE = "ddp_opt"
+# Cases the report needs whatever ``--only`` says (T_compute, T_comm, T_no_overlap, the baseline).
+REFERENCE_CASES = ("compute_only", "comm_only", "no_overlap", BASELINE)
+OPTIMIZER_CASES = (OPTIMIZER_BASELINE, "bucketer_opt", "bucketer_overlap")
+PROFILED = ("bucketer_opt", "bucketer_overlap")
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+}
 MODEL_DEFAULTS = {
     "mlp": {"layers": 8, "width": 1024, "batch": 64},
     "gpt_tiny": {"layers": 4, "width": 256, "batch": 2},
@@ -64,27 +86,48 @@ MODEL_DEFAULTS = {
 def make_workload(cfg: dict, rank: int) -> tuple[Callable[[], nn.Module], Callable]:
     """A model factory (same weights on every rank) and ``loss(model)`` on this rank's batch."""
     g = torch.Generator().manual_seed(rank)
+    device = torch.device(cfg.get("device", "cpu"))
     if cfg["model"] == "mlp":
         mlp_config = MLPConfig(width=cfg["width"], n_layer=cfg["layers"])
-        x = torch.randn(cfg["batch"], cfg["width"], generator=g)
-        y = torch.randn(cfg["batch"], cfg["width"], generator=g)
+        x = torch.randn(cfg["batch"], cfg["width"], generator=g).to(device)
+        y = torch.randn(cfg["batch"], cfg["width"], generator=g).to(device)
 
         def new_mlp() -> nn.Module:
             torch.manual_seed(0)
-            return MLP(mlp_config)
+            return MLP(mlp_config).to(device)
 
         return new_mlp, lambda model: (model(x) - y).pow(2).mean()
 
     gpt_config = GPTConfig(n_layer=cfg["layers"], n_embd=cfg["width"], block_size=cfg["seq_len"])
     tokens = torch.randint(
         0, gpt_config.vocab_size, (cfg["batch"], cfg["seq_len"] + 1), generator=g
-    )
+    ).to(device)
 
     def new_gpt() -> nn.Module:
         torch.manual_seed(0)
-        return GPT(gpt_config)
+        return GPT(gpt_config).to(device)
 
     return new_gpt, lambda model: GPT.loss(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+def _backend(cfg: dict) -> str:
+    return "nccl" if cfg.get("device") == "cuda" else "gloo"
+
+
+def _settle(cfg: dict) -> None:
+    """Wait for the device's queued work, so that a host clock read after it measures it."""
+    if cfg.get("device") == "cuda":
+        torch.cuda.synchronize()
+
+
+def _enter_device(cfg: dict, rank: int) -> None:
+    """On CUDA: this rank's NCCL host id (two ranks on one GPU; see EMULATION.md) and GPU 0.
+
+    Set before the first collective, which is when NCCL creates its communicator.
+    """
+    if cfg.get("device") == "cuda":
+        os.environ.setdefault("NCCL_HOSTID", f"host{rank}")
+        torch.cuda.set_device(0)
 
 
 def _flat_allreduce(flat: torch.Tensor) -> None:
@@ -92,20 +135,56 @@ def _flat_allreduce(flat: torch.Tensor) -> None:
     flat.div_(dist.get_world_size())
 
 
-def _build_cases(cfg: dict, rank: int) -> tuple[dict[str, Callable[[], None]], list[float], int]:
+def _optimizer_cases(
+    cfg: dict, new_model: Callable[[], nn.Module], loss: Callable
+) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]]]:
+    """The cases with an optimizer step (``OPTIMIZER_CASES``) and what ends a block of steps."""
+    make_optimizer = OPTIMIZERS[cfg["optimizer"]]
+    ddp = DistributedDataParallel(new_model())
+    ddp_opt = make_optimizer(ddp.parameters())
+    sync_model = new_model()
+    sync = ok.GradBucketer(sync_model)
+    sync_opt = make_optimizer(sync_model.parameters())
+    overlap_model = new_model()
+    overlap = ok.GradBucketer(overlap_model, optimizer=make_optimizer(overlap_model.parameters()))
+
+    def ddp_step() -> None:
+        loss(ddp).backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+
+    def sync_step() -> None:
+        loss(sync_model).backward()
+        sync.wait()
+        sync_opt.step()
+        sync_opt.zero_grad()
+
+    def overlap_step() -> None:
+        loss(overlap_model).backward()
+        overlap.step()
+
+    steps = dict(zip(OPTIMIZER_CASES, (ddp_step, sync_step, overlap_step), strict=True))
+    return steps, {"bucketer_overlap": overlap.synchronize}
+
+
+def _build_cases(
+    cfg: dict, rank: int
+) -> tuple[dict[str, Callable[[], None]], list[float], int, dict[str, Callable[[], None]]]:
     """Step functions by case name (each runs one full step and returns when it is done), the
-    list the compute-only case appends its forward times (ms) to, and the gradient element count.
+    list the compute-only case appends its forward times (ms) to, the gradient element count,
+    and, for the cases timed as blocks of steps, what ends a block (``OPTIMIZER_CASES``).
     """
     new_model, loss = make_workload(cfg, rank)
     plain = new_model()
     grad_numel = sum(p.numel() for p in plain.parameters())
-    flat = torch.zeros(grad_numel)
+    flat = torch.zeros(grad_numel, device=cfg.get("device", "cpu"))
     forward_ms: list[float] = []
 
     def compute_only() -> None:
         plain.zero_grad(set_to_none=True)
         start = time.perf_counter()
         out = loss(plain)
+        _settle(cfg)
         forward_ms.append((time.perf_counter() - start) * 1e3)
         out.backward()
 
@@ -150,20 +229,36 @@ def _build_cases(cfg: dict, rank: int) -> tuple[dict[str, Callable[[], None]], l
     for mb in cfg["sweep"]:
         cases[f"ok_ddp@{mb:g}MB"] = ddp_step(ok.ddp(new_model(), bucket_mb=mb))
         cases[f"bucketer@{mb:g}MB"] = bucketer_step(mb)
-    return cases, forward_ms, grad_numel
+    finish: dict[str, Callable[[], None]] = {}
+    if cfg.get("optimizer"):
+        with_optimizer, finish = _optimizer_cases(cfg, new_model, loss)
+        cases |= with_optimizer
+    only = cfg.get("only")
+    if only:
+        cases = {n: f for n, f in cases.items() if n in only or n in REFERENCE_CASES}
+    return cases, forward_ms, grad_numel, finish
 
 
 def rank_main(rank: int, world_size: int, cfg: dict) -> dict:
-    """Per case, this rank's wall and CPU ms per timed step (CPU: all threads, gloo's too)."""
-    cases, forward_ms, grad_numel = _build_cases(cfg, rank)
+    """Per case, this rank's wall and CPU ms per timed step (CPU: all threads, gloo's too).
+
+    Cases with an optimizer (``OPTIMIZER_CASES``) give one value per round: the mean step of a
+    block of ``steps`` back-to-back steps, ended by the case's ``finish``.
+    """
+    _enter_device(cfg, rank)
+    cases, forward_ms, grad_numel, finish = _build_cases(cfg, rank)
     wall: dict[str, list[float]] = {name: [] for name in cases}
     cpu: dict[str, list[float]] = {name: [] for name in cases}
     for round_index in range(cfg["rounds"]):
         for name, step in cases.items():
+            if name in OPTIMIZER_CASES:
+                _time_block(step, finish.get(name), cfg, round_index == 0, wall[name], cpu[name])
+                continue
             for i in range(cfg["steps"]):
                 dist.barrier()
                 start, cpu_start = time.perf_counter(), time.process_time()
                 step()
+                _settle(cfg)
                 if round_index > 0 or i >= cfg["warmup"]:
                     wall[name].append((time.perf_counter() - start) * 1e3)
                     cpu[name].append((time.process_time() - cpu_start) * 1e3)
@@ -171,6 +266,31 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict:
             print(f"  round {round_index + 1}/{cfg['rounds']} done", flush=True)
     wall["forward"] = forward_ms[len(forward_ms) - len(wall["compute_only"]) :]
     return {"wall": wall, "cpu": cpu, "grad_bytes": grad_numel * 4}
+
+
+def _time_block(
+    step: Callable[[], None],
+    finish: Callable[[], None] | None,
+    cfg: dict,
+    first_round: bool,
+    wall: list[float],
+    cpu: list[float],
+) -> None:
+    """Append the mean wall and CPU ms of ``cfg["steps"]`` back-to-back steps (after warm-up)."""
+    if first_round:
+        for _ in range(cfg["warmup"]):
+            step()
+        if finish is not None:
+            finish()
+    dist.barrier()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(cfg["steps"]):
+        step()
+    if finish is not None:
+        finish()
+    _settle(cfg)
+    wall.append((time.perf_counter() - start) * 1e3 / cfg["steps"])
+    cpu.append((time.process_time() - cpu_start) * 1e3 / cfg["steps"])
 
 
 def summarize(per_rank: list[dict[str, list[float]]], combine) -> dict[str, float]:
@@ -203,17 +323,22 @@ def build_report(wall: dict[str, float], cpu: dict[str, float], cfg: dict, grad_
     for name, t in wall.items():
         if name == "forward":
             continue
-        overlapping = name not in ("compute_only", "comm_only", "no_overlap")
-        cases.append(
-            {
-                "name": name,
-                "median_ms": round(t, 2),
-                "overlap_efficiency": efficiency(t, t_bound) if overlapping else None,
-                "speedup_vs_baseline": round(wall[BASELINE] / t, 3),
-                "cpu_ms_all_ranks": round(cpu[name], 2),
-                "overlap_efficiency_cpu": efficiency(t, t_cpu_bound) if overlapping else None,
-            }
-        )
+        # Cases with an optimizer step are compared with DDP + the same optimizer only: the
+        # efficiency's bounds have no optimizer in them.
+        overlapping = name not in ("compute_only", "comm_only", "no_overlap", *OPTIMIZER_CASES)
+        case = {
+            "name": name,
+            "median_ms": round(t, 2),
+            "overlap_efficiency": efficiency(t, t_bound) if overlapping else None,
+            "speedup_vs_baseline": round(wall[BASELINE] / t, 3),
+            "cpu_ms_all_ranks": round(cpu[name], 2),
+            "overlap_efficiency_cpu": efficiency(t, t_cpu_bound) if overlapping else None,
+        }
+        if name in OPTIMIZER_CASES:
+            case["speedup_vs_ddp_opt"] = round(wall[OPTIMIZER_BASELINE] / t, 3)
+            if "bucketer_opt" in wall:
+                case["speedup_vs_bucketer_opt"] = round(wall["bucketer_opt"] / t, 3)
+        cases.append(case)
     link = current_link() or {"rate": "none (loopback)", "delay": "0ms"}
     return {
         "cases": cases,
@@ -247,6 +372,54 @@ def print_table(report: dict) -> None:
             f"{'-' if eff is None else f'{eff:.2f}':>12} {case['speedup_vs_baseline']:>15.2f}x "
             f"{case['cpu_ms_all_ranks']:>19.1f} {'-' if eff_cpu is None else f'{eff_cpu:.2f}':>17}"
         )
+    with_optimizer = [c for c in report["cases"] if "speedup_vs_ddp_opt" in c]
+    if with_optimizer:
+        print(f"\nwith {cfg['optimizer']} steps (blocks of {cfg['steps']} back-to-back steps):")
+        print(f"{'case':<20} {'median ms':>10} {'vs ddp_opt':>11} {'vs bucketer_opt':>16}")
+        for case in with_optimizer:
+            print(
+                f"{case['name']:<20} {case['median_ms']:>10.1f} "
+                f"{case['speedup_vs_ddp_opt']:>10.2f}x "
+                f"{case.get('speedup_vs_bucketer_opt', float('nan')):>15.2f}x"
+            )
+
+
+def _profile_rank(rank: int, world_size: int, cfg: dict, root: str) -> None:
+    _enter_device(cfg, rank)
+    new_model, loss = make_workload(cfg, rank)
+    steps, finish = _optimizer_cases(cfg, new_model, loss)
+    for name in PROFILED:
+        with ok.profile(str(Path(root) / name), wait=1, warmup=1, active=cfg["steps"]) as prof:
+            for _ in range(2 + cfg["steps"]):
+                steps[name]()
+                prof.step()
+        if name in finish:
+            finish[name]()
+
+
+def profile_exposed_comm(cfg: dict, root: Path) -> dict[str, dict]:
+    """Exposed comm per step of ``PROFILED`` under ``ok.profile`` (``overlapkit report``'s math)."""
+    for name in PROFILED:
+        if any((root / name).glob("*.pt.trace.json*")):
+            raise SystemExit(f"{root / name} already holds traces; pass a fresh --profile-dir")
+    run_on_ranks(
+        _profile_rank,
+        2,
+        {**cfg, "optimizer": cfg["optimizer"] or "adamw"},
+        str(root),
+        collective_timeout_s=120,
+        total_timeout_s=1800,
+        backend=_backend(cfg),
+    )
+    out = {name: exposed_share(root / name) for name in PROFILED}
+    print(f"\nok.profile, {cfg['steps']} profiled steps per rank:")
+    print(f"{'case':<20} {'step ms':>8} {'comm ms':>8} {'exposed ms':>11} {'exposed share':>14}")
+    for name, r in out.items():
+        print(
+            f"{name:<20} {r['median_ms']:>8.1f} {r['comm_ms_per_step']:>8.1f} "
+            f"{r['exposed_comm_ms_per_step']:>11.1f} {r['exposed_share']:>14.0%}"
+        )
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -262,6 +435,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="round-robin passes over the cases")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps in the first round")
     parser.add_argument("--sweep", default="", help="comma-separated extra bucket sizes in MiB")
+    parser.add_argument(
+        "--optimizer",
+        choices=[*OPTIMIZERS, "none"],
+        default="adamw",
+        help="optimizer of the ddp_opt / bucketer_opt / bucketer_overlap cases",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated cases to run besides the reference ones; 'optimizer' means "
+        + ",".join(OPTIMIZER_CASES),
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: two NCCL ranks on GPU 0 (start CUDA MPS first; bench/gpu_overlap.sh does)",
+    )
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="also profile bucketer_opt and bucketer_overlap here and report exposed comm",
+    )
     parser.add_argument("--json", type=Path, help="write the report here as JSON")
     return parser.parse_args(argv)
 
@@ -288,8 +484,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[cpu priority] {prioritize()}", flush=True)
     enter_emulated_link(args.rate, args.delay_ms)
     cfg = workload_config(args, sweep=[float(s) for s in args.sweep.split(",") if s])
+    cfg["optimizer"] = None if args.optimizer == "none" else args.optimizer
+    cfg["device"] = args.device
+    only = [c for c in args.only.split(",") if c]
+    cfg["only"] = [c for o in only for c in (OPTIMIZER_CASES if o == "optimizer" else (o,))]
     print(f"ddp_overlap: 2 gloo ranks, {cfg}", flush=True)
-    results = run_on_ranks(rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600)
+    results = run_on_ranks(
+        rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600, backend=_backend(cfg)
+    )
     report = build_report(
         summarize([r["wall"] for r in results], max),
         summarize([r["cpu"] for r in results], sum),
@@ -297,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         results[0]["grad_bytes"],
     )
     print_table(report)
+    if args.profile_dir is not None:
+        report["profiled"] = profile_exposed_comm(cfg, args.profile_dir)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

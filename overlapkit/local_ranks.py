@@ -1,4 +1,4 @@
-"""Run a function on N local gloo ranks in spawned processes (tests, benchmarks, doctor).
+"""Run a function on N local gloo ranks in worker processes (tests, benchmarks, doctor).
 
 ``run_on_ranks(fn, world_size=2)`` starts ``world_size`` processes, joins them into a gloo process
 group whose collectives time out after ``collective_timeout_s`` seconds, calls
@@ -9,7 +9,9 @@ and when one fails or dies it gives the others one collective timeout to notice 
 them. A failure raises ``RankFailure`` whose message carries each failing rank's traceback or
 exit status, so a test shows the child's error, not a bare "process exited".
 
-``fn`` and its arguments must be picklable (a module-level function).
+``fn`` and its arguments must be picklable (a module-level function). The workers are forked from
+a server that has imported torch (``overlapkit.worker_start``) and take the parent's environment,
+working directory and ``sys.path`` of the moment of the call, as spawned ones would.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from overlapkit.worker_start import ParentState, context
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 10.0
 DEFAULT_TOTAL_TIMEOUT_S = 120.0
@@ -59,10 +63,13 @@ def _child(
     collective_timeout_s: float,
     fn: Callable[..., Any],
     args: tuple,
+    parent: ParentState,
     env: dict[str, str],
     threads_per_rank: int,
     results: mp.Queue,
+    backend: str = "gloo",
 ) -> None:
+    parent.adopt()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -77,7 +84,7 @@ def _child(
     try:
         store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         value = fn(rank, world_size, *args)
         # Pickled by value here: tensors sent through a torch queue are shared through file
@@ -101,6 +108,7 @@ def run_on_ranks(
     total_timeout_s: float = DEFAULT_TOTAL_TIMEOUT_S,
     env: dict[str, str] | None = None,
     threads_per_rank: int = 1,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks and return their results.
 
@@ -112,6 +120,8 @@ def run_on_ranks(
         env (dict): extra environment variables for the children.
         threads_per_rank (int): torch intra-op threads per rank. Defaults to 1, so that ranks
             sharing a few cores do not oversubscribe them.
+        backend (str): the process group's backend. Defaults to ``"gloo"``; ``"nccl"`` for
+            GPU benchmarks (``fn`` then picks its device before its first collective).
 
     Returns:
         list: ``fn``'s return value per rank, in rank order.
@@ -119,7 +129,7 @@ def run_on_ranks(
     Raises:
         RankFailure: a rank raised, exited without a result, or the run exceeded its time.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context()
     timeout = timedelta(seconds=collective_timeout_s)
     # The parent holds the store, so the port is bound before any child needs it.
     store = dist.TCPStore(
@@ -136,9 +146,11 @@ def run_on_ranks(
                 collective_timeout_s,
                 fn,
                 args,
+                ParentState.capture(),
                 env or {},
                 threads_per_rank,
                 results,
+                backend,
             ),
             daemon=True,
         )
