@@ -67,6 +67,13 @@ def test_achieved_nvlink_matches_nccls_per_link_figures():
     assert load_topology("hgx-b200").domains[0].achieved_GBps == pytest.approx(18 * 40.1, 1e-3)
 
 
+@pytest.mark.parametrize("name", ["dgx-h100", "hgx-h200", "hgx-b200", "gb200-nvl72"])
+def test_ndr_nics_run_at_the_47_gb_s_nvidia_quotes(name):
+    # nccl-tests #290: "For NDR @ 400Gbps you should see 46-48GB/s per NIC".
+    assert load_topology(name).fabric.achieved_GBps == pytest.approx(47)
+    assert "46-48GB/s per NIC" in (PRESET_DIR / f"{name}.yaml").read_text()
+
+
 def test_nvl72_is_one_nvlink_domain_over_18_trays():
     topo = load_topology("gb200-nvl72")
     assert topo.num_nodes == 18 and topo.world_size == 72
