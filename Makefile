@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast fuzz demo bench lint clean
+.PHONY: install test test-fast test-gpu fuzz demo bench lint clean
 
 install: $(STAMP)
 
@@ -35,6 +35,12 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow"
+
+# On a GPU host: the whole suite, CUDA-only tests (marked `cuda`, skipped elsewhere) included;
+# refuses to start without CUDA, so none of them is skipped silently. Skips are listed (-rs).
+test-gpu: $(STAMP)
+	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: CUDA is not available here')"
+	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -rs
 
 # ...and `make fuzz` explores: fresh random examples, ten times as many. Keep what it finds as
 # an @example beside the test.

@@ -36,4 +36,17 @@ mkdir -p "$OUT_DIR"
 cat "$OUT_DIR/machine.txt"
 # Keep the ranks' logs quiet and the run bounded; NCCL_DEBUG=WARN shows only problems.
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} PYTHONUNBUFFERED=1
+# Issue 18, when asked for: GPU_CHECK_SUITE=1 runs `make test-gpu` (the whole suite with the
+# CUDA-only tests, ~10 min); GPU_CHECK_BF16=1 times ok.ddp(compress="bf16") against PyTorch's
+# bf16_compress_hook on two NCCL ranks of this GPU (start CUDA MPS first: ../shared/EMULATION.md).
+# `-o .venv/.installed`: use the .venv as it is (this machine cannot download).
+if [[ "${GPU_CHECK_SUITE:-0}" == 1 ]]; then
+  timeout 1500 make -o .venv/.installed test-gpu > "$OUT_DIR/test_gpu.log" 2>&1 \
+    && echo "PASS  test-gpu" || echo "FAIL  test-gpu: $(tail -n 1 "$OUT_DIR/test_gpu.log")"
+fi
+if [[ "${GPU_CHECK_BF16:-0}" == 1 ]]; then
+  timeout 600 "$PYTHON" bench/compress_hooks.py --device cuda --json "$OUT_DIR/compress_hooks.json" \
+    > "$OUT_DIR/compress_hooks.log" 2>&1 && tail -n 5 "$OUT_DIR/compress_hooks.log" \
+    || echo "FAIL  compress_hooks: $(tail -n 1 "$OUT_DIR/compress_hooks.log")"
+fi
 exec timeout 600 "$PYTHON" bench/gpu_check.py --out "$OUT_DIR" "$@"

@@ -14,6 +14,7 @@ from overlapkit.train import checkpoint
 from overlapkit.train.checkpoint import TrainingState, step_dir
 from overlapkit.train.data import BatchStream, SyntheticRegression
 from overlapkit.train.schedule import warmup_cosine
+from tests.cuda import requires_cuda
 
 WIDTH = 8
 
@@ -96,3 +97,18 @@ def test_cpu_checkpoint_on_a_gpu_run_is_a_clear_error(tmp_path, monkeypatch):
         r"its model is on a CUDA device",
     ):
         _state().load(step_dir(tmp_path, 1))
+
+
+@requires_cuda
+def test_real_gpu_checkpoint_resumes_the_cuda_random_stream(tmp_path):
+    state = _state()
+    state.model.to("cuda")
+    torch.manual_seed(3)
+    path = step_dir(tmp_path, 1)
+    torch.distributed.checkpoint.save(state.state_dict(1), checkpoint_id=path)
+    expected = torch.rand(8, device="cuda")  # what the run draws next after the save
+    torch.manual_seed(4)
+    resumed = _state()
+    resumed.model.to("cuda")
+    assert resumed.load(path) == 1
+    assert torch.equal(torch.rand(8, device="cuda"), expected)

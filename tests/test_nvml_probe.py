@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from overlapkit.topology import detect, detect_topology
+from overlapkit.topology import detect, detect_topology, nvml_probe
+from tests.cuda import requires_cuda
 from tests.nvml_standin import pynvml as standin
 
 STANDIN_DIR = Path(standin.__file__).parent
@@ -90,3 +91,22 @@ def test_missing_nvml_library_is_logged_as_unavailable(monkeypatch, caplog, tmp_
     caplog.set_level(logging.INFO, logger=detect.__name__)
     assert detect._run_nvml_probe(standin.UUID, timeout_s=60) is None
     assert "NVML unavailable: no libnvidia-ml.so.1 here" in caplog.text
+
+
+@requires_cuda
+def test_real_nvml_describes_this_gpu_many_times_in_process_and_through_the_probe():
+    """The H200 crash came after repeated in-process detection: repeat both, with the real NVML."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        uuid = f"GPU-{torch.cuda.get_device_properties(0).uuid}"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        views = [nvml_probe.describe_gpu(pynvml, handle) for _ in range(50)]
+    finally:
+        pynvml.nvmlShutdown()
+    assert all(view == views[0] for view in views)
+    for _ in range(5):
+        topo = detect_topology()
+        assert topo.library.value == "nccl"
+    assert detect.local_view(rank=0)["gpu"]["nvml"] is True
