@@ -109,15 +109,44 @@ def _ddp_run(rank, world_size, mode):
     return _train_until_failure(rank, step, mlp, mode)
 
 
-def _fsdp_run(rank, world_size, mode):
-    model = ok.fsdp(make_mlp(), prefetch=1, blocks=nn.Linear)
-
+def _fsdp_step(model):
     def step(batch):
         x, y = batch
         model.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
 
-    return _train_until_failure(rank, step, model, mode)
+    return step
+
+
+def _fsdp_run(rank, world_size, mode):
+    model = ok.fsdp(make_mlp(), prefetch=1, blocks=nn.Linear)
+    return _train_until_failure(rank, _fsdp_step(model), model, mode)
+
+
+def _fsdp_own_reduce_scatter_run(rank, world_size, mode):
+    # Not resharded after forward: backward's only collectives are the reduce-scatters.
+    model = ok.fsdp(
+        make_mlp(),
+        prefetch=1,
+        overlap_reduce_scatter=False,
+        reshard_after_forward=False,
+        blocks=nn.Linear,
+    )
+    return _train_until_failure(rank, _fsdp_step(model), model, mode)
+
+
+def _hsdp_run(rank, world_size, mode):
+    """HSDP on a planned 2x2 (dp_replicate x dp_shard) mesh with FSDP2's own reduce-scatter."""
+    placement = ok.plan(ok.load_topology("cpu-gloox2"), dp_shard=2)
+    mesh = placement.device_mesh("cpu")["dp_replicate", "dp_shard"]
+    model = ok.fsdp(
+        make_mlp(), prefetch=0, mesh=mesh, reshard_after_forward=False, blocks=nn.Linear
+    )
+    return {
+        "report": _train_until_failure(rank, _fsdp_step(model), model, mode),
+        "replicas": placement.groups("dp_replicate"),
+        "shards": placement.groups("dp_shard"),
+    }
 
 
 def _planned_mesh_run(rank, world_size, mode):
@@ -200,6 +229,42 @@ def test_fsdp_survivor_names_collective_block_and_missing_rank():
     ), report["message"]
     assert report["missing"] == (1,)
     assert report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
+
+
+def _assert_fsdp_failure(report, collective, group):
+    assert report is not None and report["step"] == FAULT_STEP, report
+    assert report["type"] == "CollectiveFailure", report["message"]
+    assert re.search(
+        rf"ok\.fsdp: {collective} of block \d \('\d'\) \(step {FAULT_STEP}\) failed on rank "
+        rf"\d: rank\(s\) \[1\] of the group {re.escape(str(list(group)))} never checked in",
+        report["message"],
+    ), report["message"]
+    assert report["missing"] == (1,)
+    assert report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
+
+
+@pytest.mark.slow
+def test_fsdp_with_its_own_reduce_scatter_names_the_block_and_step():
+    # overlap_reduce_scatter=False (like prefetch=0): FSDP2's reduce-scatter, explained.
+    _assert_fsdp_failure(
+        _survivor_report(_fsdp_own_reduce_scatter_run, "kill"), "reduce_scatter", [0, 1]
+    )
+
+
+@pytest.mark.slow
+def test_hsdp_reduce_scatter_and_all_reduce_across_replicas_name_the_block_and_step():
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(
+            _hsdp_run, 4, "kill", collective_timeout_s=TIMEOUT_S, env=ENV, total_timeout_s=90
+        )
+    results = failure.value.results
+    assert sorted(results) == [0, 2, 3], str(failure.value)
+    (shards,) = [g for g in results[0]["shards"] if 1 in g]
+    (replicas,) = [g for g in results[0]["replicas"] if 1 in g]
+    (shard_peer,) = set(shards) - {1}
+    (replica_peer,) = set(replicas) - {1}
+    _assert_fsdp_failure(results[shard_peer]["report"], "reduce_scatter", shards)
+    _assert_fsdp_failure(results[replica_peer]["report"], "all_reduce", replicas)
 
 
 @pytest.mark.slow

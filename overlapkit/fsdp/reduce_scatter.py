@@ -174,6 +174,7 @@ class BlockReduceScatter(Alloc, ReduceScatter):
         self.allow_async = allow_async
         self.failures = failures
         self.where = where
+        self.calls = 0  # read by ``replica_all_reduce``: did this post-backward reduce-scatter?
         self._logged: set[str] = set()
 
     def __call__(
@@ -184,6 +185,7 @@ class BlockReduceScatter(Alloc, ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> dist.Work | None:
+        self.calls += 1
         reason = (
             async_reduce_scatter_blocker(self.params(), op, output_tensor.dtype, group.size())
             if self.allow_async
@@ -204,3 +206,39 @@ class BlockReduceScatter(Alloc, ReduceScatter):
         if finish is not None:
             finish()
         return None
+
+
+class ExplainedReduceScatter(Alloc, ReduceScatter):
+    """FSDP2's own reduce-scatter (``DefaultReduceScatter``), with a failure explained.
+
+    Installed where overlapkit's reduce-scatter is not (``prefetch=0``,
+    ``overlap_reduce_scatter=False``, CUDA): the same collective, blocking or not as FSDP2
+    asks, but a dead or stuck rank raises ``CollectiveFailure`` naming the block and the step.
+
+    Args:
+        failures (FailureScope): explains a failed reduce-scatter.
+        where (str): the block as the error names it, e.g. ``"block 0 ('layers.0')"``.
+    """
+
+    def __init__(self, *, failures: FailureScope, where: str):
+        self.failures = failures
+        self.where = where
+        self.calls = 0  # read by ``replica_all_reduce``: did this post-backward reduce-scatter?
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.calls += 1
+        site = self.failures.site(group, "reduce_scatter", self.where)
+        try:
+            work = _reduce_scatter(
+                output_tensor, input_tensor, group=group, op=op, async_op=async_op
+            )
+        except RuntimeError as error:  # a blocking reduce-scatter fails here
+            raise site.explain(error) from error
+        return None if work is None else site.wrap(work)

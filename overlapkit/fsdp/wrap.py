@@ -18,7 +18,12 @@ from overlapkit.fsdp.blocks import BlockSpec, resolve_blocks
 from overlapkit.fsdp.comms import BlockAllGather
 from overlapkit.fsdp.mesh import resolve_mesh
 from overlapkit.fsdp.prefetch import set_explicit_prefetch
-from overlapkit.fsdp.reduce_scatter import BlockReduceScatter, PendingReductions
+from overlapkit.fsdp.reduce_scatter import (
+    BlockReduceScatter,
+    ExplainedReduceScatter,
+    PendingReductions,
+)
+from overlapkit.fsdp.replica_all_reduce import explain_replica_all_reduce
 from overlapkit.fsdp.state import OverlapState, is_registered, register_state, state_of
 from overlapkit.fsdp.stats import ROOT, UnshardRecorder
 from overlapkit.process_group import resolve_process_group
@@ -239,16 +244,21 @@ def fsdp(
             )
         )
         if host_reduce:
-            module.set_custom_reduce_scatter(
-                BlockReduceScatter(
-                    lambda params=params: list(params()),
-                    pending,
-                    block_names[index] if index >= 0 else "root",
-                    # On a 2-D mesh FSDP2 all-reduces the output at once, even over 1 replica.
-                    allow_async=mesh.ndim == 1,
-                    failures=failures,
-                    where=where,
-                )
+            reduce_scatter = BlockReduceScatter(
+                lambda params=params: list(params()),
+                pending,
+                block_names[index] if index >= 0 else "root",
+                # On a 2-D mesh FSDP2 all-reduces the output at once, even over 1 replica.
+                allow_async=mesh.ndim == 1,
+                failures=failures,
+                where=where,
+            )
+        else:  # FSDP2's own reduce-scatter, only explained when it fails
+            reduce_scatter = ExplainedReduceScatter(failures=failures, where=where)
+        module.set_custom_reduce_scatter(reduce_scatter)
+        if mesh.ndim == 2:
+            explain_replica_all_reduce(
+                module, reduce_scatter, mesh.get_group(0), failures=failures, where=where
             )
     _install_hooks(model, block_list, recorder, pending)
 
