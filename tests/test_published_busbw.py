@@ -7,7 +7,7 @@ import math
 import pytest
 
 from overlapkit.cli import main
-from overlapkit.planner import estimate
+from overlapkit.planner import Workload, estimate, plan
 from overlapkit.planner.nvls import RACK_EXPONENT, TREE_WARP_FACTOR
 from overlapkit.planner.published import (
     TOLERANCE,
@@ -137,3 +137,20 @@ def test_a_malformed_measurements_file_names_the_row(tmp_path, edit, message):
     path.write_text(text, encoding="utf-8")
     with pytest.raises(ValueError, match=message):
         load_measurements(path)
+
+
+def test_plan_prices_tensor_and_data_parallel_traffic_with_the_validated_figures():
+    # dp over 2 H100 nodes at 8 GiB is the fit row's system; tp inside a node is NVLS.
+    topo = load_topology("dgx-h100x2")
+    workload = Workload(params=70e9)
+    placement = plan(topo, tp=8, workload=workload)
+    costs = {c.dim: c for c in placement.collectives()}
+    tp = costs["tp"].estimate
+    assert tp.algorithm == "switch"
+    assert tp.time_s == pytest.approx(
+        estimate("all_reduce", nbytes=costs["tp"].nbytes, topology=topo, group_size=8).time_s
+    )
+    whole = plan(topo, dp=16, workload=workload)
+    dp = {c.dim: c for c in whole.collectives()}["dp"].estimate
+    ring = estimate("all_reduce", nbytes=dp.nbytes, topology=topo, algorithm="ring")
+    assert dp.algorithm == "switch" and dp.time_s < ring.time_s / 1.15
