@@ -5,6 +5,8 @@ new one starts from reverse registration order. The layout sets the summation or
 all-reduce, so a checkpoint carries it (``bucketers.<i>``) and loading restores it.
 """
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from torch import nn
 import overlapkit as ok
 from overlapkit.train.checkpoint import TrainingState
 from overlapkit.train.data import BatchStream, SyntheticRegression
+from overlapkit.train.parallel import apply_parallel
 from overlapkit.train.schedule import warmup_cosine
 from tests.multiproc import run_on_ranks
 
@@ -37,12 +40,14 @@ class LateFirst(nn.Module):
 
 
 def _setup(rank):
-    model = LateFirst()
-    bucketer = ok.GradBucketer(model, bucket_mb=BUCKET_MB)
+    # As the training loop builds it: the bucketer reaches the checkpoint through apply_parallel.
+    par = apply_parallel(LateFirst(), functools.partial(ok.GradBucketer, bucket_mb=BUCKET_MB))
+    (bucketer,) = par.bucketers
+    model = par.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = warmup_cosine(optimizer, total_steps=10, warmup_steps=2)
     stream = BatchStream(SyntheticRegression(width=8, seed=1), rank=rank, batch_size=4)
-    state = TrainingState(model, optimizer, scheduler, stream, rank, bucketers=(bucketer,))
+    state = TrainingState(model, optimizer, scheduler, stream, rank, par.bucketers)
     return bucketer, state
 
 

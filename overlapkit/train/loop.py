@@ -297,7 +297,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     # Ranks of one tensor-parallel group read the same batches.
     data_index, data_shards = layout.data_shard(rank, world_size)
     stream = BatchStream(source, rank=data_index, batch_size=cfg.batch_size)
-    state = TrainingState(par.model, optimizer, scheduler, stream, rank)
+    state = TrainingState(par.model, optimizer, scheduler, stream, rank, par.bucketers)
     torch.manual_seed(cfg.seed + 1 + rank)  # anything random at run time differs per rank
 
     start_step = 0

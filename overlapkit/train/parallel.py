@@ -70,6 +70,8 @@ class Parallelized:
     neither clips nor calls ``optimizer.step()``. None: the loop does both."""
     settle: Callable[[], None] = _nothing
     """Makes every parameter final (applies pending per-bucket updates)."""
+    bucketers: tuple[GradBucketer, ...] = ()
+    """The bucketers, whose bucket layouts checkpoints save and restore."""
 
 
 @contextlib.contextmanager
@@ -168,8 +170,11 @@ def apply_parallel(
                     what + ", per-bucket optimizer updates",
                     optimizer=optimizer,
                     settle=result.synchronize,
+                    bucketers=(result,),
                 )
-            return Parallelized(model, result.no_sync, result.wait, False, what)
+            return Parallelized(
+                model, result.no_sync, result.wait, False, what, bucketers=(result,)
+            )
         case FSDPModule():
             what = "ok.fsdp" + (" (HSDP)" if layout.plan.dp_shard is not None else "")
             return Parallelized(result, lambda: _fsdp_no_sync(result), _nothing, True, what)
@@ -275,6 +280,7 @@ def _expert_parallel(
         False,
         f"ok.GradBucketer over dp x ep ({dense.num_buckets} buckets) + experts over dp "
         f"({sharded.num_buckets} buckets), ep={ep}",
+        bucketers=(dense, sharded),
     )
 
 
