@@ -73,6 +73,13 @@ OPTIMIZER_BASELINE = "ddp_opt"
 REFERENCE_CASES = ("compute_only", "comm_only", "no_overlap", BASELINE)
 OPTIMIZER_CASES = (OPTIMIZER_BASELINE, "bucketer_opt", "bucketer_overlap")
 PROFILED = ("bucketer_opt", "bucketer_overlap")
+TAIL_CASE = "bucketer_overlap@tail"  # + forward_order_tail, with --tails
+
+
+def _with_optimizer(name: str) -> bool:
+    return name in OPTIMIZER_CASES or name.startswith(TAIL_CASE)
+
+
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
@@ -147,6 +154,13 @@ def _optimizer_cases(
     sync_opt = make_optimizer(sync_model.parameters())
     overlap_model = new_model()
     overlap = ok.GradBucketer(overlap_model, optimizer=make_optimizer(overlap_model.parameters()))
+    tails = {}
+    for tail in cfg.get("tails", []):
+        model = new_model()
+        bucketer = ok.GradBucketer(
+            model, optimizer=make_optimizer(model.parameters()), forward_order_tail=tail
+        )
+        tails[f"{TAIL_CASE}{tail}"] = (model, bucketer)
 
     def ddp_step() -> None:
         loss(ddp).backward()
@@ -163,8 +177,18 @@ def _optimizer_cases(
         loss(overlap_model).backward()
         overlap.step()
 
+    def tail_step(model: nn.Module, bucketer: ok.GradBucketer) -> Callable[[], None]:
+        def step() -> None:
+            loss(model).backward()
+            bucketer.step()
+
+        return step
+
     steps = dict(zip(OPTIMIZER_CASES, (ddp_step, sync_step, overlap_step), strict=True))
-    return steps, {"bucketer_overlap": overlap.synchronize}
+    steps |= {name: tail_step(*pair) for name, pair in tails.items()}
+    finish = {"bucketer_overlap": overlap.synchronize}
+    finish |= {name: bucketer.synchronize for name, (_, bucketer) in tails.items()}
+    return steps, finish
 
 
 def _build_cases(
@@ -235,7 +259,11 @@ def _build_cases(
         cases |= with_optimizer
     only = cfg.get("only")
     if only:
-        cases = {n: f for n, f in cases.items() if n in only or n in REFERENCE_CASES}
+        cases = {
+            n: f
+            for n, f in cases.items()
+            if n in only or n in REFERENCE_CASES or n.startswith(TAIL_CASE)
+        }
     return cases, forward_ms, grad_numel, finish
 
 
@@ -251,7 +279,7 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict:
     cpu: dict[str, list[float]] = {name: [] for name in cases}
     for round_index in range(cfg["rounds"]):
         for name, step in cases.items():
-            if name in OPTIMIZER_CASES:
+            if _with_optimizer(name):
                 _time_block(step, finish.get(name), cfg, round_index == 0, wall[name], cpu[name])
                 continue
             for i in range(cfg["steps"]):
@@ -325,7 +353,9 @@ def build_report(wall: dict[str, float], cpu: dict[str, float], cfg: dict, grad_
             continue
         # Cases with an optimizer step are compared with DDP + the same optimizer only: the
         # efficiency's bounds have no optimizer in them.
-        overlapping = name not in ("compute_only", "comm_only", "no_overlap", *OPTIMIZER_CASES)
+        overlapping = name not in ("compute_only", "comm_only", "no_overlap") and not (
+            _with_optimizer(name)
+        )
         case = {
             "name": name,
             "median_ms": round(t, 2),
@@ -334,7 +364,7 @@ def build_report(wall: dict[str, float], cpu: dict[str, float], cfg: dict, grad_
             "cpu_ms_all_ranks": round(cpu[name], 2),
             "overlap_efficiency_cpu": efficiency(t, t_cpu_bound) if overlapping else None,
         }
-        if name in OPTIMIZER_CASES:
+        if _with_optimizer(name):
             case["speedup_vs_ddp_opt"] = round(wall[OPTIMIZER_BASELINE] / t, 3)
             if "bucketer_opt" in wall:
                 case["speedup_vs_bucketer_opt"] = round(wall["bucketer_opt"] / t, 3)
@@ -448,6 +478,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + ",".join(OPTIMIZER_CASES),
     )
     parser.add_argument(
+        "--tails",
+        default="",
+        help="comma-separated forward_order_tail values: extra bucketer_overlap@tail<N> cases",
+    )
+    parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
@@ -486,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = workload_config(args, sweep=[float(s) for s in args.sweep.split(",") if s])
     cfg["optimizer"] = None if args.optimizer == "none" else args.optimizer
     cfg["device"] = args.device
+    cfg["tails"] = [int(t) for t in args.tails.split(",") if t]
     only = [c for c in args.only.split(",") if c]
     cfg["only"] = [c for o in only for c in (OPTIMIZER_CASES if o == "optimizer" else (o,))]
     print(f"ddp_overlap: 2 gloo ranks, {cfg}", flush=True)

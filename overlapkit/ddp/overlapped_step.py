@@ -349,6 +349,15 @@ class OverlappedStep:
         job = self._job
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(stream.device))
+        # Made on the compute stream, read on the side stream, freed with the job: keep their
+        # memory from being reused before the side stream is done with them.
+        for kept in job.missing.values():
+            if kept is not None:
+                kept.record_stream(stream)
+        for group in job.hyper:
+            for value in group.values():
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    value.record_stream(stream)
         with torch.cuda.stream(stream):
             for b in list(job.pending):
                 self._apply(b)  # work.wait() here only makes the side stream wait for NCCL
