@@ -42,7 +42,8 @@ from overlapkit.topology.model import ScaleUpDomain
 NVLS_EFFICIENCY = {4: 0.85, 5: 0.74}
 """NCCL tuning.cc ``nvlsEfficiency[]``: Hopper 0.85f, Blackwell 0.74f, by NVLink generation."""
 BOARD_GPUS = 8
-"""GPUs of one HGX board: the NVLS size ``nvlsEfficiency`` describes (busbw measured at 8)."""
+"""GPUs of one HGX board: up to here no rack factor (8-GPU H100, H200, H800, B200 nodes and 8 GB200
+GPUs over two trays are predicted within 3 %)."""
 RACK_EXPONENT = 0.0972
 """Fitted: rack_factor(n) = (8/n) ** RACK_EXPONENT for n > 8; 0.8077 at n = 72 makes the
 GB200 NVL72 72-GPU prediction equal 839.16 GB/s (CoreWeave nccl-tests README, NCCL 2.26.2)."""
@@ -92,6 +93,7 @@ def nvls_collective_GBps(domain: ScaleUpDomain) -> float:
     """NVLS reduce-scatter / all-gather: the link rate the switch path sustains (GB/s per GPU).
 
     Each GPU moves its ``(n-1)/n x S`` once through the switch (``multimem.ld_reduce`` for
-    reduce-scatter, ``multimem.st`` for all-gather), at ``nvlsEfficiency`` of the link.
+    reduce-scatter, ``multimem.st`` for all-gather), at ``nvlsEfficiency`` of the link. Not
+    checked against a measurement: below 1, the ring (at the full link rate) always wins.
     """
     return domain.achieved_GBps * NVLS_EFFICIENCY[nvlink_generation(domain)]
