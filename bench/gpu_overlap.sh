@@ -57,7 +57,7 @@ run_model() {  # model, extra args...
   local model=$1
   shift
   timeout 900 "$PYTHON" bench/ddp_overlap.py --device cuda --rate none --model "$model" \
-    --only optimizer --optimizer adamw --profile-dir "$OUT_DIR/profile_$model" \
+    --only optimizer --optimizer adamw --tails 0,4 --profile-dir "$OUT_DIR/profile_$model" \
     --json "$OUT_DIR/ddp_overlap_$model.json" "$@"
   for case in bucketer_opt bucketer_overlap; do
     "$PYTHON" -m overlapkit.cli report "$OUT_DIR/profile_$model/$case" --json \
