@@ -247,6 +247,18 @@ def test_nproc_per_node_that_contradicts_the_tasks_per_node_is_refused():
     assert slurm_launcher(env=ONE_NODE_TWO_TASKS, nproc_per_node=2).local_rank == 1
 
 
+def test_one_task_per_rank_takes_its_threads_from_cpus_per_task():
+    with_cpus = ONE_NODE_TWO_TASKS | {"SLURM_CPUS_PER_TASK": "6"}
+    assert slurm_launcher(env=with_cpus).threads_per_rank == 6
+    assert slurm_launcher(env=with_cpus, threads_per_rank=2).threads_per_rank == 2
+    assert slurm_launcher(env=ONE_NODE_TWO_TASKS).threads_per_rank is None
+
+
+def test_gpus_bound_per_task_are_refused_with_one_task_per_rank():
+    with pytest.raises(ValueError, match=r"SLURM_GPUS_PER_TASK=1: .* --gpus-per-node"):
+        slurm_launcher(env=ONE_NODE_TWO_TASKS | {"SLURM_GPUS_PER_TASK": "1"})
+
+
 def test_restarts_need_torch_elastic_so_one_task_per_rank_refuses_them():
     with pytest.raises(ValueError, match=r"launcher.max_restarts=1 needs torch elastic"):
         slurm_launcher(env=ONE_NODE_TWO_TASKS, max_restarts=1)

@@ -286,6 +286,8 @@ def slurm_launcher(
             one rank; a value other than the tasks per node is then refused.
         port (int): TCP port of the rendezvous on the first node. Defaults to
             ``rendezvous_port(SLURM_JOB_ID)``.
+        threads_per_rank (int): torch threads per worker. Defaults, with one task per rank, to
+            ``SLURM_CPUS_PER_TASK`` when set; otherwise this node's cores divided among them.
         env (Mapping): the variables to read. Defaults to ``os.environ``.
         Others: as ``LauncherConfig``.
 
@@ -293,7 +295,8 @@ def slurm_launcher(
         ValueError: a missing, malformed or inconsistent ``SLURM_*`` variable, or a launcher
             value that contradicts the allocation.
     """
-    step = SlurmStep.from_env(os.environ if env is None else env)
+    env = os.environ if env is None else env
+    step = SlurmStep.from_env(env)
     per_node = step.tasks_per_node[0]
     if per_node > 1:
         if nproc_per_node is not None and nproc_per_node != per_node:
@@ -303,7 +306,17 @@ def slurm_launcher(
                 "launcher.nproc_per_node, or run one task per node (--ntasks-per-node=1) to "
                 "let torch elastic start the workers"
             )
+        if env.get("SLURM_GPUS_PER_TASK"):
+            # Each rank uses GPU SLURM_LOCALID of its node, which a task bound to its own GPU
+            # (CUDA_VISIBLE_DEVICES of one device) does not have.
+            raise ValueError(
+                f"SLURM_GPUS_PER_TASK={env['SLURM_GPUS_PER_TASK']}: with one task per rank each "
+                "task uses GPU SLURM_LOCALID of its node; request --gpus-per-node instead of "
+                "--gpus-per-task"
+            )
         nproc_per_node, local_rank = per_node, step.local_id
+        if threads_per_rank is None and env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+            threads_per_rank = int(env["SLURM_CPUS_PER_TASK"])  # this rank's own CPUs
     else:
         nproc_per_node = nproc_per_node if nproc_per_node is not None else step.gpus_on_node or 1
         local_rank = None
