@@ -133,6 +133,7 @@ def compared():
     return run_on_ranks(_compare_on_rank, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(DTYPES))
 def test_compress_hook_issues_no_more_ops_than_pytorchs(compared, name):
     for rank, result in enumerate(compared):
@@ -149,6 +150,7 @@ def test_compress_hook_issues_no_more_ops_than_pytorchs(compared, name):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(DTYPES))
 def test_compress_hook_averages_exactly_like_pytorchs(compared, name):
     a, b = _gradients(0), _gradients(1)
@@ -160,6 +162,7 @@ def test_compress_hook_averages_exactly_like_pytorchs(compared, name):
         assert ((ours - (a + b) / 2).abs() <= bound).all()
 
 
+@pytest.mark.slow
 def test_fp16_hook_divides_before_it_can_overflow(compared):
     for result in compared:
         overflow = result["fp16_overflow"]
