@@ -1,4 +1,4 @@
-"""Run a function on N local gloo ranks in spawned processes (tests, benchmarks, doctor).
+"""Run a function on N local gloo ranks in worker processes (tests, benchmarks, doctor).
 
 ``run_on_ranks(fn, world_size=2)`` starts ``world_size`` processes, joins them into a gloo process
 group whose collectives time out after ``collective_timeout_s`` seconds, calls
@@ -9,7 +9,9 @@ and when one fails or dies it gives the others one collective timeout to notice 
 them. A failure raises ``RankFailure`` whose message carries each failing rank's traceback or
 exit status, so a test shows the child's error, not a bare "process exited".
 
-``fn`` and its arguments must be picklable (a module-level function).
+``fn`` and its arguments must be picklable (a module-level function). The workers are forked from
+a server that has imported torch (``overlapkit.worker_start``) and take the parent's environment,
+working directory and ``sys.path`` of the moment of the call, as spawned ones would.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from overlapkit.worker_start import ParentState, context
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 10.0
 DEFAULT_TOTAL_TIMEOUT_S = 120.0
@@ -59,11 +63,13 @@ def _child(
     collective_timeout_s: float,
     fn: Callable[..., Any],
     args: tuple,
+    parent: ParentState,
     env: dict[str, str],
     threads_per_rank: int,
     results: mp.Queue,
     backend: str = "gloo",
 ) -> None:
+    parent.adopt()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -123,7 +129,7 @@ def run_on_ranks(
     Raises:
         RankFailure: a rank raised, exited without a result, or the run exceeded its time.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context()
     timeout = timedelta(seconds=collective_timeout_s)
     # The parent holds the store, so the port is bound before any child needs it.
     store = dist.TCPStore(
@@ -140,6 +146,7 @@ def run_on_ranks(
                 collective_timeout_s,
                 fn,
                 args,
+                ParentState.capture(),
                 env or {},
                 threads_per_rank,
                 results,

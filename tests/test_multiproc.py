@@ -47,3 +47,22 @@ def test_a_dead_rank_ends_the_run_within_the_collective_timeout():
     assert "rank 1 returned nothing: exit code 3" in str(failure.value)
     # Bounded by the harness (collective timeout + grace + spawn), far below the test timeout.
     assert time.monotonic() - start < 60
+
+
+def _what_the_rank_sees(rank, world_size):
+    return os.environ.get("OVERLAPKIT_TEST_MARK"), "HOME" in os.environ, os.getcwd(), os.getpid()
+
+
+def test_ranks_see_the_callers_environment_and_directory_of_the_call_not_the_fork_servers(
+    tmp_path, monkeypatch
+):
+    # The fork server (overlapkit.worker_start) runs from the first call on, with this
+    # process's environment of that moment; later changes must still reach the ranks.
+    [(_, had_home, first_cwd, first_pid), _] = run_on_ranks(_what_the_rank_sees, 2)
+    assert had_home and first_cwd == os.getcwd()
+    monkeypatch.setenv("OVERLAPKIT_TEST_MARK", "set after the server started")
+    monkeypatch.delenv("HOME")
+    monkeypatch.chdir(tmp_path)
+    for mark, has_home, cwd, pid in run_on_ranks(_what_the_rank_sees, 2):
+        assert (mark, has_home, cwd) == ("set after the server started", False, str(tmp_path))
+        assert pid not in (first_pid, os.getpid())

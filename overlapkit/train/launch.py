@@ -37,6 +37,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from overlapkit.train.faults import install_kill_from_env
 from overlapkit.train.loop import RunPaths, resolve_device, train
 from overlapkit.validation import check_int, is_finite_number
+from overlapkit.worker_start import ParentState, context
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class LauncherConfig:
             max_nodes=self.nnodes,
             nproc_per_node=self.nproc_per_node,
             max_restarts=self.max_restarts,
-            start_method="spawn",
+            start_method="forkserver",  # see overlapkit.worker_start
             logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
         )
         if self.standalone:
@@ -165,12 +166,20 @@ def _setup_worker_logging(rank: int) -> None:
 
 @record
 def worker_main(
-    job: dict[str, Any], run_dir: str, threads: int, collective_timeout_s: float
+    job: dict[str, Any],
+    run_dir: str,
+    threads: int,
+    collective_timeout_s: float,
+    parent: ParentState | None = None,
 ) -> dict[str, Any] | None:
     """One rank: join the process group, agree on rank 0's run directory, train.
 
-    Started by torch elastic with torchrun's environment; returns rank 0's summary as a dict.
+    Started by torch elastic with torchrun's environment (forked from the server of
+    ``overlapkit.worker_start``, so it first adopts the launching process's environment);
+    returns rank 0's summary as a dict.
     """
+    if parent is not None:
+        parent.adopt()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _setup_worker_logging(rank)
     install_kill_from_env(rank)  # test-only, and only when OVERLAPKIT_TEST_KILL is set
@@ -333,8 +342,13 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
             launcher.nnodes,
             config.rdzv_backend,
         )
+        context()  # the forkserver torch elastic starts the workers from preloads overlapkit
         with _hold_store_until_nodes_leave(launcher), _fresh_store_per_restart(launcher):
             results = elastic_launch(config, worker_main)(
-                job, str(run_dir), launcher.threads(), float(launcher.collective_timeout_s)
+                job,
+                str(run_dir),
+                launcher.threads(),
+                float(launcher.collective_timeout_s),
+                ParentState.capture(),
             )
     return results.get(0)
