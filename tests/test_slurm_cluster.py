@@ -141,9 +141,8 @@ def test_failed_job_requeued_resumes_from_its_newest_checkpoint(cluster, tmp_pat
     # The job can show its old state for a moment; then it is pending again.
     cluster.wait(job, timeout_s=60, states={"PENDING", "RUNNING", "COMPLETED"})
     assert cluster.job(job)["Restarts"] == "1"
-    # Slurm holds a requeued job back for its credential lifetime (120 s by default), so that
-    # leftovers of the last run can end; this one's did already (srun ended them).
-    cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+    # Slurm holds it back for the credential lifetime (cred_expire, 10 s here), until the node
+    # forgets the revoked credential of the last run; starting earlier, the launch fails.
     state = cluster.wait(job, timeout_s=JOB_TIMEOUT_S)
     output = _output(tmp_path, "requeue", job)  # --open-mode=append: both runs
     assert state == "COMPLETED", f"{output[-5000:]}\n{cluster.logs()}"

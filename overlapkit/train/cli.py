@@ -153,7 +153,11 @@ def run(cfg: DictConfig) -> None:
         # The node rank comes from SLURM_NODEID; main() must have seen the choice to decide
         # which task keeps Hydra's outputs.
         if _SLURM_CHOICE not in sys.argv[1:]:
-            raise ValueError(f"launcher=slurm must be given on the command line ({_SLURM_CHOICE})")
+            raise ValueError(
+                f"{_SLURM_CHOICE} must be given on the command line, not chosen by a recipe or "
+                "config file: each Slurm task reads it before Hydra starts to decide whether it "
+                "keeps the run's outputs"
+            )
     elif launcher.node_rank != expected:
         raise ValueError(
             f"launcher.node_rank={launcher.node_rank} must be given on the command line "
