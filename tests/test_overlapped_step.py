@@ -34,6 +34,10 @@ OPTIMIZERS = {
     "sgd_momentum_wd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    # CPU defaults to the per-tensor loop; the multi-tensor kernels must give the same bits.
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adam_fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "sgd_foreach": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True),
 }
 # (first half, second half) of a run, checkpointed with DCP in between.
 COMBOS = [("sync", "sync"), ("overlap", "overlap"), ("overlap", "sync"), ("sync", "overlap")]
@@ -110,9 +114,10 @@ class _TwoHeads(nn.Module):
 
 
 def _accumulation_and_unused(rank, world_size, mode):
-    """Adam, two micro-batches (the first in no_sync), head ``b`` unused on rank 0."""
+    """Adam, two micro-batches (the first in no_sync), head ``b`` unused on rank 0, ``a.bias``
+    reduced but left out of the optimizer (its gradient accumulates in its bucket)."""
     model = _TwoHeads()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam([p for n, p in model.named_parameters() if n != "a.bias"], lr=1e-2)
     extra = {"optimizer": opt} if mode == "overlap" else {}
     bucketer = ok.GradBucketer(model, bucket_mb=ONE_PARAM_PER_BUCKET_MB, **extra)
     for batch in make_batches(4, world_size):

@@ -225,6 +225,11 @@ class OverlappedStep:
         # The first gradient of a backward finishes the previous step: what the forward did not
         # need (a module it skipped) is applied now, before any bucket buffer is reused.
         self.synchronize()
+        b, pos = self._bucketer._bucket_of[index]
+        if param.grad.data_ptr() == self._bucketer._buckets[b].views[pos].data_ptr():
+            # Already its bucket view (a parameter the optimizer does not update keeps it): the
+            # bucket's own division bumps its version, so versions say nothing here.
+            return
         self._handed[index] = (param.grad, param.grad._version)
 
     def step(self) -> None:
