@@ -77,8 +77,18 @@ class SlurmCluster:
         self.conf = self.root / "slurm.conf"
         self._daemons: list[subprocess.Popen] = []
         self._created: list[str] = []
+        self._previous_handlers: dict[int, object] = {}
+        self.leftover_pids: list[str] = []
 
     def __enter__(self) -> SlurmCluster:
+        # A SIGTERM (``timeout``, a CI runner) becomes SystemExit, so that __exit__ still runs:
+        # the daemons live in sessions of their own and would outlive this process.
+        def leave(signum, frame):
+            raise SystemExit(128 + signum)
+
+        self._previous_handlers = {
+            signum: signal.signal(signum, leave) for signum in (signal.SIGTERM, signal.SIGHUP)
+        }
         try:
             self._start()
         except BaseException:
@@ -309,6 +319,9 @@ MinJobAge=3600
         self._created.clear()
         shutil.rmtree(self.root, ignore_errors=True)
         self.leftover_pids = leftovers
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
 
     def left_behind(self) -> list[str]:
         """What ``__exit__`` found still running or existing: must be empty."""
