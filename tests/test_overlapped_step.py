@@ -6,6 +6,7 @@ One spawned 2-rank group runs every scenario (``_all_scenarios``); the tests rea
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import re
@@ -321,6 +322,59 @@ def _train_loop(rank, world_size):
     return out
 
 
+def _fsdp_by_block(rank, world_size):
+    """ok.fsdp + AdamW: step_by_block vs optimizer.step(), and the order step_by_block works in."""
+    from tests.test_fsdp_blocks import make_mlp as make_blocks
+
+    # ``overlapkit.fsdp`` the attribute is the function ok.fsdp; the module is in sys.modules.
+    prefetch = importlib.import_module("overlapkit.fsdp.prefetch")
+
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for mode in ("step", "by_block"):
+        model = ok.fsdp(make_blocks(blocks=4, width=32), prefetch=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = _schedule(opt)
+        owner = {id(p): f"block{i}" for i, b in enumerate(model) for p in b.parameters()}
+        order = []
+        real_step_subset = prefetch.step_subset
+
+        def spy(optimizer, params, real=real_step_subset, owner=owner, order=order, **kwargs):
+            names = {owner.get(id(p), "root") for p in params} or {"root"}
+            order.append(("update", *sorted(names)))
+            real(optimizer, params, **kwargs)
+
+        for name, module in [("root", model), *((f"block{i}", b) for i, b in enumerate(model))]:
+            real_unshard = module.unshard
+            module.unshard = lambda *a, n=name, f=real_unshard, order=order, **k: (
+                order.append(("gather", n)),
+                f(*a, **k),
+            )[1]
+        prefetch.step_subset = spy
+        try:
+            for _ in range(4):
+                model(x).square().mean().backward()
+                order.clear()
+                if mode == "by_block":
+                    prefetch.step_by_block(model, opt)
+                else:
+                    opt.step()
+                opt.zero_grad()
+                sched.step()
+        finally:
+            prefetch.step_subset = real_step_subset
+        local = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+        state = {
+            str(k): {
+                sk: (sv.to_local() if hasattr(sv, "to_local") else sv).clone()
+                for sk, sv in v.items()
+            }
+            for k, v in opt.state_dict()["state"].items()
+        }
+        out[mode] = {"params": local, "optim": state, "order": list(order)}
+    return out
+
+
 def _all_scenarios(rank, world_size, root):
     out = {"bitwise": {}, "accumulation": {}}
     for opt_name in OPTIMIZERS:
@@ -333,6 +387,7 @@ def _all_scenarios(rank, world_size, root):
     out["event_order"] = _event_order(rank, world_size)
     out["refusals"] = _refusals(rank, world_size)
     out["train_loop"] = _train_loop(rank, world_size)
+    out["fsdp"] = _fsdp_by_block(rank, world_size)
     return out
 
 
@@ -509,3 +564,21 @@ def test_train_refuses_bucketer_overlap_with_clip_grad_norm_naming_the_key():
         ValueError, match=r"train\.clip_grad_norm=1\.0 cannot be used with per-bucket"
     ):
         check_job(cfg, instantiate(cfg.launcher))
+
+
+@pytest.mark.slow
+def test_fsdp_step_by_block_equals_optimizer_step_and_gathers_first_blocks_early(scenarios):
+    for result in scenarios:
+        by_block, step = result["fsdp"]["by_block"], result["fsdp"]["step"]
+        _assert_bitwise(by_block["params"], step["params"], "fsdp params")
+        _assert_bitwise(by_block["optim"], step["optim"], "fsdp optimizer state")
+        # prefetch=1: the root's and block 0's all-gathers start before blocks 1-3 are updated.
+        assert by_block["order"] == [
+            ("update", "root"),
+            ("gather", "root"),
+            ("update", "block0"),
+            ("gather", "block0"),
+            ("update", "block1"),
+            ("update", "block2"),
+            ("update", "block3"),
+        ], by_block["order"]

@@ -27,13 +27,11 @@ Anything else that reads parameters sees every update applied: ``model.state_dic
 too) call ``synchronize()`` through pre-hooks; so does ``bucketer.synchronize()``. Code that reads
 ``param`` tensors directly between ``step()`` and the next forward must call ``synchronize()``.
 
-**The optimizer is the user's.** A bucket is updated by calling the optimizer class's own
-``step`` on a shallow copy of the optimizer whose ``param_groups`` hold that bucket's parameters
-(with the hyper-parameters snapshotted from the user's groups) and whose ``state`` *is* the
-user's ``optimizer.state`` (shared by parameter key). Each torch.optim update of one parameter
-depends only on its own gradient and state (foreach and fused kernels included: they are
-element-wise per tensor), so the result is bitwise equal to ``wait(); optimizer.step();
-optimizer.zero_grad()`` and ``optimizer.state_dict()`` is the same object either way.
+**The optimizer is the user's.** A bucket is updated by ``overlapkit.optim_subset.step_subset``:
+the optimizer class's own ``step`` on a view restricted to the bucket's parameters, with the
+hyper-parameters snapshotted at ``step()`` and the user's ``optimizer.state``. The result is
+bitwise equal to ``wait(); optimizer.step(); optimizer.zero_grad()`` and
+``optimizer.state_dict()`` is the same object either way.
 
 **What cannot be overlapped is refused** (each error says why and what to use instead): global
 gradient-norm clipping, ``GradScaler`` and anything that edits gradients between backward and
@@ -46,7 +44,6 @@ needs every bucket); ``bucket_mb="auto"``; tensor-parallel (DTensor) parameters.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -54,6 +51,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
+
+from overlapkit.optim_subset import group_of, hyper_parameters, step_subset
 
 if TYPE_CHECKING:
     from overlapkit.ddp.bucketer import GradBucketer
@@ -241,19 +240,12 @@ class OverlappedStep:
                 "the last step() (or all ran inside no_sync()); call loss.backward() first"
             )
         self._refuse_edited_gradients()
-        hyper = [
-            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items()}
-            for g in (
-                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
-            )
-        ]
-        group_of = {
-            id(p): g for g, grp in enumerate(self.optimizer.param_groups) for p in grp["params"]
-        }
+        hyper = hyper_parameters(self.optimizer)
+        groups = group_of(self.optimizer)
         # LR schedulers warn when they step before ``optimizer.step()``; this is that step.
         self.optimizer._opt_called = True
         missing, step = bucketer._end_backward()
-        self._job = _Job(step, hyper, group_of, missing, list(bucketer._launch_order))
+        self._job = _Job(step, hyper, groups, missing, list(bucketer._launch_order))
         if bucketer._ready_order is not None:
             # The first step rebuilds the buckets in rank 0's order: every update must land first.
             for b in list(self._job.pending):
@@ -378,31 +370,8 @@ class OverlappedStep:
             bucketer._finite.finish_step(job.step)  # raise mode: this bucket's NaN/Inf, now
         params = [bucketer._params[i] for i in bucketer._buckets[b].indices]
         mine = [p for p in params if id(p) in job.group_of]
-        groups: dict[int, list[torch.Tensor]] = {}
-        for p in mine:
-            if p.grad is not None:
-                groups.setdefault(job.group_of[id(p)], []).append(p)
-        if groups:
-            _step_subset(
-                self.optimizer, [{**job.hyper[g], "params": ps} for g, ps in groups.items()]
-            )
+        step_subset(self.optimizer, mine, hyper=job.hyper, groups=job.group_of)
         for p in mine:
             p.grad = None  # optimizer.zero_grad()'s default, for this bucket's parameters
         if not job.pending and self._stream is None:
             self._job = None
-
-
-def _step_subset(optimizer: torch.optim.Optimizer, param_groups: list[dict]) -> None:
-    """Run ``type(optimizer).step`` on a view of ``optimizer`` restricted to ``param_groups``.
-
-    The view shares ``optimizer.state`` (read at call time: ``load_state_dict`` replaces it) and
-    every other attribute, has no step hooks of its own, and is called through the class so that
-    an LR scheduler's instance wrapper of ``optimizer.step`` is not involved.
-    """
-    view = object.__new__(type(optimizer))
-    view.__dict__.update(optimizer.__dict__)
-    view.__dict__.pop("step", None)
-    view.param_groups = param_groups
-    view._optimizer_step_pre_hooks = OrderedDict()
-    view._optimizer_step_post_hooks = OrderedDict()
-    type(optimizer).step(view)

@@ -1,4 +1,5 @@
-"""Explicit forward/backward prefetch lists; the next step's first gathers after the optimizer.
+"""Explicit forward/backward prefetch lists; the next step's first gathers after the optimizer,
+or after each of the first blocks' own update (``step_by_block``).
 
 Forward: block i prefetches blocks i+1 .. i+d, and the root prefetches blocks 0 .. d-1, so while
 block i computes the all-gathers of the next d blocks are in flight. Backward: block i
@@ -16,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from overlapkit.fsdp.state import state_of
+from overlapkit.optim_subset import group_of, hyper_parameters, step_subset
 
 
 def set_explicit_prefetch(root: FSDPModule, blocks: Sequence[FSDPModule], depth: int) -> None:
@@ -69,3 +71,56 @@ def overlap_optimizer_step(
             state.root.set_post_optim_event(stream.record_event())
 
     return optimizer.register_step_post_hook(issue_next_gathers)
+
+
+def step_by_block(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` block by block in forward order; each of the first blocks' next
+    all-gather starts as soon as that block is updated (Megatron's
+    ``overlap_param_gather_with_optimizer_step``).
+
+    Call it instead of ``optimizer.step()``. The root's own parameters are updated first, then
+    each block's, with the user's optimizer (``overlapkit.optim_subset``: bitwise what
+    ``optimizer.step()`` gives). On host devices (gloo) the all-gathers of the root and of the
+    first ``max(prefetch, 1)`` blocks are issued right after their own update, so they run while
+    the rest of the model is updated. On CUDA, FSDP2 gates every all-gather of the next forward
+    on one post-optimizer event (``FSDPModule.set_post_optim_event``, waited in the root's
+    pre-forward), so the event is recorded after the last block; the update itself is the same.
+
+    Args:
+        model (nn.Module): the model returned by ``ok.fsdp``.
+        optimizer (torch.optim.Optimizer): the optimizer of its (sharded) parameters; its step
+            hooks, if any, do not run.
+
+    Raises:
+        TypeError: ``model`` was not returned by ``ok.fsdp``.
+        ValueError: ``optimizer`` holds parameters outside ``model``.
+
+    Example:
+        >>> model = ok.fsdp(model, prefetch=1)
+        >>> loss_fn(model(x), y).backward()
+        >>> step_by_block(model, optimizer)
+        >>> optimizer.zero_grad()
+    """
+    state = state_of(model, caller="step_by_block")
+    groups = group_of(optimizer)
+    hyper = hyper_parameters(optimizer)
+    in_blocks = {id(p) for block in state.blocks for p in block.parameters()}
+    root_own = [p for p in state.root.parameters() if id(p) not in in_blocks]
+    known = in_blocks | {id(p) for p in root_own}
+    if any(pid not in known for pid in groups):
+        raise ValueError(
+            "step_by_block: the optimizer holds parameters that are not in the ok.fsdp model"
+        )
+    early = {id(m) for m in (state.root, *state.blocks[: max(state.prefetch, 1)])}
+    for module, params in (
+        (state.root, root_own),
+        *((b, list(b.parameters())) for b in state.blocks),
+    ):
+        step_subset(optimizer, [p for p in params if id(p) in groups], hyper=hyper, groups=groups)
+        if state.device_type == "cpu" and id(module) in early:
+            module.unshard(async_op=True)
+    # LR schedulers warn when they step before ``optimizer.step()``; this is that step.
+    optimizer._opt_called = True
+    if state.device_type != "cpu":
+        stream = torch.get_device_module(state.device_type).current_stream()
+        state.root.set_post_optim_event(stream.record_event())
