@@ -24,23 +24,28 @@ from overlapkit.failures import CollectiveFailure, CollectiveSite
 class FailureRelay:
     """The first ``CollectiveFailure`` of a DDP step, raised once DDP has finished the step."""
 
-    __slots__ = ("_claimed", "_failure", "_lock", "_queued")
+    __slots__ = ("_armed_step", "_claimed", "_failure", "_lock")
 
     def __init__(self) -> None:
+        self._armed_step: int | None = None
         self._claimed = False
         self._failure: CollectiveFailure | None = None
         self._lock = threading.Lock()
-        self._queued = False
 
-    def arm(self) -> None:
+    def arm(self, step: int) -> None:
         """From a comm hook (autograd thread): check for a failure after DDP's final callback.
 
         DDP queues its end-of-backward callback when the last bucket is ready, after a hook's
-        first call; a callback queued from a final callback runs after all of them.
+        first call; a callback queued from a final callback runs after all of them. Keyed by
+        ``step`` (the recorder's, before the bucket is recorded) rather than by "already
+        queued": a backward that another final callback aborted never runs ours, and the next
+        step must still be checked.
         """
-        if self._queued:
+        if self._armed_step == step:
             return
-        self._queued = True
+        self._armed_step = step
+        with self._lock:  # a failure of an aborted backward is not this step's
+            self._failure, self._claimed = None, False
         engine = Variable._execution_engine
         engine.queue_callback(lambda: engine.queue_callback(self._raise_recorded))
 
@@ -59,7 +64,6 @@ class FailureRelay:
         return failure
 
     def _raise_recorded(self) -> None:
-        self._queued = False
         with self._lock:  # DDP's final callback has waited for every bucket's future
             failure, self._failure, self._claimed = self._failure, None, False
         if failure is not None:

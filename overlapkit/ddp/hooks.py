@@ -123,9 +123,9 @@ def _allreduce_fut(
     healthy path runs nothing but ``finish``.
     """
     site = state.failures.site(state.process_group, collective, f"bucket {bucket.index()}")
+    state.relay.arm(state.recorder.step)
     future = dist.all_reduce(wire, group=state.process_group, async_op=True).get_future()
     _record(state.recorder, bucket, future, wire.numel() * wire.element_size())
-    state.relay.arm()
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:
@@ -216,9 +216,9 @@ def powersgd_hook(
     """
     group = state.powersgd.process_group or dist.group.WORLD
     site = state.failures.site(group, "PowerSGD all_reduce", f"bucket {bucket.index()}")
+    state.relay.arm(state.recorder.step)
     future = powersgd.powerSGD_hook(state.powersgd, bucket)
     _record(state.recorder, bucket, future, None)
-    state.relay.arm()
 
     def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         try:
