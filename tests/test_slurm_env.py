@@ -274,3 +274,21 @@ def test_only_the_task_hosting_rank_0_keeps_hydra_outputs(monkeypatch):
     assert process_index(["train.steps=3"]) == 0
     monkeypatch.setenv("SLURM_PROCID", "0")
     assert process_index(["launcher=slurm"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"local_rank": 2},
+            r"launcher.local_rank \(2\) .* must be < launcher.nproc_per_node \(2\)",
+        ),
+        ({"rdzv_endpoint": None}, r"launcher.local_rank \(0\) needs launcher.rdzv_endpoint"),
+        ({"max_restarts": 1}, r"launcher.max_restarts=1 needs torch elastic"),
+    ],
+)
+def test_a_worker_started_per_rank_is_checked(values, message):
+    good = {"nproc_per_node": 2, "local_rank": 0, "rdzv_endpoint": "n1:20017"}
+    assert LauncherConfig(**good).local_rank == 0
+    with pytest.raises(ValueError, match=message):
+        LauncherConfig(**(good | values))
