@@ -13,7 +13,8 @@ Slurm task. Each reads its step's variables and becomes one of two shapes, which
 Both use the static rendezvous (ranks numbered node by node, ``SLURM_NODEID`` as the node rank)
 on the first node of ``SLURM_STEP_NODELIST`` (``SLURM_JOB_NODELIST`` outside a step), at a
 port derived from ``SLURM_JOB_ID``, so that rank 0, and with it the run's outputs, is always on
-the first node. The variables are checked together before any worker starts; a partial or
+the first node (torch's c10d rendezvous numbers nodes by their join order, which would put rank
+0 on any node). The variables are checked together before any worker starts; a partial or
 inconsistent environment is refused naming the variable.
 
 Node lists are expanded here (``node[01-04,07]``, ``a-[1-2]b``, ``r[1-2]n[1-2]``, comma lists)
@@ -44,8 +45,9 @@ def expand_hostlist(hostlist: str, *, variable: str = "SLURM_JOB_NODELIST") -> l
     """Expand a Slurm host list, in Slurm's order.
 
     ``node[01-04,07]`` is node01 .. node04, node07 (a range keeps the width of its lower
-    bound); ``a-[1-2]b`` is a-1b, a-2b; several brackets in one name multiply, the first
-    varying slowest; top-level commas separate names.
+    bound); ``a-[1-2]b`` is a-1b, a-2b (text after the last bracket, which Slurm 22.05's
+    ``scontrol`` refuses, is kept); several brackets in one name multiply, the first varying
+    slowest; top-level commas separate names.
 
     Args:
         hostlist (str): the compressed list, e.g. ``"gpu[001-003],login1"``.
