@@ -97,6 +97,7 @@ def test_parallel_options_call_the_public_api_with_planned_sizes():
         "bucketer_overlap": (ok.GradBucketer, {"bucket_mb": 25, "optimizer": "optim"}, {}),
         "fsdp": (ok.fsdp, fsdp, {}),
         "fsdp_prefetch2": (ok.fsdp, fsdp | {"prefetch": 2}, {}),
+        "fsdp_overlap": (ok.fsdp, fsdp | {"optimizer_step": "by_block"}, {}),
         "hsdp": (ok.fsdp, fsdp, {"dp_shard": 2}),
         "tp_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"tp": 2}),
         "ep_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"ep": 2}),

@@ -292,7 +292,7 @@ def _train_loop(rank, world_size):
     from overlapkit.train.parallel import apply_parallel, check_run_optimizer
 
     out = {}
-    for option in ("bucketer", "bucketer_overlap"):
+    for option in ("bucketer", "bucketer_overlap", "fsdp", "fsdp_overlap"):
         cfg = _compose(f"parallel={option}", *TRAIN_SMALL)
         train_cfg = instantiate(cfg.train)
         torch.manual_seed(0)
@@ -315,7 +315,10 @@ def _train_loop(rank, world_size):
         par.settle()
         out[option] = {
             "losses": losses,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "params": {
+                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in par.model.named_parameters()
+            },
             "description": par.description,
             "initial": initial,
         }
@@ -546,12 +549,16 @@ def test_dead_rank_raises_collective_failure_naming_the_bucket():
 @pytest.mark.slow
 def test_train_option_bucketer_overlap_follows_parallel_bucketer_bitwise(scenarios):
     for result in scenarios:
-        sync, overlap = result["train_loop"]["bucketer"], result["train_loop"]["bucketer_overlap"]
-        assert "per-bucket optimizer updates" in overlap["description"]
-        assert overlap["losses"] == sync["losses"]
-        for name, before in overlap["initial"].items():  # every parameter was updated
-            assert not torch.equal(overlap["params"][name], before), name
-        _assert_bitwise(overlap["params"], sync["params"], "params")
+        for plain, overlapped, what in [
+            ("bucketer", "bucketer_overlap", "per-bucket optimizer updates"),
+            ("fsdp", "fsdp_overlap", "optimizer step by block"),
+        ]:
+            sync, overlap = result["train_loop"][plain], result["train_loop"][overlapped]
+            assert what in overlap["description"]
+            assert overlap["losses"] == sync["losses"], overlapped
+            for name, before in overlap["initial"].items():  # every parameter was updated
+                assert not torch.equal(overlap["params"][name], before), (overlapped, name)
+            _assert_bitwise(overlap["params"], sync["params"], f"{overlapped} params")
 
 
 def test_train_refuses_bucketer_overlap_with_clip_grad_norm_naming_the_key():

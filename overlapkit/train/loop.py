@@ -217,7 +217,10 @@ def _train_step(
     if par.optimizer is not None:  # the wrapper applies the optimizer per bucket itself
         return loss_sum.item(), None
     grad_norm = _grad_norm(par, cfg.clip_grad_norm)
-    optimizer.step()
+    if par.optimizer_step is not None:
+        par.optimizer_step(optimizer)
+    else:
+        optimizer.step()
     return loss_sum.item(), grad_norm
 
 

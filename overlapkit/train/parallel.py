@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp import GradBucketer
+from overlapkit.fsdp import step_by_block
 from overlapkit.train.mesh import Layout, PlanConfig
 from overlapkit.train.models.moe import MoE, shard_experts
 
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 RUN_OPTIMIZER = "optim"
 """``parallel.optimizer: optim``: the factory gets the run's optimizer (bucketer_overlap)."""
+BY_BLOCK = "by_block"
+"""``parallel.optimizer_step: by_block`` (fsdp_overlap): ``step_by_block`` replaces the step."""
 
 
 def _nothing() -> None:
@@ -70,6 +73,8 @@ class Parallelized:
     neither clips nor calls ``optimizer.step()``. None: the loop does both."""
     settle: Callable[[], None] = _nothing
     """Makes every parameter final (applies pending per-bucket updates)."""
+    optimizer_step: Callable[[torch.optim.Optimizer], None] | None = None
+    """Called instead of ``optimizer.step()`` (``step_by_block`` for ``fsdp_overlap``)."""
     bucketers: tuple[GradBucketer, ...] = ()
     """The bucketers, whose bucket layouts checkpoints save and restore."""
 
@@ -153,6 +158,12 @@ def apply_parallel(
             )
         optimizer = make_optimizer(model.parameters())
         factory = functools.partial(factory, optimizer=optimizer)
+    by_block = isinstance(factory, functools.partial) and (
+        factory.keywords.get("optimizer_step") == BY_BLOCK
+    )
+    if by_block:
+        keywords = {k: v for k, v in factory.keywords.items() if k != "optimizer_step"}
+        factory = functools.partial(factory.func, *factory.args, **keywords)
     result = factory(model, **_group_kwargs(factory, layout))
     match result:
         case DistributedDataParallel():
@@ -177,6 +188,15 @@ def apply_parallel(
             )
         case FSDPModule():
             what = "ok.fsdp" + (" (HSDP)" if layout.plan.dp_shard is not None else "")
+            if by_block:
+                return Parallelized(
+                    result,
+                    lambda: _fsdp_no_sync(result),
+                    _nothing,
+                    True,
+                    what + ", optimizer step by block",
+                    optimizer_step=functools.partial(step_by_block, result),
+                )
             return Parallelized(result, lambda: _fsdp_no_sync(result), _nothing, True, what)
         case nn.Module():
             # An unknown wrapper: it reduces gradients as it sees fit, on every backward.
