@@ -37,6 +37,17 @@ settings.register_profile("fuzz", deadline=None, print_blob=True, max_examples=1
 settings.load_profile(os.environ.get(PROFILE_ENV, "ci"))
 
 
+@pytest.fixture(scope="session")
+def recipe_sweep(tmp_path_factory):
+    """``overlapkit-train -m`` over every 2-rank recipe, run once for the tests that read it
+    (tests/test_train_e2e.py checks each recipe; test_train_parallel_nd.py takes ddp on 2 ranks
+    as a reference): a launch costs seconds of process start-up for a fraction of a second of
+    training."""
+    from tests.test_train_e2e import run_recipe_sweep
+
+    return run_recipe_sweep(tmp_path_factory.mktemp("recipe_sweep"))
+
+
 @pytest.fixture(autouse=True)
 def _seeded_generators() -> None:
     """Seed Python's, NumPy's and torch's global generators before each test, so a test that

@@ -17,9 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 SMALL = [
     "model.config.n_layer=2",
@@ -102,27 +100,31 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+RECIPE_SWEEP = [
+    f"parallel={','.join(PARALLEL)}",
+    "train.steps=8",
+    "train.grad_accum=2",
+    "train.checkpoint_every=0",
+]
+"""Every 2-rank recipe for 8 steps; tests/test_train_parallel_nd.py runs its 4-rank layouts with
+the same settings and takes this sweep's ddp job as the reference of tp_dp (2 batch shards)."""
+
+
+def run_recipe_sweep(directory: Path) -> tuple[Path, str]:
+    """Run ``RECIPE_SWEEP`` (profiled) in ``directory``; return its sweep directory and output."""
+    sweep = directory / "sweep"
+    profiled = ["profiler=on", "profiler.wait=1", "profiler.warmup=1", "profiler.active=2"]
+    output = _train(
+        ["-m", *RECIPE_SWEEP, *profiled, f"hydra.sweep.dir={sweep}"], directory, timeout_s=560
+    )
+    return sweep, output
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_each_parallel_recipe_trains_in_its_own_multirun_directory(tmp_path):
-    sweep = tmp_path / "sweep"
-    output = _train(
-        [
-            "-m",
-            f"parallel={','.join(PARALLEL)}",
-            "train.steps=8",
-            "train.grad_accum=2",
-            "train.checkpoint_every=0",
-            "profiler=on",
-            "profiler.wait=1",
-            "profiler.warmup=1",
-            "profiler.active=2",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        tmp_path,
-        timeout_s=560,
-    )
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # nothing else written
+def test_each_parallel_recipe_trains_in_its_own_multirun_directory(recipe_sweep):
+    sweep, output = recipe_sweep
+    assert sorted(p.name for p in sweep.parent.iterdir()) == ["sweep"]  # nothing else written
     losses_of = {}
     for job, parallel in enumerate(PARALLEL):
         run_dir = sweep / str(job)
@@ -147,41 +149,6 @@ def test_each_parallel_recipe_trains_in_its_own_multirun_directory(tmp_path):
         tolerance = 2e-2 if parallel == "ddp_bf16" else 1e-3
         assert losses_of[parallel] == pytest.approx(losses_of["ddp"], abs=tolerance), parallel
     assert output.count("exposed comm:") == len(PARALLEL)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_stopped_and_resumed_run_matches_an_uninterrupted_one_bitwise(tmp_path):
-    common = ["train.steps=6", "train.checkpoint_every=3", "train.grad_accum=2"]
-    sweep = tmp_path / "sweep"
-    # Job 0 runs steps 1..6; job 1 stops after step 3 (checkpointed) as if its time ran out.
-    _train(
-        ["-m", *common, "train.stop_after=null,3", f"hydra.sweep.dir={sweep}"],
-        tmp_path,
-        timeout_s=400,
-    )
-    whole, resumed = sweep / "0", sweep / "1"
-    assert _summary(resumed)["final_step"] == 3
-    # The same command in the same directory resumes from its newest checkpoint.
-    output = _train([*common, f"hydra.run.dir={resumed}"], tmp_path)
-    assert "resumed from step 3" in output
-    summary = _summary(resumed)
-    assert (summary["start_step"], summary["steps_run"], summary["final_step"]) == (3, 3, 6)
-
-    states = []
-    for run_dir in (whole, resumed):
-        target = run_dir / "step6.pt"
-        dcp_to_torch_save(run_dir / "checkpoints" / "step_00000006", target)
-        states.append(torch.load(target, weights_only=False))
-    a, b = states
-    assert a["progress"] == b["progress"] == {"step": 6, "data": {"position": 12}}
-    assert a["model"].keys() == b["model"].keys()
-    for name, value in a["model"].items():
-        assert torch.equal(value, b["model"][name]), name
-    for name, moments in a["optim"]["state"].items():
-        for key, value in moments.items():
-            assert torch.equal(value, b["optim"]["state"][name][key]), (name, key)
-    assert _losses(whole) == _losses(resumed)
 
 
 def _free_port() -> int:

@@ -193,8 +193,14 @@ def test_tp_hsdp_and_ep_gradients_equal_the_unsharded_model_on_4_ranks():
         assert ep["dispatch"] == [(ep["own_ep_group"], 4)] * 2
 
 
-# End to end: the real ``overlapkit-train`` on 4 gloo ranks (helpers of test_train_e2e).
-FOUR = ["launcher.nproc_per_node=4", "train.steps=8", "train.checkpoint_every=0"]
+# End to end: the real ``overlapkit-train`` on 4 gloo ranks (helpers of test_train_e2e), with
+# the settings of its 2-rank recipe sweep, whose ddp job is tp_dp's reference.
+FOUR = [
+    "launcher.nproc_per_node=4",
+    "train.steps=8",
+    "train.grad_accum=2",
+    "train.checkpoint_every=0",
+]
 
 
 def _decreasing(losses: dict[int, float]) -> bool:
@@ -202,9 +208,9 @@ def _decreasing(losses: dict[int, float]) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_hsdp_and_tp_dp_on_4_ranks_follow_ddps_loss_trajectory(tmp_path):
-    from tests.test_train_e2e import _losses, _summary, _train
+@pytest.mark.timeout(900)  # the first test to use recipe_sweep runs it
+def test_hsdp_and_tp_dp_on_4_ranks_follow_ddps_loss_trajectory(tmp_path, recipe_sweep):
+    from tests.test_train_e2e import RECIPE_SWEEP, _losses, _summary, _train
 
     sweep = tmp_path / "sweep"
     output = _train(
@@ -218,12 +224,12 @@ def test_hsdp_and_tp_dp_on_4_ranks_follow_ddps_loss_trajectory(tmp_path):
         tmp_path,
         timeout_s=560,
     )
-    # tp_dp has 2 batch shards (tp pairs read the same batches): its reference is ddp on 2.
-    _train(
-        ["launcher.nproc_per_node=2", "train.steps=8", f"hydra.run.dir={tmp_path}/ddp2"], tmp_path
-    )
+    # tp_dp has 2 batch shards (tp pairs read the same batches): its reference is ddp on 2,
+    # job 0 of the recipe sweep (the same steps, micro-batches and model; it is also profiled,
+    # which changes no number).
+    assert set(RECIPE_SWEEP[1:]) <= set(FOUR) and RECIPE_SWEEP[0].startswith("parallel=ddp,")
     runs = {p: sweep / str(i) for i, p in enumerate(["ddp", "hsdp", "tp_dp"])}
-    losses = {p: _losses(d) for p, d in runs.items()} | {"ddp2": _losses(tmp_path / "ddp2")}
+    losses = {p: _losses(d) for p, d in runs.items()} | {"ddp2": _losses(recipe_sweep[0] / "0")}
     summaries = {p: _summary(d) for p, d in runs.items()}
     assert summaries["hsdp"]["mesh"]["sizes"] | {} == {
         "pp": 1,
@@ -243,7 +249,7 @@ def test_hsdp_and_tp_dp_on_4_ranks_follow_ddps_loss_trajectory(tmp_path):
         assert summary["scaling_efficiency"] == pytest.approx(expected)
     assert output.count("scaling efficiency") == 3
     # Same initial weights, batches and averaged gradients: the same trajectory up to rounding
-    # (measured: hsdp differs from ddp by <= 1e-6, tp_dp from ddp on 2 ranks by <= 1e-5).
+    # (measured: hsdp differs from ddp by 0, tp_dp from ddp on 2 ranks by 4.8e-7).
     for run, reference in (("hsdp", "ddp"), ("tp_dp", "ddp2")):
         gap = max(abs(losses[run][s] - losses[reference][s]) for s in losses[reference])
         print(f"{run} vs {reference}: max |loss difference| {gap:.2e}")
@@ -279,6 +285,7 @@ def test_ep_dp_dispatches_over_the_planners_ep_groups_and_resumes_bitwise(tmp_pa
         timeout_s=400,
     )
     whole, resumed = sweep / "0", sweep / "1"
+    assert _summary(resumed)["final_step"] == 4  # train.stop_after
     summary = _summary(whole)
     assert summary["name"] == "moe_tiny-ep_dp"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # this host's 4 CPU ranks, as detected
@@ -293,16 +300,21 @@ def test_ep_dp_dispatches_over_the_planners_ep_groups_and_resumes_bitwise(tmp_pa
         assert record["layers"] == [{"group": own, "all_to_all_calls": 64}] * 2
     assert _decreasing(_losses(whole))
 
-    # Resumed from step 4 (expert shards are DTensors in the DCP checkpoint): the same
-    # parameters and Adam moments at step 8, bitwise.
+    # The same command in the same directory resumes from its newest checkpoint, step 4
+    # (expert shards are DTensors in the DCP checkpoint): the same data position, parameters
+    # and Adam moments at step 8, bitwise. (ok.ddp's resume is checked bitwise by
+    # tests/test_elastic_restart.py.)
     output = _train([*common, f"hydra.run.dir={resumed}"], tmp_path)
     assert "resumed from step 4" in output
+    summary = _summary(resumed)
+    assert (summary["start_step"], summary["steps_run"], summary["final_step"]) == (4, 4, 8)
     states = []
     for run_dir in (whole, resumed):
         target = run_dir / "step8.pt"
         dcp_to_torch_save(run_dir / "checkpoints" / "step_00000008", target)
         states.append(torch.load(target, weights_only=False))
     a, b = states
+    assert a["progress"] == b["progress"] == {"step": 8, "data": {"position": 16}}
     assert a["model"]["blocks.0.mlp.experts.w1"].shape[0] == 4  # all experts, gathered
     assert a["model"].keys() == b["model"].keys()
     for name, value in a["model"].items():
