@@ -73,6 +73,7 @@ def _output(cwd: Path, name: str, job: int) -> str:
     return (cwd / f"{name}-{job}.out").read_text()
 
 
+@pytest.mark.slow  # not the test itself: starting and stopping the cluster takes ~7 s
 def test_expand_hostlist_agrees_with_scontrol_show_hostnames(cluster):
     rng = random.Random(0)
     names = []
