@@ -117,17 +117,18 @@ def make_workload(cfg: dict, rank: int) -> tuple[Callable[[], nn.Module], Callab
     return new_gpt, lambda model: GPT.loss(model(tokens[:, :-1]), tokens[:, 1:])
 
 
-def _backend(cfg: dict) -> str:
+def backend_for(cfg: dict) -> str:
+    """The process group backend of ``cfg["device"]``: NCCL on CUDA, gloo on CPU."""
     return "nccl" if cfg.get("device") == "cuda" else "gloo"
 
 
-def _settle(cfg: dict) -> None:
+def settle(cfg: dict) -> None:
     """Wait for the device's queued work, so that a host clock read after it measures it."""
     if cfg.get("device") == "cuda":
         torch.cuda.synchronize()
 
 
-def _enter_device(cfg: dict, rank: int) -> None:
+def enter_device(cfg: dict, rank: int) -> None:
     """On CUDA: this rank's NCCL host id (two ranks on one GPU; see EMULATION.md) and GPU 0.
 
     Set before the first collective, which is when NCCL creates its communicator.
@@ -208,7 +209,7 @@ def _build_cases(
         plain.zero_grad(set_to_none=True)
         start = time.perf_counter()
         out = loss(plain)
-        _settle(cfg)
+        settle(cfg)
         forward_ms.append((time.perf_counter() - start) * 1e3)
         out.backward()
 
@@ -273,7 +274,7 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict:
     Cases with an optimizer (``OPTIMIZER_CASES``) give one value per round: the mean step of a
     block of ``steps`` back-to-back steps, ended by the case's ``finish``.
     """
-    _enter_device(cfg, rank)
+    enter_device(cfg, rank)
     cases, forward_ms, grad_numel, finish = _build_cases(cfg, rank)
     wall: dict[str, list[float]] = {name: [] for name in cases}
     cpu: dict[str, list[float]] = {name: [] for name in cases}
@@ -286,7 +287,7 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict:
                 dist.barrier()
                 start, cpu_start = time.perf_counter(), time.process_time()
                 step()
-                _settle(cfg)
+                settle(cfg)
                 if round_index > 0 or i >= cfg["warmup"]:
                     wall[name].append((time.perf_counter() - start) * 1e3)
                     cpu[name].append((time.process_time() - cpu_start) * 1e3)
@@ -316,7 +317,7 @@ def _time_block(
         step()
     if finish is not None:
         finish()
-    _settle(cfg)
+    settle(cfg)
     wall.append((time.perf_counter() - start) * 1e3 / cfg["steps"])
     cpu.append((time.process_time() - cpu_start) * 1e3 / cfg["steps"])
 
@@ -415,7 +416,7 @@ def print_table(report: dict) -> None:
 
 
 def _profile_rank(rank: int, world_size: int, cfg: dict, root: str) -> None:
-    _enter_device(cfg, rank)
+    enter_device(cfg, rank)
     new_model, loss = make_workload(cfg, rank)
     steps, finish = _optimizer_cases(cfg, new_model, loss)
     for name in PROFILED:
@@ -439,7 +440,7 @@ def profile_exposed_comm(cfg: dict, root: Path) -> dict[str, dict]:
         str(root),
         collective_timeout_s=120,
         total_timeout_s=1800,
-        backend=_backend(cfg),
+        backend=backend_for(cfg),
     )
     out = {name: exposed_share(root / name) for name in PROFILED}
     print(f"\nok.profile, {cfg['steps']} profiled steps per rank:")
@@ -526,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg["only"] = [c for o in only for c in (OPTIMIZER_CASES if o == "optimizer" else (o,))]
     print(f"ddp_overlap: 2 gloo ranks, {cfg}", flush=True)
     results = run_on_ranks(
-        rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600, backend=_backend(cfg)
+        rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600, backend=backend_for(cfg)
     )
     report = build_report(
         summarize([r["wall"] for r in results], max),

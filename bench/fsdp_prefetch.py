@@ -44,6 +44,7 @@ Example::
 
     python bench/fsdp_prefetch.py --json bench/results/fsdp_prefetch.json           # 8 Gbit/s
     python bench/fsdp_prefetch.py --rate none --json bench/results/fsdp_prefetch_loopback.json
+    python bench/fsdp_prefetch.py --device cuda --rate none   # 2 NCCL ranks on GPU 0 (under MPS)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 from cpu_priority import prioritize
+from ddp_overlap import backend_for, enter_device, settle
 from emulated_link import current_link, enter_emulated_link
 from torch import nn
 
@@ -94,7 +96,7 @@ def make_mlp(blocks: int, width: int) -> nn.Sequential:
 
 
 def _build_model(name: str, cfg: dict) -> nn.Module:
-    model = make_mlp(cfg["blocks"], cfg["width"])
+    model = make_mlp(cfg["blocks"], cfg["width"]).to(cfg.get("device", "cpu"))
     match name:
         case "compute_only":
             return model
@@ -145,11 +147,12 @@ def _profile_ranges(step: Callable[[], None]) -> dict[str, float]:
     return {name: round(ms, 2) for name, ms in totals.items()}
 
 
-def _collective_ms(numel: int, world_size: int, repeats: int = 12) -> dict[str, float]:
-    """Median ms of the gloo collectives FSDP uses for one block, after 2 untimed calls."""
+def _collective_ms(cfg: dict, numel: int, world_size: int, repeats: int = 12) -> dict[str, float]:
+    """Median ms of the collectives FSDP uses for one block, after 2 untimed calls."""
     numel -= numel % world_size
-    full, shard = torch.randn(numel), torch.empty(numel // world_size)
-    received = torch.empty(numel)
+    device = cfg.get("device", "cpu")
+    full, shard = torch.randn(numel, device=device), torch.empty(numel // world_size, device=device)
+    received = torch.empty(numel, device=device)
     calls = {
         "reduce_scatter_single": lambda: reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG),
         "all_to_all_single": lambda: dist.all_to_all_single(received, full),
@@ -162,6 +165,7 @@ def _collective_ms(numel: int, world_size: int, repeats: int = 12) -> dict[str, 
             dist.barrier()
             start = time.perf_counter()
             call()
+            settle(cfg)
             times.append((time.perf_counter() - start) * 1e3)
         medians[name] = round(statistics.median(times[2:]), 2)
     return medians
@@ -176,13 +180,15 @@ def _block_ms(step: Callable[[], None], cfg: dict, *, first_round: bool) -> floa
     start = time.perf_counter()
     for _ in range(cfg["steps"]):
         step()
+    settle(cfg)
     return (time.perf_counter() - start) * 1e3 / cfg["steps"]
 
 
 def _rank_main(rank: int, world_size: int, cfg: dict) -> dict:
+    enter_device(cfg, rank)
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
-    y = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    x = torch.randn(cfg["batch"], cfg["width"], generator=g).to(cfg.get("device", "cpu"))
+    y = torch.randn(cfg["batch"], cfg["width"], generator=g).to(cfg.get("device", "cpu"))
     models = {name: _build_model(name, cfg) for name in cfg["cases"]}
     steps = {name: _stepper(name, model, x, y) for name, model in models.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -195,6 +201,7 @@ def _rank_main(rank: int, world_size: int, cfg: dict) -> dict:
                 dist.barrier()
                 start = time.perf_counter()
                 step()
+                settle(cfg)
                 elapsed_ms = (time.perf_counter() - start) * 1e3
                 if round_index > 0 or i >= cfg["warmup"]:
                     times[name].append(elapsed_ms)
@@ -220,7 +227,7 @@ def _rank_main(rank: int, world_size: int, cfg: dict) -> dict:
             if name != "compute_only":
                 dist.barrier()
                 profiled[name] = _profile_ranges(step)
-    collectives = _collective_ms(cfg["width"] * (cfg["width"] + 1), world_size)
+    collectives = _collective_ms(cfg, cfg["width"] * (cfg["width"] + 1), world_size)
     return {"times": times, "memory": memory, "profile": profiled, "collectives": collectives}
 
 
@@ -318,6 +325,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps in the first round")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     parser.add_argument("--profile", action="store_true", help="profile one step per case")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: two NCCL ranks on GPU 0 (start CUDA MPS first; bench/gpu_overlap.sh does)",
+    )
     parser.add_argument("--json", type=Path, help="write the report here as JSON")
     return parser.parse_args(argv)
 
@@ -343,10 +356,17 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "cases": cases,
         "profile": args.profile,
+        "device": args.device,
     }
-    print(f"fsdp_prefetch: 2 gloo ranks, {cfg}", flush=True)
+    print(f"fsdp_prefetch: 2 {backend_for(cfg)} ranks, {cfg}", flush=True)
     per_rank = run_on_ranks(
-        _rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600, threads_per_rank=1
+        _rank_main,
+        2,
+        cfg,
+        collective_timeout_s=120,
+        total_timeout_s=3600,
+        threads_per_rank=1,
+        backend=backend_for(cfg),
     )
     report = build_report(summarize(per_rank), per_rank, cfg)
     print_table(report)

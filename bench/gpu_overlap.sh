@@ -13,6 +13,7 @@
 #
 # Writes to $OUT (default runs/gpu_overlap): machine.txt, ddp_overlap_<model>.json (the
 # benchmark JSON: cases, overlap efficiency, speed-ups, "profiled" exposed comm per step),
+# fsdp_prefetch.json (bench/fsdp_prefetch.py --device cuda, with the step_by_block cases),
 # report_<model>_<case>.json (overlapkit report on the real traces), gpu_overlap.log (everything
 # printed). Exit code: 0 done, 3 no CUDA device (nothing run), other: the failing step's.
 #
@@ -21,7 +22,7 @@
 # issue's H200 measurement (MLP 8 x 2048, batch 8192, fp32, TF32 off).
 set -euo pipefail
 if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then
-  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
 cd "$(dirname "$0")/.."
@@ -67,4 +68,9 @@ run_model() {  # model, extra args...
 
 run_model mlp --layers 8 --width 2048 --batch 8192
 run_model gpt_tiny --layers 8 --width 1024 --batch 16 --seq-len 256
+# ok.fsdp: FSDP2 default vs ok.fsdp(prefetch=1), and the AdamW step plain / overlap_optimizer_step /
+# step_by_block, on the same two ranks.
+timeout 900 "$PYTHON" bench/fsdp_prefetch.py --device cuda --rate none --blocks 8 --width 2048 \
+  --batch 8192 --json "$OUT_DIR/fsdp_prefetch.json" \
+  --cases compute_only,fsdp2_default,fsdp2_prefetch1,ok_prefetch1,adamw,adamw_overlap_step,adamw_by_block
 echo "gpu_overlap: done; results in $OUT_DIR"
