@@ -156,6 +156,8 @@ def test_failed_job_requeued_resumes_from_its_newest_checkpoint(cluster, tmp_pat
     assert checkpoints == ["step_00000003", "step_00000006"]
     shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_00000006").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # Task 1 ran Hydra in a scratch directory (under TMPDIR; the killed run's stays there).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"requeue-{job}.out", "runs", "tmp"]
 
 
 @pytest.mark.slow
