@@ -8,8 +8,16 @@ Items (``bench/gpu_check.sh`` runs them all; ``--only a,b`` picks some):
                   backward (exact for fp32, within bf16/fp16 rounding for the compressed hooks)
     comm_stats    CUDA-event timings: every ``ok.comm_stats`` record of those runs completed, and
                   every duration is > 0 ms
-    report        a profiled ``ok.ddp`` run on the GPU: the trace holds CUDA kernels and
-                  ``overlapkit report --json`` computes comm and exposed comm per step
+    report        a profiled ``ok.ddp`` run on two NCCL ranks sharing this one GPU (CUDA MPS
+                  + ``NCCL_HOSTID``, ../shared/EMULATION.md; at world size 1 NCCL launches no
+                  kernel): the traces hold CUDA kernels, ``overlapkit report --json`` has comm
+                  > 0 in every step of both ranks, and where HolisticTraceAnalysis is installed
+                  each rank's whole-trace overlap % is HTA's within ``HTA_TOLERANCE_POINTS``
+    fsdp_cuda     ``ok.fsdp(prefetch=1)`` on the same two NCCL ranks: parameters after 3 SGD
+                  steps equal an unsharded single-GPU reference; at most 2 blocks unsharded
+    train_cuda    ``overlapkit-train model=gpt_tiny profiler=on train.device=cuda`` with
+                  ``parallel=ddp`` and ``parallel=fsdp`` (one rank, NCCL): every step runs, the
+                  loss falls, and the profiled steps' traces hold CUDA kernels
     topo_nvml     NVML describes the GPU (``topology.local_view``) and
                   ``overlapkit topo --detect --json`` reports it (library nccl)
     doctor        ``torchrun --nproc-per-node 1 -m overlapkit.cli doctor --json --quick``:
@@ -41,17 +49,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ITEMS = ("cuda", "ddp_nccl", "comm_stats", "report", "topo_nvml", "doctor", "doctor_local")
+ITEMS = (
+    "cuda",
+    "ddp_nccl",
+    "comm_stats",
+    "report",
+    "fsdp_cuda",
+    "train_cuda",
+    "topo_nvml",
+    "doctor",
+    "doctor_local",
+)
 HOOK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 1e-2, "bucketer": 1e-6}
 """Largest gradient error, relative to the largest gradient, per path (world size 1)."""
 SKIPPED = 3
+HTA_TOLERANCE_POINTS = 1.0
+"""Largest |overlapkit - HTA| whole-trace overlap, percentage points; 0.5 was measured on the
+H200 (issue 14) and on synthetic traces (tests/test_trace_hta.py), HTA rounds to whole µs."""
+FSDP_TOLERANCE = 1e-4
+"""Largest parameter difference from the unsharded reference after 3 steps (fp32; TF32 off)."""
 
 
 # ------------------------------------------------------------------------------ the worker
 
 
 def worker(out: Path) -> None:
-    """One torchrun rank: the DDP hooks, the bucketer and a profiled run; writes a JSON."""
+    """The torchrun rank at world size 1: the DDP hooks and the bucketer; writes a JSON."""
     import overlapkit as ok
     from overlapkit.train.models import MLP, MLPConfig
 
@@ -112,15 +135,78 @@ def worker(out: Path) -> None:
         bucketer.wait()
 
     results["paths"]["bucketer"] = record(plain, bucketer, bucketer_step)
+    (out / f"worker_rank{rank}.json").write_text(json.dumps(results, indent=2))
+    dist.destroy_process_group()
 
-    profiled = ok.ddp(copy.deepcopy(base), bucket_mb=1, device_ids=device_ids)
-    with ok.profile(out / "profile", wait=1, warmup=1, active=3) as prof:
+
+def _init_shared_gpu() -> torch.device:
+    """Join a two-rank group; on CUDA both ranks share GPU 0 as two NCCL "hosts".
+
+    ``NCCL_HOSTID`` differs per rank, so NCCL connects the ranks through its socket transport
+    over loopback (real NCCL kernels on one GPU); it must be set before the group is created.
+    """
+    cuda = torch.cuda.is_available()
+    if cuda:
+        rank = int(os.environ["RANK"])
+        os.environ.setdefault("NCCL_HOSTID", f"host{rank}")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
+    return torch.device("cuda", 0) if cuda else torch.device("cpu")
+
+
+def shared_gpu_worker(out: Path) -> None:
+    """One of two torchrun ranks on one GPU: a profiled ``ok.ddp`` run, then ``ok.fsdp``."""
+    import overlapkit as ok
+    from overlapkit.train.models import MLP, MLPConfig
+
+    device = _init_shared_gpu()
+    rank = dist.get_rank()
+    # On the GPU, enough compute per step to hide part of the all-reduce; small for a CPU dry run.
+    width, batch = (1024, 512) if device.type == "cuda" else (128, 32)
+    torch.manual_seed(0)
+    base = MLP(MLPConfig(width=width, n_layer=8)).to(device)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, width, generator=g).to(device)
+    y = torch.randn(batch, width, generator=g).to(device)
+
+    profiled = ok.ddp(copy.deepcopy(base), bucket_mb=4)
+    with ok.profile(out / "profile_2ranks", wait=1, warmup=1, active=3) as prof:
         for _ in range(5):
             profiled.zero_grad(set_to_none=True)
-            loss(profiled).backward()
+            (profiled(x) - y).pow(2).mean().backward()
             prof.step()
-    results["profile_files"] = [str(f) for f in prof.files]
-    (out / f"worker_rank{rank}.json").write_text(json.dumps(results, indent=2))
+    results: dict[str, Any] = {
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "profile_files": [str(f) for f in prof.files],
+    }
+
+    # ok.fsdp against an unsharded reference fed the concatenation of both ranks' batches.
+    xs, ys = [torch.empty_like(x) for _ in range(2)], [torch.empty_like(y) for _ in range(2)]
+    dist.all_gather(xs, x)
+    dist.all_gather(ys, y)
+    reference = copy.deepcopy(base)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
+    sharded = ok.fsdp(copy.deepcopy(base), prefetch=1)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.01)
+    for _ in range(3):
+        (reference(torch.cat(xs)) - torch.cat(ys)).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        (sharded(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    full = {n: p.full_tensor() for n, p in sharded.named_parameters()}
+    results["fsdp"] = {
+        "max_param_diff": max(
+            (full[n] - p).abs().max().item() for n, p in reference.named_parameters()
+        ),
+        "peak_forward_blocks": max(s.forward_peak_blocks for s in ok.fsdp_stats(sharded).steps),
+    }
+    (out / f"shared_gpu_rank{rank}.json").write_text(json.dumps(results, indent=2))
     dist.destroy_process_group()
 
 
@@ -169,12 +255,27 @@ def count_kernels(trace_file: Path) -> int:
     return sum(1 for e in events if str(e.get("cat", "")).lower() == "kernel")
 
 
-def judge_report(report: dict, kernels: int, *, require_cuda: bool) -> tuple[bool, str]:
-    """``report``: steps with comm and exposed comm computed; CUDA kernels in the trace."""
+def judge_report(
+    report: dict,
+    kernels: int,
+    *,
+    require_cuda: bool,
+    ranks: int = 1,
+    hta_overlap_pct: dict[int, float] | None = None,
+    our_overlap_pct: dict[int, float] | None = None,
+) -> tuple[bool, str]:
+    """``report``: steps of every rank with comm and exposed comm; CUDA kernels in the traces.
+
+    With HTA's whole-trace overlap percentage per rank (``hta_overlap_pct``), overlapkit's
+    (``our_overlap_pct``, from ``rank_totals``) must agree within ``HTA_TOLERANCE_POINTS``.
+    """
     steps = report.get("steps", [])
     problems = []
     if not steps:
         problems.append("no step in the report")
+    seen_ranks = sorted({s.get("rank", 0) for s in steps})
+    if steps and seen_ranks != list(range(ranks)):
+        problems.append(f"steps of ranks {seen_ranks}, expected {list(range(ranks))}")
     if any(not isinstance(s.get("exposed_comm_ms"), (int, float)) for s in steps):
         problems.append("a step without exposed_comm_ms")
     if steps and not all(s["comm_ms"] > 0 for s in steps):
@@ -183,10 +284,56 @@ def judge_report(report: dict, kernels: int, *, require_cuda: bool) -> tuple[boo
     if require_cuda and (kernels == 0 or devices != {"gpu"}):
         problems.append(f"{kernels} CUDA kernel(s), trace device {sorted(map(str, devices))}")
     summary = ", ".join(
-        f"step {s['step']}: comm {s['comm_ms']:.3g} ms, exposed {s['exposed_comm_ms']:.3g} ms"
+        f"rank {s.get('rank', 0)} step {s['step']}: comm {s['comm_ms']:.3g} ms, exposed "
+        f"{s['exposed_comm_ms']:.3g} ms"
         for s in steps
     )
+    if hta_overlap_pct is not None:
+        ours = our_overlap_pct or {}
+        for rank in range(ranks):
+            mine, theirs = ours.get(rank), hta_overlap_pct.get(rank)
+            if mine is None or theirs is None or abs(mine - theirs) > HTA_TOLERANCE_POINTS:
+                problems.append(
+                    f"rank {rank}: overlap {mine} % vs HTA's {theirs} % (more than "
+                    f"{HTA_TOLERANCE_POINTS} point apart)"
+                )
+        summary += "; overlap % (overlapkit / HTA): " + ", ".join(
+            f"rank {r} {ours.get(r, float('nan')):.2f} / {hta_overlap_pct.get(r, float('nan')):.2f}"
+            for r in range(ranks)
+        )
     return not problems, "; ".join(problems) or f"{kernels} kernels; {summary}"
+
+
+def judge_fsdp(results: list[dict], *, require_cuda: bool) -> tuple[bool, str]:
+    """``fsdp_cuda``: both ranks' parameters equal the unsharded reference; prefetch bounded."""
+    problems = []
+    for rank, r in enumerate(results):
+        if require_cuda and r.get("backend") != "nccl":
+            problems.append(f"rank {rank} ran on {r.get('backend')}, not nccl")
+        diff, peak = r["fsdp"]["max_param_diff"], r["fsdp"]["peak_forward_blocks"]
+        if diff > FSDP_TOLERANCE:
+            problems.append(f"rank {rank}: parameters {diff:.2e} from the reference")
+        if peak > 2:
+            problems.append(f"rank {rank}: {peak} blocks unsharded at once with prefetch=1")
+    diffs = ", ".join(f"{r['fsdp']['max_param_diff']:.1e}" for r in results)
+    return not problems, "; ".join(problems) or f"parameter diff per rank {diffs}; peak <= 2"
+
+
+def judge_train(summary: dict, kernels: int, *, steps: int, require_cuda: bool) -> tuple[bool, str]:
+    """``train_cuda``: every step ran, the loss fell, the profiled traces hold CUDA kernels."""
+    problems = []
+    if summary.get("steps_run") != steps:
+        problems.append(f"{summary.get('steps_run')} of {steps} steps ran")
+    first, last = summary.get("loss_first"), summary.get("loss_last")
+    if first is None or last is None or not last < first:
+        problems.append(f"loss {first} -> {last} did not fall")
+    if require_cuda and kernels == 0:
+        problems.append("no CUDA kernel in the profiled steps")
+    step_ms = summary.get("median_step_ms")
+    return not problems, "; ".join(problems) or (
+        f"{summary.get('parallel')}: {steps} steps, loss {first:.3f} -> {last:.3f}, "
+        f"{step_ms if step_ms is None else round(step_ms, 1)} ms/step, {kernels} kernels"
+    )
 
 
 def judge_topo(view_gpu: dict | None, topo: dict, *, require_cuda: bool) -> tuple[bool, str]:
@@ -226,6 +373,20 @@ def judge_doctor(doc: dict, *, backend: str | None) -> tuple[bool, str]:
 
 
 # ------------------------------------------------------------------------------ the driver
+
+
+def hta_overlap_pct(trace_dir: Path) -> dict[int, float] | None:
+    """HTA's whole-trace comm/compute overlap % per rank; None when HTA is not installed."""
+    try:
+        from hta.trace_analysis import TraceAnalysis
+    except ImportError:
+        return None
+    # As tests/test_trace_hta.py: overlapkit keeps the last ProfilerStep, so HTA must too.
+    frame = TraceAnalysis(
+        trace_dir=str(trace_dir), include_last_profiler_step=True
+    ).get_comm_comp_overlap(visualize=False)
+    pairs = zip(frame["rank"], frame["comp_comm_overlap_pctg"], strict=True)
+    return {int(rank): float(pct) for rank, pct in pairs}
 
 
 def _run(cmd: list[str], log: Path, timeout: int) -> subprocess.CompletedProcess:
@@ -277,7 +438,7 @@ def run_checks(out: Path, only: tuple[str, ...], allow_cpu: bool) -> dict[str, t
     )
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     worker_json = out / "worker_rank0.json"
-    if {"ddp_nccl", "comm_stats", "report"} & set(only):
+    if {"ddp_nccl", "comm_stats"} & set(only):
         _run(
             [*torchrun, "--nproc-per-node", "1", __file__, "--worker", "--out", str(out)],
             out / "worker.log",
@@ -292,17 +453,85 @@ def run_checks(out: Path, only: tuple[str, ...], allow_cpu: bool) -> dict[str, t
     verdict("ddp_nccl", lambda: judge_ddp(worker_results(), require_cuda=require))
     verdict("comm_stats", lambda: judge_comm_stats(worker_results()))
 
+    shared_json = [out / f"shared_gpu_rank{rank}.json" for rank in range(2)]
+    if {"report", "fsdp_cuda"} & set(only):
+        _run(
+            [
+                *torchrun,
+                "--nproc-per-node",
+                "2",
+                __file__,
+                "--shared-gpu-worker",
+                "--out",
+                str(out),
+            ],
+            out / "shared_gpu_worker.log",
+            300,
+        )
+
+    def shared_results() -> list[dict]:
+        missing = [str(f) for f in shared_json if not f.exists()]
+        if missing:
+            raise RuntimeError(f"no results {missing}; see {out / 'shared_gpu_worker.log'}")
+        return [json.loads(f.read_text()) for f in shared_json]
+
     def report() -> tuple[bool, str]:
-        files = [Path(f) for f in worker_results()["profile_files"]]
+        from overlapkit.profiling.analysis import analyze_run, rank_totals
+
+        files = [Path(f) for r in shared_results() for f in r["profile_files"]]
+        run = out / "profile_2ranks"
         done = _run(
-            [sys.executable, "-m", "overlapkit.cli", "report", str(out / "profile"), "--json"],
+            [sys.executable, "-m", "overlapkit.cli", "report", str(run), "--json"],
             out / "report.log",
             120,
         )
         kernels = sum(count_kernels(f) for f in files)
-        return judge_report(_json_of(done), kernels, require_cuda=require)
+        ours = {t["rank"]: t["overlap_pct"] for t in rank_totals(analyze_run(run).steps)}
+        return judge_report(
+            _json_of(done),
+            kernels,
+            require_cuda=require,
+            ranks=2,
+            hta_overlap_pct=hta_overlap_pct(run) if require else None,
+            our_overlap_pct=ours,
+        )
 
     verdict("report", report)
+    verdict("fsdp_cuda", lambda: judge_fsdp(shared_results(), require_cuda=require))
+
+    def train(parallel: str) -> tuple[bool, str]:
+        run = out / f"train_{parallel}"
+        steps = 20
+        done = _run(
+            [
+                str(Path(sys.executable).with_name("overlapkit-train")),
+                # Not recipe=demo: it sets parallel.bucket_mb, which parallel=fsdp does not take.
+                "model=gpt_tiny",
+                "profiler=on",
+                f"parallel={parallel}",
+                f"name=gpu_check_{parallel}",
+                f"hydra.run.dir={run}",
+                "launcher.nproc_per_node=1",
+                f"train.device={'cuda' if cuda else 'cpu'}",
+                f"train.steps={steps}",
+                "train.resume=false",
+                "train.checkpoint_every=0",
+            ],
+            out / f"train_{parallel}.log",
+            600,
+        )
+        if done.returncode != 0:
+            return False, f"exit {done.returncode}; see {out / f'train_{parallel}.log'}"
+        summary = json.loads((run / "summary.json").read_text())
+        traces = sorted(Path(summary.get("profile_dir") or run).rglob("*.pt.trace.json*"))
+        kernels = sum(count_kernels(f) for f in traces)
+        return judge_train(summary, kernels, steps=steps, require_cuda=require)
+
+    def train_both() -> tuple[bool, str]:
+        verdicts = [train(parallel) for parallel in ("ddp", "fsdp")]
+        return all(ok_ for ok_, _ in verdicts), " | ".join(m for _, m in verdicts)
+
+    verdict("train_cuda", train_both)
 
     def topo() -> tuple[bool, str]:
         from overlapkit.topology.detect import local_view
@@ -354,10 +583,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help=f"comma-separated items ({','.join(ITEMS)})")
     parser.add_argument("--allow-cpu", action="store_true", help="dry run on gloo/CPU")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shared-gpu-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.worker:
         worker(args.out)
+        return 0
+    if args.shared_gpu_worker:
+        shared_gpu_worker(args.out)
         return 0
     only = tuple(s.strip() for s in args.only.split(",")) if args.only else ITEMS
     unknown = [s for s in only if s not in ITEMS]

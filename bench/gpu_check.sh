@@ -5,8 +5,9 @@
 #   bash bench/gpu_check.sh --only doctor   # some items (see bench/gpu_check.py)
 #
 # Prints PASS/FAIL per item (comm hooks and GradBucketer on NCCL at world size 1, CUDA-event
-# timings in comm_stats, a profiler trace of real CUDA kernels read by `overlapkit report`,
-# topology detection through NVML, `overlapkit doctor --json`) and writes gpu_check.json, the
+# timings in comm_stats, a profiled run on two NCCL ranks sharing the GPU read by `overlapkit
+# report` and compared with HTA, ok.fsdp on those ranks, overlapkit-train on CUDA, topology
+# detection through NVML, `overlapkit doctor --json`) and writes gpu_check.json, the
 # worker results, the trace and every command's log to $OUT. Exit code 0: all passed,
 # 1: a failure, 3: no CUDA device here (everything skipped).
 #
@@ -49,4 +50,15 @@ if [[ "${GPU_CHECK_BF16:-0}" == 1 ]]; then
     > "$OUT_DIR/compress_hooks.log" 2>&1 && tail -n 5 "$OUT_DIR/compress_hooks.log" \
     || echo "FAIL  compress_hooks: $(tail -n 1 "$OUT_DIR/compress_hooks.log")"
 fi
-exec timeout 600 "$PYTHON" bench/gpu_check.py --out "$OUT_DIR" "$@"
+# The report and fsdp_cuda items run two NCCL ranks on this one GPU; CUDA MPS lets their kernels
+# run concurrently (../shared/EMULATION.md). Started here, and stopped at exit, when the control
+# binary exists and no MPS pipe directory is set already.
+MPS_CONTROL=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null || true)
+if [[ -n "$MPS_CONTROL" && -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  "$MPS_CONTROL" -d && trap 'echo quit | "$MPS_CONTROL"' EXIT && echo "gpu_check: CUDA MPS started"
+fi
+status=0
+timeout 600 "$PYTHON" bench/gpu_check.py --out "$OUT_DIR" "$@" || status=$?
+exit "$status"

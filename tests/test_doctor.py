@@ -8,6 +8,7 @@ they document. The slow tests run the real command on two gloo ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -550,6 +551,34 @@ def test_gpu_check_wants_cuda_kernels_and_exposed_comm_in_the_report():
     )
 
 
+def test_gpu_check_report_needs_both_shared_gpu_ranks_and_hta_agreement():
+    report = {
+        "steps": [{"rank": r, "step": 2, "comm_ms": 1.5, "exposed_comm_ms": 0.4} for r in (0, 1)],
+        "traces": [{"device": "gpu"}, {"device": "gpu"}],
+    }
+    ours = {0: 73.3, 1: 80.0}
+    judge = functools.partial(gpu_check.judge_report, require_cuda=True, ranks=2)
+    assert judge(report, 50, hta_overlap_pct={0: 73.0, 1: 80.4}, our_overlap_pct=ours)[0]
+    ok_, message = judge(report, 50, hta_overlap_pct={0: 70.0, 1: 80.0}, our_overlap_pct=ours)
+    assert not ok_ and "rank 0: overlap 73.3 % vs HTA's 70.0 %" in message
+    one_rank = {**report, "steps": report["steps"][:1]}
+    assert "steps of ranks [0], expected [0, 1]" in judge(one_rank, 50)[1]
+
+
+def test_gpu_check_judges_ok_fsdp_and_overlapkit_train_on_cuda():
+    fsdp = {"backend": "nccl", "fsdp": {"max_param_diff": 3e-7, "peak_forward_blocks": 2}}
+    assert gpu_check.judge_fsdp([fsdp, fsdp], require_cuda=True)[0]
+    far = {**fsdp, "fsdp": {"max_param_diff": 1e-2, "peak_forward_blocks": 3}}
+    ok_, message = gpu_check.judge_fsdp([fsdp, far], require_cuda=True)
+    assert not ok_ and "rank 1: parameters 1.00e-02" in message and "3 blocks" in message
+    summary = {"steps_run": 20, "loss_first": 6.1, "loss_last": 4.2, "parallel": "fsdp"}
+    assert gpu_check.judge_train(summary, 300, steps=20, require_cuda=True)[0]
+    ok_, message = gpu_check.judge_train(
+        {**summary, "loss_last": 6.5}, 0, steps=20, require_cuda=True
+    )
+    assert not ok_ and "did not fall" in message and "no CUDA kernel" in message
+
+
 def test_gpu_check_counts_kernel_events_in_a_trace(tmp_path):
     events = [{"cat": "kernel", "name": "ncclKernel"}, {"cat": "cpu_op"}, {"cat": "Kernel"}]
     path = tmp_path / "rank0.pt.trace.json"
@@ -613,4 +642,5 @@ def test_gpu_check_dry_run_on_cpu_runs_the_torchrun_worker_and_the_report(tmp_pa
         ["PASS", "comm_stats"],
         ["PASS", "report"],
     ]
-    assert (tmp_path / "worker_rank0.json").exists() and list((tmp_path / "profile").glob("*.json"))
+    assert (tmp_path / "worker_rank0.json").exists()
+    assert len(list((tmp_path / "profile_2ranks").glob("*.json"))) == 2  # one trace per rank
