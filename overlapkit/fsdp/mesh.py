@@ -25,6 +25,19 @@ def _check_axis_names(names: tuple[str, ...] | None) -> None:
         )
 
 
+def _root_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself when it was not sliced).
+
+    ``DeviceMesh._get_root_mesh()`` in torch 2.13; torch 2.9 keeps the mapping in the module's
+    ``_mesh_resources`` instead. Without either, a slice would be checked as if it were the root.
+    """
+    if hasattr(mesh, "_get_root_mesh"):
+        return mesh._get_root_mesh()
+    from torch.distributed import device_mesh
+
+    return device_mesh._mesh_resources.get_root_mesh(mesh)
+
+
 def resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
     """Return ``mesh`` after checking it, or a 1-D mesh over the world when it is None.
 
@@ -56,7 +69,7 @@ def resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
             f"parameters' device type {device_type!r}"
         )
     _check_axis_names(mesh.mesh_dim_names)
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    root = _root_of(mesh)
     if root.size() != world:
         raise ValueError(
             f"ok.fsdp: mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}) but the world "
