@@ -120,7 +120,7 @@ def _all_fits(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    # Lightning seeds every rank the same and reads the environment run_on_ranks sets.
+    # Lightning reads the torchrun-style environment run_on_ranks sets (LOCAL_RANK, RANK...).
     return run_on_ranks(_all_fits, 2, total_timeout_s=240, collective_timeout_s=60)
 
 
