@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +106,49 @@ def test_a_file_that_is_not_utf8_is_reported(tmp_path):
     path.write_bytes(b'{"traceEvents": ["\xff\xfe"]}')
     with pytest.raises(TraceFormatError, match=r"binary\.json: not UTF-8"):
         _read(path)
+
+
+# The nesting limit on every other Python this machine has (pyproject.toml: >= 3.10). json's C
+# scanner recurses once per level, and how deep it may go changed in 3.12: a depth-3000 trace
+# that 3.11 refuses is decoded by 3.13, so only the reader's own limit gives the same answer.
+# trace_loader.py uses the standard library only, so it is loaded by path without torch.
+_DEPTH_CHECK = textwrap.dedent(
+    """
+    import importlib.util, sys, tempfile
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("trace_loader", sys.argv[1])
+    reader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reader)
+    path = Path(tempfile.mkdtemp()) / "deep.pt.trace.json"
+    outcomes = []
+    for depth in (reader.MAX_DEPTH, reader.MAX_DEPTH + 1, 3000, 100000):
+        path.write_text('{"traceEvents": [' + "[" * depth + "]" * depth + "]}")
+        try:
+            reader.read_trace(path, lambda event: None)
+            outcomes.append("read")
+        except reader.TraceFormatError:
+            outcomes.append("refused")
+    print(" ".join(outcomes))
+    """
+)
+
+
+def _other_pythons() -> list[str]:
+    found = {
+        str(path)
+        for path in (Path.home() / ".pyenv" / "versions").glob("3.*/bin/python3")
+        if int(path.parent.parent.name.split(".")[1]) >= 10
+    }
+    return sorted(found - {sys.executable}) or [pytest.param(None, marks=pytest.mark.skip("none"))]
+
+
+@pytest.mark.parametrize("python", _other_pythons())
+def test_trace_nesting_limit_holds_on_every_installed_python(python):
+    done = subprocess.run(
+        [python, "-c", _DEPTH_CHECK, trace_loader.__file__],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["read", "refused", "refused", "refused"]
