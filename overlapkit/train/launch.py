@@ -1,14 +1,14 @@
 """Start the training workers through torch elastic (torchrun's machinery), one per local rank.
 
-``launch()`` runs in the process Hydra started; it builds a ``LaunchConfig`` from the
-``launcher`` group and calls ``elastic_launch`` with ``worker_main``, which torch elastic starts
-``nproc_per_node`` times (spawned) with torchrun's environment (``RANK``, ``LOCAL_RANK``,
-``GROUP_RANK``, ``MASTER_ADDR``...). A single node uses the c10d rendezvous on a free local port,
-as ``torchrun --standalone`` does. Several nodes use the static rendezvous, as ``torchrun
---nnodes N --node-rank R --master-addr A --master-port P`` does: node ``node_rank`` 0 hosts the
-store at ``rdzv_endpoint`` and ranks are numbered node by node. When an outside launcher starts
-one process per rank (``launcher=slurm`` with several tasks per node, see ``slurm.py``),
-``launcher.local_rank`` is set and the process runs ``worker_main`` itself.
+``launch()`` runs in the process Hydra started; it builds a ``LaunchConfig`` from the ``launcher``
+group and calls ``elastic_launch`` with ``worker_main``, which torch elastic starts
+``nproc_per_node`` times (forked from ``overlapkit.worker_start``'s server) with torchrun's
+environment (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``...). A single node uses the
+c10d rendezvous on a free local port, as ``torchrun --standalone`` does. Several nodes use the
+static rendezvous, as ``torchrun --nnodes N --node-rank R --master-addr A --master-port P`` does:
+node ``node_rank`` 0 hosts the store at ``rdzv_endpoint`` and ranks are numbered node by node. When
+an outside launcher starts one process per rank (``launcher=slurm`` with several tasks per node, see
+``slurm.py``), ``launcher.local_rank`` is set and the process runs ``worker_main`` itself.
 """
 
 from __future__ import annotations
