@@ -94,7 +94,7 @@ def test_parallel_options_call_the_public_api_with_planned_sizes():
         "ddp": (ok.ddp, {"bucket_mb": 25, "compress": None}, {}),
         "ddp_bf16": (ok.ddp, {"bucket_mb": 25, "compress": "bf16"}, {}),
         "bucketer": (ok.GradBucketer, {"bucket_mb": 25}, {}),
-        "bucketer_overlap": (ok.GradBucketer, {"bucket_mb": 25, "optimizer": "optim"}, {}),
+        "bucketer_overlap": (ok.GradBucketer, {"bucket_mb": None, "optimizer": "optim"}, {}),
         "fsdp": (ok.fsdp, fsdp, {}),
         "fsdp_prefetch2": (ok.fsdp, fsdp | {"prefetch": 2}, {}),
         "fsdp_overlap": (ok.fsdp, fsdp | {"optimizer_step": "by_block"}, {}),
