@@ -40,6 +40,8 @@ Example::
     python bench/ddp_overlap.py --model gpt_tiny
     python bench/ddp_overlap.py --sweep 1,2,4,8,25   # ok_ddp / bucketer at these bucket sizes
     python bench/ddp_overlap.py --only optimizer --profile-dir runs/bucketer_overlap
+    python bench/ddp_overlap.py --only optimizer --tails 0,4   # other forward_order_tail values
+    python bench/ddp_overlap.py --device cuda --rate none     # NCCL ranks on GPU 0 (gpu_overlap.sh)
 """
 
 from __future__ import annotations
