@@ -377,6 +377,20 @@ event_fields = st.fixed_dictionaries(
     ],
     info=None,
 )
+# Found in the same way: a "dur" beyond the float range on a step range.
+@example(
+    events=[
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "ProfilerStep#1",
+            "ts": 90390,
+            "dur": 7_304_789_029_888_051_084 * 10**300,
+            "args": {},
+        }
+    ],
+    info=[],
+)
 def test_trace_with_malformed_events_is_analysed_or_refused_naming_the_file(scratch, events, info):
     document = _valid_trace()
     document["traceEvents"] += events
