@@ -44,7 +44,12 @@ def explain_replica_all_reduce(
         where (str): the block as the error names it, e.g. ``"block 0 ('layers.0')"``.
     """
     # Private in torch 2.13: FSDP2 exposes no hook around its post-backward.
-    for param_group in module._get_fsdp_state()._fsdp_param_groups:
+    state = module._get_fsdp_state()
+    # A list in torch 2.13; torch 2.9 holds at most one group, in ``_fsdp_param_group``.
+    param_groups = getattr(state, "_fsdp_param_groups", None)
+    if param_groups is None:
+        param_groups = [g for g in (state._fsdp_param_group,) if g is not None]
+    for param_group in param_groups:
         param_group.post_backward = _explained(
             param_group.post_backward, reduce_scatter, replicate_group, failures, where
         )
