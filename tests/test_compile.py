@@ -59,6 +59,11 @@ def _ddp_and_bucketer(rank, world_size, batches):
         out["small_bucket_error"] = None
     except ValueError as e:
         out["small_bucket_error"] = str(e)
+    try:  # compiled first, then wrapped: refused at once
+        ok.ddp(torch.compile(make_mlp(), backend=BACKEND), bucket_mb=0.25)
+        out["small_bucket_wrap_error"] = None
+    except ValueError as e:
+        out["small_bucket_wrap_error"] = str(e)
 
     model = make_mlp()
     bucketer = ok.GradBucketer(model, bucket_mb=0.002)  # several buckets
@@ -123,10 +128,12 @@ def test_compiled_ok_ddp_gives_the_eager_gradients(two_ranks):
 @pytest.mark.slow
 def test_compiled_ok_ddp_with_a_sub_mib_bucket_raises_a_clear_error(two_ranks):
     for result in two_ranks:
-        message = result["small_bucket_error"]
-        assert message is not None, "torch.compile with bucket_mb=0.25 did not raise ValueError"
-        assert "bucket_mb=0.25" in message
-        assert "optimize_ddp" in message
+        for key in ("small_bucket_error", "small_bucket_wrap_error"):
+            message = result[key]
+            assert message is not None, f"{key}: bucket_mb=0.25 did not raise ValueError"
+            assert "bucket_mb=0.25" in message
+            assert "optimize_ddp" in message
+        assert "a compiled module (the model itself)" in result["small_bucket_wrap_error"]
 
 
 @pytest.mark.slow
