@@ -1,21 +1,24 @@
-"""Sharded data parallel with overlap: ``ok.fsdp()`` on FSDP2, prefetch, memory accounting."""
+"""Sharded data parallel with overlap: ``ok.fsdp()`` on FSDP2, prefetch, memory accounting.
 
-from overlapkit.fsdp.blocks import discover_blocks, resolve_blocks
-from overlapkit.fsdp.prefetch import overlap_optimizer_step, step_by_block
-from overlapkit.fsdp.state import fsdp_stats
-from overlapkit.fsdp.stats import FSDPStats, StepUnshard, UnshardEvent, unshard_peaks
-from overlapkit.fsdp.wrap import fsdp, resolve_mixed_precision
+Names load on first use: ``overlapkit.tuning.fsdp`` builds on this package's modules while
+``ok.fsdp`` uses the tuner, so an eager ``__init__`` would make a cycle of whichever is
+imported first.
+"""
 
-__all__ = [
-    "FSDPStats",
-    "StepUnshard",
-    "UnshardEvent",
-    "discover_blocks",
-    "fsdp",
-    "fsdp_stats",
-    "overlap_optimizer_step",
-    "resolve_blocks",
-    "resolve_mixed_precision",
-    "step_by_block",
-    "unshard_peaks",
-]
+from overlapkit.lazy import lazy_exports
+
+_EXPORTS = {
+    "FSDPStats": "overlapkit.fsdp.stats",
+    "StepUnshard": "overlapkit.fsdp.stats",
+    "UnshardEvent": "overlapkit.fsdp.stats",
+    "discover_blocks": "overlapkit.fsdp.blocks",
+    "fsdp": "overlapkit.fsdp.wrap",
+    "fsdp_stats": "overlapkit.fsdp.state",
+    "overlap_optimizer_step": "overlapkit.fsdp.prefetch",
+    "resolve_blocks": "overlapkit.fsdp.blocks",
+    "resolve_mixed_precision": "overlapkit.fsdp.wrap",
+    "step_by_block": "overlapkit.fsdp.prefetch",
+    "unshard_peaks": "overlapkit.fsdp.stats",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,34 @@
+"""Packages whose public names load on first use (PEP 562), so importing one module of a
+package does not import all of its siblings."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def lazy_exports(
+    package: str, exports: Mapping[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """The module ``__getattr__`` and ``__dir__`` of ``package``.
+
+    Args:
+        package (str): the package's ``__name__``.
+        exports (Mapping[str, str]): public name -> the module that defines it.
+
+    Example::
+
+        >>> __getattr__, __dir__ = lazy_exports(__name__, {"ddp": "overlapkit.ddp.wrap"})
+    """
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    def __dir__() -> list[str]:
+        return sorted({*vars(importlib.import_module(package)), *exports})
+
+    return __getattr__, __dir__
