@@ -504,6 +504,9 @@ def _cli(*argv: str) -> tuple[int, str]:
 
 
 @given(size=st.text(max_size=20), bandwidth=st.text(max_size=20))
+# Found by make fuzz (issue 17): an empty --bandwidth fell through to "unknown topology preset
+# 'None'".
+@example(size="0", bandwidth="")
 def test_estimate_command_with_random_sizes_exits_cleanly(size, bandwidth):
     code, err = _cli(
         "estimate",

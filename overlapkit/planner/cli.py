@@ -78,7 +78,7 @@ def add_topology_arguments(
 
 def topology_from_args(args: argparse.Namespace, *, group_size: int | None) -> Topology:
     latency = getattr(args, "latency", None)
-    if getattr(args, "bandwidth", None):
+    if getattr(args, "bandwidth", None) is not None:  # "--bandwidth=" too: refused by name
         if group_size is None:
             raise ValueError("--bandwidth needs --group-size (how many ranks share the link)")
         return bare_link(
@@ -265,7 +265,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     sizes = (args.tp, args.ep, args.cp, args.pp, args.dp, args.dp_shard)
     if args.group is None and sizes != (1, 1, 1, 1, -1, None):
         raise ValueError("--tp/--ep/--cp/--pp/--dp/--dp-shard make a placement for --group AXIS")
-    if args.group is not None and args.bandwidth:
+    if args.group is not None and args.bandwidth is not None:
         raise ValueError("--group needs --topology (a placement is made on a topology)")
     topology = topology_from_args(args, group_size=args.group_size)
     placement = placement_from_args(args, topology) if args.group is not None else None
