@@ -23,18 +23,19 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# Public name -> the module that defines it.
+# Public name -> the module that defines it (not a package that re-exports it: a package
+# attribute can be shadowed by a same-named sub-module, as overlapkit.ddp.comm_stats is).
 _EXPORTS: dict[str, str] = {
     "ConfigMismatch": "overlapkit.consistency",
-    "BucketCommRecord": "overlapkit.ddp",
-    "CommStats": "overlapkit.ddp",
-    "GradBucketer": "overlapkit.ddp",
-    "comm_stats": "overlapkit.ddp",
-    "ddp": "overlapkit.ddp",
+    "BucketCommRecord": "overlapkit.ddp.comm_stats",
+    "CommStats": "overlapkit.ddp.comm_stats",
+    "GradBucketer": "overlapkit.ddp.bucketer",
+    "comm_stats": "overlapkit.ddp.comm_stats",
+    "ddp": "overlapkit.ddp.wrap",
     "CollectiveFailure": "overlapkit.failures",
     "NonFiniteGradients": "overlapkit.finite",
-    "fsdp": "overlapkit.fsdp",
-    "fsdp_stats": "overlapkit.fsdp",
+    "fsdp": "overlapkit.fsdp.wrap",
+    "fsdp_stats": "overlapkit.fsdp.state",
     "Estimate": "overlapkit.planner",
     "Placement": "overlapkit.planner",
     "estimate": "overlapkit.planner",

@@ -30,9 +30,11 @@ def test_cli_help_imports_no_command_module():
     assert _fresh_python(code) == "['overlapkit.cli']"
 
 
-def test_every_public_name_resolves():
+def test_every_public_name_resolves_to_a_function_or_class():
     for name in ok.__all__:
-        assert getattr(ok, name) is not None, name
+        value = getattr(ok, name)
+        assert not isinstance(value, types.ModuleType), f"ok.{name} is a module"
+        assert value is not None, name
     from overlapkit.ddp.wrap import ddp
     from overlapkit.fsdp.wrap import fsdp
 
@@ -43,10 +45,12 @@ def test_ddp_and_fsdp_stay_functions_after_their_subpackages_load():
     # Importing overlapkit.ddp.* binds the sub-package to overlapkit.ddp unless prevented.
     code = (
         "import types, overlapkit as ok\n"
-        "import overlapkit.ddp.compile_guard, overlapkit.fsdp.mesh\n"
-        "print(isinstance(ok.ddp, types.FunctionType), isinstance(ok.fsdp, types.FunctionType))"
+        "import overlapkit.ddp.comm_stats, overlapkit.ddp.compile_guard, overlapkit.fsdp.mesh\n"
+        "from overlapkit.ddp import comm_stats\n"
+        "print(*(isinstance(f, types.FunctionType) for f in (ok.ddp, ok.fsdp, ok.comm_stats,"
+        " comm_stats)))"
     )
-    assert _fresh_python(code) == "True True"
+    assert _fresh_python(code) == "True True True True"
     assert isinstance(ok.ddp, types.FunctionType)
 
 

@@ -5,15 +5,15 @@ Names load on first use: ``overlapkit.finite`` and ``overlapkit.tuning.ddp`` imp
 ``__init__`` would make a cycle of whichever is imported first.
 """
 
+# Eager: ``comm_stats`` is also the name of its sub-module, and importing a sub-module binds it
+# on the package, where a lazy function would never be looked up again. The module imports
+# nothing of overlapkit, so this makes no cycle.
+from overlapkit.ddp.comm_stats import BucketCommRecord, BucketSummary, CommStats, comm_stats
 from overlapkit.lazy import lazy_exports
 
 _EXPORTS = {
-    "BucketCommRecord": "overlapkit.ddp.comm_stats",
-    "BucketSummary": "overlapkit.ddp.comm_stats",
-    "CommStats": "overlapkit.ddp.comm_stats",
     "GradBucketer": "overlapkit.ddp.bucketer",
-    "comm_stats": "overlapkit.ddp.comm_stats",
     "ddp": "overlapkit.ddp.wrap",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["BucketCommRecord", "BucketSummary", "CommStats", "GradBucketer", "comm_stats", "ddp"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
