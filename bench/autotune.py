@@ -46,6 +46,7 @@ from cpu_priority import prioritize
 from ddp_overlap import MODEL_DEFAULTS, make_workload
 from emulated_link import current_link, enter_emulated_link
 from fsdp_prefetch import make_mlp
+from json_report import write_json_report
 
 import overlapkit as ok
 from overlapkit.local_ranks import run_on_ranks
@@ -339,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             "target_ratio_auto_vs_best": TARGET_RATIO,
             "combinations": combos,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+        write_json_report(args.json, report)
     return 0
 
 

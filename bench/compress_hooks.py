@@ -26,7 +26,6 @@ Example::
 # and needs ``dist.GradBucket`` itself, not its string.
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 from cpu_priority import prioritize
 from emulated_link import current_link, enter_emulated_link
+from json_report import write_json_report
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -179,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = run_on_ranks(rank_main, 2, cfg, collective_timeout_s=300, total_timeout_s=3600)
     report = build_report(per_rank, cfg)
     print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+    write_json_report(args.json, report)
     return 0
 
 

@@ -47,7 +47,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -61,6 +60,7 @@ import torch
 import torch.distributed as dist
 from cpu_priority import prioritize
 from emulated_link import current_link, enter_emulated_link
+from json_report import write_json_report
 from profile_exposed import exposed_share
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -540,10 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(report)
     if args.profile_dir is not None:
         report["profiled"] = profile_exposed_comm(cfg, args.profile_dir)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+    write_json_report(args.json, report)
     return 0
 
 

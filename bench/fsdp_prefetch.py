@@ -50,7 +50,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -65,6 +64,7 @@ import torch.distributed as dist
 from cpu_priority import prioritize
 from ddp_overlap import backend_for, enter_device, settle
 from emulated_link import current_link, enter_emulated_link
+from json_report import write_json_report
 from torch import nn
 
 import overlapkit as ok
@@ -370,10 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     report = build_report(summarize(per_rank), per_rank, cfg)
     print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+    write_json_report(args.json, report)
     return 0
 
 

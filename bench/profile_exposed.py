@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 from cpu_priority import prioritize
 from emulated_link import current_link, enter_emulated_link
+from json_report import write_json_report
 from torch import nn
 
 import overlapkit as ok
@@ -162,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['exposed_comm_ms_per_step']:>11.1f} {r['exposed_share']:>14.0%}"
         )
     print(f"\nper step detail: overlapkit report {args.out / 'ok_ddp'}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"link": link, "config": cfg, "cases": results}, indent=2))
-        print(f"wrote {args.json}")
+    write_json_report(args.json, {"link": link, "config": cfg, "cases": results})
     return 0
 
 

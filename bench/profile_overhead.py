@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from cpu_priority import prioritize
+from json_report import write_json_report
 
 import overlapkit as ok
 from overlapkit.profiling.analysis import analyze_run
@@ -281,10 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{speed['analyse_in_process_cpu_s']} s CPU ({speed['mb_per_s']} MB/s)"
         )
         results["analysis"] = speed
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.json}")
+    write_json_report(args.json, results)
     return 0
 
 

@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_priority import prioritize
 from ddp_overlap import BASELINE, MODEL_DEFAULTS, rank_main, summarize, workload_config
 from emulated_link import current_link, enter_emulated_link
+from json_report import write_json_report
 
 from overlapkit.doctor.scaling import rank_counts, scaling_efficiency
 from overlapkit.local_ranks import run_on_ranks
@@ -188,10 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {n} rank(s) done", flush=True)
     report = build_report(medians, cfg)
     print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+    write_json_report(args.json, report)
     print(f"plot: {plot(report, args.png)}")
     return 0
 
