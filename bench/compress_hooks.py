@@ -26,7 +26,6 @@ Example::
 # and needs ``dist.GradBucket`` itself, not its string.
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 from cpu_priority import prioritize
+from ddp_overlap import enter_device
 from emulated_link import current_link, enter_emulated_link
 from json_report import write_json_report
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -59,16 +59,10 @@ def torch_bf16_compress(process_group: dist.ProcessGroup, bucket: dist.GradBucke
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
-def _nccl_group_on_gpu0(rank: int) -> dist.ProcessGroup:
-    # NCCL refuses two ranks on one GPU of one host; a host id per rank makes them two hosts.
-    os.environ.update(NCCL_HOSTID=f"host{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
-    torch.cuda.set_device(0)
-    return dist.new_group(backend="nccl")
-
-
 def _cases(cfg: dict, rank: int) -> dict[str, Callable[[], None]]:
     device = torch.device(cfg["device"], 0)
-    group = _nccl_group_on_gpu0(rank) if device.type == "cuda" else dist.group.WORLD
+    enter_device(cfg, rank)
+    group = dist.new_group(backend="nccl") if device.type == "cuda" else dist.group.WORLD
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(cfg["batch"], cfg["width"], generator=g).to(device)
     y = torch.randn(cfg["batch"], cfg["width"], generator=g).to(device)

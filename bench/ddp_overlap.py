@@ -133,10 +133,14 @@ def settle(cfg: dict) -> None:
 def enter_device(cfg: dict, rank: int) -> None:
     """On CUDA: this rank's NCCL host id (two ranks on one GPU; see EMULATION.md) and GPU 0.
 
-    Set before the first collective, which is when NCCL creates its communicator.
+    NCCL refuses two ranks on one GPU of one host; a host id per rank makes them two hosts,
+    joined by NCCL's socket transport over loopback. Set before the first collective, which is
+    when NCCL creates its communicator.
     """
     if cfg.get("device") == "cuda":
         os.environ.setdefault("NCCL_HOSTID", f"host{rank}")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
         torch.cuda.set_device(0)
 
 
