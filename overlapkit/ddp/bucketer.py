@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator
 
 import torch
@@ -48,7 +47,7 @@ from overlapkit.failures import FailureScope
 from overlapkit.finite import FiniteCheck, validate_finite_options
 from overlapkit.process_group import resolve_process_group
 from overlapkit.tuning.ddp import attach_bucketer_tuner, wants_auto_bucket_mb
-from overlapkit.validation import trainable_parameters
+from overlapkit.validation import trainable_parameters, validate_bucket_mb
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +251,8 @@ class GradBucketer:
         Raises:
             RuntimeError: called between a backward and ``wait()``.
             ValueError: the layout names other parameters than this bucketer reduces, or
-                ``bucket_mb`` is not a positive number.
+                ``bucket_mb`` is not a positive finite number of MiB.
+            TypeError: ``bucket_mb`` is not a number.
         """
         if self._in_step:
             raise RuntimeError(
@@ -260,7 +260,6 @@ class GradBucketer:
                 "load the layout before training, or after wait()"
             )
         names = list(state["parameters"])
-        bucket_mb = state["bucket_mb"]
         if sorted(names) != sorted(self._names):
             extra = sorted(set(names) - set(self._names))
             absent = sorted(set(self._names) - set(names))
@@ -269,15 +268,9 @@ class GradBucketer:
                 f"{extra} that this bucketer does not reduce and lacks {absent} "
                 f"({len(names)} saved names, {len(self._names)} here)"
             )
-        if (
-            isinstance(bucket_mb, bool)
-            or not isinstance(bucket_mb, int | float)
-            or not 0 < bucket_mb < math.inf
-        ):
-            raise ValueError(
-                f"ok.GradBucketer.load_state_dict: bucket_mb must be > 0, got {bucket_mb!r}"
-            )
-        self.bucket_mb = float(bucket_mb)
+        self.bucket_mb = validate_bucket_mb(
+            state["bucket_mb"], caller="ok.GradBucketer.load_state_dict"
+        )
         self._ready_order = None if state["ready_order_adopted"] else []
         index = {name: i for i, name in enumerate(self._names)}
         self._rebuild_keeping_grads([index[name] for name in names])

@@ -142,11 +142,11 @@ def resolve_overlap_options(
         )
     if forward_order_tail is None:
         return DEFAULT_TAIL
-    if isinstance(forward_order_tail, bool) or not isinstance(forward_order_tail, int):
-        raise ValueError(
-            f"{CALLER}: forward_order_tail must be an int >= 0, got {forward_order_tail!r}"
-        )
-    if forward_order_tail < 0:
+    if (
+        isinstance(forward_order_tail, bool)
+        or not isinstance(forward_order_tail, int)
+        or forward_order_tail < 0
+    ):
         raise ValueError(
             f"{CALLER}: forward_order_tail must be an int >= 0, got {forward_order_tail!r}"
         )
