@@ -44,7 +44,6 @@ from typing import Protocol
 from overlapkit.planner.libraries import (
     HIERARCHICAL,
     LIBRARIES,
-    NCCL,
     P2P,
     PAIRWISE,
     RING,
@@ -349,13 +348,13 @@ def _switch(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> f
     latency = lib.base_latency_us(SWITCH, proto) + _step_us(g.intra, lib, SWITCH, proto)
     # Per-GPU rate inside the domains: NCCL's NVLS data path (planner.nvls), or every byte
     # once each way at the link rate for a library without one (ideal).
-    nccl = lib is NCCL
+    nvls = lib.nvls_data_path
     if g.intra is None:
         in_domain = math.inf
     elif c == "all_reduce":
-        in_domain = g.nvls_GBps if nccl else g.intra.GBps
+        in_domain = g.nvls_GBps if nvls else g.intra.GBps
     else:
-        in_domain = g.nvls_collective_GBps if nccl else g.intra.GBps
+        in_domain = g.nvls_collective_GBps if nvls else g.intra.GBps
     volume = S if c == "all_reduce" else (n - 1) / n * S
     if k == 1:
         return _seconds(latency, volume, in_domain)
@@ -366,7 +365,7 @@ def _switch(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> f
         return _seconds(latency, volume, min(in_domain, g.inter_ring.GBps))
     # NVLS-tree: reduce in each domain's switch, a tree across domains over the network.
     latency += 2 * math.ceil(math.log2(k)) * _step_us(g.inter_ring, lib, RING, SIMPLE)
-    if nccl and g.nvls_tree_GBps is not None:
+    if nvls and g.nvls_tree_GBps is not None:
         in_domain = g.nvls_tree_GBps
     inter = g.inter_ring.GBps / tree_network_volume(k)
     return _seconds(latency, S, min(in_domain, inter))

@@ -133,6 +133,9 @@ class LibraryModel:
     """Algorithms the library picks from on its own (others can still be forced)."""
     tree_chains_within_domain: bool = False
     """NCCL's tree is a chain inside a node and a double binary tree across nodes."""
+    nvls_data_path: bool = False
+    """In-switch reduction runs at what NCCL's NVLS data path sustains (``planner.nvls``);
+    without it, every byte passes once each way at the link rate (ideal)."""
 
     def protocols(self, algorithm: str, *, intra_class: str | None) -> tuple[str, ...]:
         """Protocols to consider for ``algorithm``; ``intra_class`` is the intra tier's class."""
@@ -229,7 +232,10 @@ class NcclModel(LibraryModel):
 
 
 NCCL = NcclModel(
-    name="nccl", auto_algorithms=frozenset({RING, TREE, SWITCH}), tree_chains_within_domain=True
+    name="nccl",
+    auto_algorithms=frozenset({RING, TREE, SWITCH}),
+    tree_chains_within_domain=True,
+    nvls_data_path=True,
 )
 # ProcessGroupGloo's all-reduce calls gloo's ring algorithm.
 GLOO = LibraryModel(name="gloo", auto_algorithms=frozenset({RING}))
