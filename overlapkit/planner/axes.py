@@ -105,8 +105,7 @@ def check_order(order: Sequence[str], names: tuple[str, ...]) -> tuple[str, ...]
             f"order {list(given)} must name each mesh axis once, outermost first: "
             f"{', '.join(names)}"
         )
-    if "dp_shard" in given and given.index("dp_shard") < given.index("dp_replicate"):
-        # ok.fsdp takes mesh["dp_replicate", "dp_shard"], which torch can only slice in mesh order.
+    if _shard_outside_replica(given):
         swapped = tuple(
             {"dp_shard": "dp_replicate", "dp_replicate": "dp_shard"}.get(a, a) for a in given
         )
@@ -115,6 +114,17 @@ def check_order(order: Sequence[str], names: tuple[str, ...]) -> tuple[str, ...]
             f'replica (mesh["dp_replicate", "dp_shard"] must be in mesh order): use {swapped}'
         )
     return given
+
+
+def _shard_outside_replica(order: Sequence[str]) -> bool:
+    """Whether ``order`` puts ``dp_shard`` before (outside) ``dp_replicate``.
+
+    HSDP shards inside each replica: ok.fsdp takes ``mesh["dp_replicate", "dp_shard"]``, which
+    torch can only slice in mesh order.
+    """
+    return {"dp_shard", "dp_replicate"} <= set(order) and order.index("dp_shard") < order.index(
+        "dp_replicate"
+    )
 
 
 def candidate_orders(names: tuple[str, ...], sizes: dict[str, int]) -> list[tuple[str, ...]]:
@@ -129,9 +139,7 @@ def candidate_orders(names: tuple[str, ...], sizes: dict[str, int]) -> list[tupl
     options = []
     for h in itertools.permutations(heavy):
         for li in itertools.permutations(light):
-            if {"dp_shard", "dp_replicate"} <= set(li) and li.index("dp_shard") < li.index(
-                "dp_replicate"
-            ):
+            if _shard_outside_replica(li):
                 continue
             slots = iter(li + h)
             options.append(tuple(next(slots) if sizes[a] > 1 else a for a in names))
