@@ -188,16 +188,14 @@ def apply_parallel(
             )
         case FSDPModule():
             what = "ok.fsdp" + (" (HSDP)" if layout.plan.dp_shard is not None else "")
-            if by_block:
-                return Parallelized(
-                    result,
-                    lambda: _fsdp_no_sync(result),
-                    _nothing,
-                    True,
-                    what + ", optimizer step by block",
-                    optimizer_step=functools.partial(step_by_block, result),
-                )
-            return Parallelized(result, lambda: _fsdp_no_sync(result), _nothing, True, what)
+            return Parallelized(
+                result,
+                lambda: _fsdp_no_sync(result),
+                _nothing,
+                True,
+                what + (", optimizer step by block" if by_block else ""),
+                optimizer_step=functools.partial(step_by_block, result) if by_block else None,
+            )
         case nn.Module():
             # An unknown wrapper: it reduces gradients as it sees fit, on every backward.
             logger.warning(
