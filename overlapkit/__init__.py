@@ -21,18 +21,16 @@ import sys
 import types
 from typing import Any
 
-__version__ = "0.1.0"
-
 # Public name -> the module that defines it (not a package that re-exports it: a package
 # attribute can be shadowed by a same-named sub-module, as overlapkit.ddp.comm_stats is).
 _EXPORTS: dict[str, str] = {
-    "ConfigMismatch": "overlapkit.consistency",
+    "ConfigMismatch": "overlapkit.group.consistency",
     "BucketCommRecord": "overlapkit.ddp.comm_stats",
     "CommStats": "overlapkit.ddp.comm_stats",
     "GradBucketer": "overlapkit.ddp.bucketer",
     "comm_stats": "overlapkit.ddp.comm_stats",
     "ddp": "overlapkit.ddp.wrap",
-    "CollectiveFailure": "overlapkit.failures",
+    "CollectiveFailure": "overlapkit.group.failures",
     "NonFiniteGradients": "overlapkit.finite",
     "fsdp": "overlapkit.fsdp.wrap",
     "fsdp_stats": "overlapkit.fsdp.state",
@@ -49,7 +47,10 @@ _EXPORTS: dict[str, str] = {
     "tuning_report": "overlapkit.tuning",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+# In a leaf of its own, so that modules inside the package read it without importing this one.
+_EXPORTS["__version__"] = "overlapkit._version"
+
+__all__ = sorted(_EXPORTS)
 
 
 class _PublicAPI(types.ModuleType):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import overlapkit as ok
-from overlapkit.consistency import (
+from overlapkit.group.consistency import (
     ABSENT,
     ConfigMismatch,
     describe,
@@ -77,7 +77,7 @@ class _CountCollectives:
 
     def __enter__(self):
         self.tensor_gathers = self.object_gathers = 0
-        # overlapkit.process_group.all_gather_single looks the torch function up per call.
+        # overlapkit.group.process_group.all_gather_single looks the torch function up per call.
         self._tensor_name = (
             "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
         )

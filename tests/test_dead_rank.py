@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import overlapkit as ok
-from overlapkit.failures import check_in, describe_failure, grace_s
+from overlapkit.group.failures import check_in, describe_failure, grace_s
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
 

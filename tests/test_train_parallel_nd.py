@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import overlapkit as ok
-from overlapkit.process_group import group_timeout
+from overlapkit.group.process_group import group_timeout
 from overlapkit.train.mesh import (
     PlanConfig,
     build_layout,

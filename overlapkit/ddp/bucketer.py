@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from overlapkit.consistency import check_consistent
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
 from overlapkit.ddp.overlapped_step import (
@@ -43,9 +42,10 @@ from overlapkit.ddp.overlapped_step import (
     tail_launch_order,
     validate_optimizer,
 )
-from overlapkit.failures import FailureScope
 from overlapkit.finite import FiniteCheck, validate_finite_options
-from overlapkit.process_group import resolve_process_group
+from overlapkit.group.consistency import check_consistent
+from overlapkit.group.failures import FailureScope
+from overlapkit.group.process_group import resolve_process_group
 from overlapkit.tuning.ddp import attach_bucketer_tuner, wants_auto_bucket_mb
 from overlapkit.validation import trainable_parameters, validate_bucket_mb
 
@@ -142,7 +142,7 @@ class GradBucketer:
         ValueError: ``bucket_mb <= 0`` or the model has no trainable parameters.
         RuntimeError: torch.distributed is not initialised.
         ConfigMismatch: the ranks of the group passed different options or models
-            (``overlapkit.consistency``; one 32-byte all-gather when they agree).
+            (``overlapkit.group.consistency``; one 32-byte all-gather when they agree).
 
     Example::
         >>> bucketer = ok.GradBucketer(model, bucket_mb=4)

@@ -18,7 +18,7 @@ import threading
 
 from torch.autograd import Variable
 
-from overlapkit.failures import CollectiveFailure, CollectiveSite
+from overlapkit.group.failures import CollectiveFailure, CollectiveSite
 
 
 class FailureRelay:

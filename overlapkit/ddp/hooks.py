@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 from overlapkit.ddp.comm_stats import CommRecorder
 from overlapkit.ddp.failure_relay import FailureRelay
-from overlapkit.failures import FailureScope
+from overlapkit.group.failures import FailureScope
 
 __all__ = [
     "CommHookState",
@@ -45,7 +45,7 @@ class CommHookState:
     Args:
         process_group (ProcessGroup): group to average over.
         recorder (CommRecorder): where per-bucket timings go; its step count also names the
-            step in the error of a failed all-reduce (``overlapkit.failures``).
+            step in the error of a failed all-reduce (``overlapkit.group.failures``).
     """
 
     __slots__ = ("_wire_buffers", "failures", "group_size", "process_group", "recorder", "relay")

@@ -11,13 +11,13 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapkit.consistency import check_consistent
 from overlapkit.ddp import hooks
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
 from overlapkit.ddp.compile_guard import refuse_small_first_bucket_under_compile
 from overlapkit.finite import FiniteCheck, check_finite_wrapper, validate_finite_options
-from overlapkit.process_group import backend_of, resolve_process_group
+from overlapkit.group.consistency import check_consistent
+from overlapkit.group.process_group import backend_of, resolve_process_group
 from overlapkit.tuning.ddp import attach_ddp_tuner, wants_auto_bucket_mb
 from overlapkit.validation import trainable_parameters
 
@@ -129,7 +129,7 @@ def ddp(
             (``overlapkit.ddp.compile_guard``).
         RuntimeError: torch.distributed is not initialised.
         ConfigMismatch: the ranks of the group passed different options or models
-            (``overlapkit.consistency``; one 32-byte all-gather when they agree).
+            (``overlapkit.group.consistency``; one 32-byte all-gather when they agree).
     """
     # As given (before "auto" or None is resolved), for the cross-rank consistency check.
     options = dict(

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from overlapkit.failures import FailureScope
 from overlapkit.fsdp.stats import UnshardRecorder
-from overlapkit.process_group import all_gather_single
+from overlapkit.group.failures import FailureScope
+from overlapkit.group.process_group import all_gather_single
 
 
 class Alloc:

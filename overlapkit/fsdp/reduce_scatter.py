@@ -32,9 +32,9 @@ from torch.autograd import Variable
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
-from overlapkit.failures import FailureScope
 from overlapkit.fsdp.comms import Alloc
-from overlapkit.process_group import reduce_scatter_single as _reduce_scatter
+from overlapkit.group.failures import FailureScope
+from overlapkit.group.process_group import reduce_scatter_single as _reduce_scatter
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from overlapkit.failures import CollectiveFailure, FailureScope
+from overlapkit.group.failures import CollectiveFailure, FailureScope
 
 
 class _CountsCalls(Protocol):

@@ -12,8 +12,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from overlapkit.consistency import check_consistent
-from overlapkit.failures import FailureScope
 from overlapkit.fsdp.blocks import BlockSpec, resolve_blocks
 from overlapkit.fsdp.comms import BlockAllGather
 from overlapkit.fsdp.mesh import resolve_mesh
@@ -26,7 +24,9 @@ from overlapkit.fsdp.reduce_scatter import (
 from overlapkit.fsdp.replica_all_reduce import explain_replica_all_reduce
 from overlapkit.fsdp.state import OverlapState, is_registered, register_state, state_of
 from overlapkit.fsdp.stats import ROOT, UnshardRecorder
-from overlapkit.process_group import resolve_process_group
+from overlapkit.group.consistency import check_consistent
+from overlapkit.group.failures import FailureScope
+from overlapkit.group.process_group import resolve_process_group
 from overlapkit.tuning.decide import AUTO, check_max_memory, prefetch_candidates
 from overlapkit.tuning.fsdp import attach_prefetch_tuner
 
@@ -179,7 +179,7 @@ def fsdp(
         ValueError: ``prefetch`` not in {0, 1, 2}, unknown ``mixed_precision``, ``blocks``
             matching nothing, a mesh of the wrong size or shape, or a model already wrapped.
         ConfigMismatch: the ranks passed different options or models
-            (``overlapkit.consistency``; one 32-byte all-gather when they agree).
+            (``overlapkit.group.consistency``; one 32-byte all-gather when they agree).
         TypeError: an argument of the wrong type.
         RuntimeError: torch.distributed is not initialised.
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from overlapkit.group.process_group import inherit_timeout
 from overlapkit.planner.axes import (
     AXES,
     HSDP_AXES,
@@ -52,7 +53,6 @@ from overlapkit.planner.axes import (
 )
 from overlapkit.planner.grid import BlockViolation, axis_groups, physical_order, rank_grid
 from overlapkit.planner.traffic import CollectiveCost, Workload, step_collectives
-from overlapkit.process_group import inherit_timeout
 from overlapkit.topology.model import Topology
 
 logger = logging.getLogger(__name__)

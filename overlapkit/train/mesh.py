@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from overlapkit.group.process_group import inherit_timeout
 from overlapkit.planner import Placement
 from overlapkit.planner import plan as place
-from overlapkit.process_group import inherit_timeout
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlapkit.failures import FailureScope
-from overlapkit.process_group import all_gather_single
+from overlapkit._version import __version__
+from overlapkit.group.failures import FailureScope
+from overlapkit.group.process_group import all_gather_single
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ def describe(
         options (Mapping): the options as the user passed them; ``PER_RANK_OPTIONS`` are left
             out.
     """
-    from overlapkit import __version__  # the package imports this module's users
-
     fields = [
         ("wrapper", caller),
         ("overlapkit version", __version__),
