@@ -49,8 +49,8 @@ from fsdp_prefetch import make_mlp
 from json_report import write_json_report
 
 import overlapkit as ok
-from overlapkit.local_ranks import run_on_ranks
 from overlapkit.tuning.decide import bucket_ladder
+from overlapkit.workers.local_ranks import run_on_ranks
 
 MiB = 1024 * 1024
 TARGET_RATIO = 1.05

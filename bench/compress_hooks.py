@@ -44,8 +44,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
-from overlapkit.local_ranks import run_on_ranks
 from overlapkit.train.models import MLP, MLPConfig
+from overlapkit.workers.local_ranks import run_on_ranks
 
 BASELINE = "ddp"
 DEFAULTS = {

@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_priority import prioritize
 from emulated_link import current_link, enter_emulated_link
 
-from overlapkit.local_ranks import run_on_ranks
 from overlapkit.planner import estimate
 from overlapkit.planner.calibrate import (
     Measurement,
@@ -47,6 +46,7 @@ from overlapkit.planner.calibrate import (
 )
 from overlapkit.topology import detect_topology, parse_topology_yaml
 from overlapkit.topology.units import format_bytes, format_seconds, parse_size
+from overlapkit.workers.local_ranks import run_on_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET = 0.20

@@ -66,8 +66,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
-from overlapkit.local_ranks import run_on_ranks
 from overlapkit.train.models import GPT, MLP, GPTConfig, MLPConfig
+from overlapkit.workers.local_ranks import run_on_ranks
 
 BASELINE = "ddp_default"
 OPTIMIZER_BASELINE = "ddp_opt"

@@ -70,7 +70,7 @@ from torch import nn
 import overlapkit as ok
 from overlapkit.fsdp.prefetch import overlap_optimizer_step, set_explicit_prefetch, step_by_block
 from overlapkit.group.process_group import all_gather_single, reduce_scatter_single
-from overlapkit.local_ranks import run_on_ranks
+from overlapkit.workers.local_ranks import run_on_ranks
 
 BASELINE = "fsdp2_default"
 CASES = (

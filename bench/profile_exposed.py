@@ -32,8 +32,8 @@ from json_report import write_json_report
 from torch import nn
 
 import overlapkit as ok
-from overlapkit.local_ranks import run_on_ranks
 from overlapkit.profiling.analysis import analyze_run, rank_totals
+from overlapkit.workers.local_ranks import run_on_ranks
 
 CASES = ("no_overlap", "ok_ddp")
 

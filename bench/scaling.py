@@ -37,7 +37,7 @@ from emulated_link import current_link, enter_emulated_link
 from json_report import write_json_report
 
 from overlapkit.doctor.scaling import rank_counts, scaling_efficiency
-from overlapkit.local_ranks import run_on_ranks
+from overlapkit.workers.local_ranks import run_on_ranks
 
 SHOWN = ("compute_only", "no_overlap", BASELINE, "ok_ddp", "bucketer", "ok_ddp_bf16")
 RESULTS = Path(__file__).resolve().parent / "results"

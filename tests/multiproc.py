@@ -1,4 +1,4 @@
-"""The multi-process test harness: run a test body on N gloo ranks (see ``overlapkit.local_ranks``).
+"""The multi-process test harness: run a test body on N gloo ranks (``overlapkit.workers``).
 
 Usage in a test module::
 
@@ -10,6 +10,6 @@ Usage in a test module::
         results = run_on_ranks(_body, 2)  # raises RankFailure with each child's traceback
 """
 
-from overlapkit.local_ranks import RankFailure, run_on_ranks
+from overlapkit.workers.local_ranks import RankFailure, run_on_ranks
 
 __all__ = ["RankFailure", "run_on_ranks"]

@@ -77,7 +77,7 @@ def _train_until_failure(rank, step_fn, mlp, mode):
 
 
 def _destroy_group_after(start):
-    gc.collect()  # a DDP reducer must go before its group (see overlapkit.local_ranks)
+    gc.collect()  # a DDP reducer must go before its group (see overlapkit.workers.local_ranks)
     dist.destroy_process_group()
     return time.monotonic() - start
 

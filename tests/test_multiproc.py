@@ -56,7 +56,7 @@ def _what_the_rank_sees(rank, world_size):
 def test_ranks_see_the_callers_environment_and_directory_of_the_call_not_the_fork_servers(
     tmp_path, monkeypatch
 ):
-    # The fork server (overlapkit.worker_start) runs from the first call on, with this
+    # The fork server (overlapkit.workers.forkserver) runs from the first call on, with this
     # process's environment of that moment; later changes must still reach the ranks.
     [(_, had_home, first_cwd, first_pid), _] = run_on_ranks(_what_the_rank_sees, 2)
     assert had_home and first_cwd == os.getcwd()

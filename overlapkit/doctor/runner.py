@@ -2,8 +2,8 @@
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank calls ``run_doctor``, which joins the
 job's process group (NCCL on GPUs, gloo on CPU). Otherwise it starts ``nproc`` local ranks with
-``overlapkit.local_ranks.run_on_ranks`` (gloo); on a machine with a GPU per rank, the checks that
-communicate use an NCCL group over the same ranks.
+``overlapkit.workers.local_ranks.run_on_ranks`` (gloo); on a machine with a GPU per rank, the
+checks that communicate use an NCCL group over the same ranks.
 
 Every rank measures; the checks are classified from values all ranks agree on (all-gathered or
 reduced), and rank 0's list is broadcast so that every rank returns the same exit code.
@@ -34,7 +34,6 @@ from overlapkit.ddp.bucket_size import default_bucket_mb
 from overlapkit.doctor import affinity, perf_checks, setup_checks
 from overlapkit.doctor.check import CHECK_NAMES, FAIL, Check
 from overlapkit.doctor.scaling import rank_counts
-from overlapkit.local_ranks import run_on_ranks
 from overlapkit.planner.calibrate import fit_ring_all_reduce, measure_all_reduce, sizes_between
 from overlapkit.planner.cost import estimate
 from overlapkit.topology.detect import detect_topology, local_view
@@ -42,6 +41,7 @@ from overlapkit.topology.loading import load_topology
 from overlapkit.topology.model import Topology
 from overlapkit.train.models import GPT, MLP, GPTConfig, MLPConfig
 from overlapkit.validation import check_int, is_finite_number
+from overlapkit.workers.local_ranks import run_on_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -508,6 +508,7 @@ def run_doctor(options: DoctorOptions, *, nproc: int = 2) -> tuple[list[Check], 
 
     Raises:
         ValueError: ``nproc < 1``.
+        RankFailure: a local rank raised or died (a RuntimeError carrying its traceback).
     """
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -34,12 +34,12 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from overlapkit.local_ranks import run_on_ranks
 from overlapkit.topology.detect import detect_topology
 from overlapkit.topology.loading import parse_topology_yaml
 from overlapkit.topology.model import DomainKind, FabricKind, Topology
 from overlapkit.topology.units import format_bytes, format_seconds
 from overlapkit.validation import is_finite_number
+from overlapkit.workers.local_ranks import run_on_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +323,9 @@ def calibrate(
 
     Returns:
         Calibration: measurements and fits per tier, the YAML text and its topology.
+
+    Raises:
+        RankFailure: a local worker raised or died (a RuntimeError carrying its traceback).
     """
     if ranks < 2:
         raise ValueError(f"--ranks must be >= 2 to measure a collective, got {ranks}")

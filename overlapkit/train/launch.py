@@ -2,7 +2,7 @@
 
 ``launch()`` runs in the process Hydra started; it builds a ``LaunchConfig`` from the ``launcher``
 group and calls ``elastic_launch`` with ``worker_main``, which torch elastic starts
-``nproc_per_node`` times (forked from ``overlapkit.worker_start``'s server) with torchrun's
+``nproc_per_node`` times (forked from ``overlapkit.workers.forkserver``'s server) with torchrun's
 environment (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``...). A single node uses the
 c10d rendezvous on a free local port, as ``torchrun --standalone`` does. Several nodes use the
 static rendezvous, as ``torchrun --nnodes N --node-rank R --master-addr A --master-port P`` does:
@@ -37,7 +37,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from overlapkit.train.faults import install_kill_from_env
 from overlapkit.train.loop import RunPaths, resolve_device, train
 from overlapkit.validation import check_int, is_finite_number
-from overlapkit.worker_start import ParentState, context
+from overlapkit.workers.forkserver import ParentState, context
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class LauncherConfig:
             max_nodes=self.nnodes,
             nproc_per_node=self.nproc_per_node,
             max_restarts=self.max_restarts,
-            start_method="forkserver",  # see overlapkit.worker_start
+            start_method="forkserver",  # see overlapkit.workers.forkserver
             logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
         )
         if self.standalone:
@@ -175,7 +175,7 @@ def worker_main(
     """One rank: join the process group, agree on rank 0's run directory, train.
 
     Started by torch elastic with torchrun's environment (forked from the server of
-    ``overlapkit.worker_start``, so it first adopts the launching process's environment);
+    ``overlapkit.workers.forkserver``, so it first adopts the launching process's environment);
     returns rank 0's summary as a dict.
     """
     if parent is not None:

@@ -10,8 +10,8 @@ them. A failure raises ``RankFailure`` whose message carries each failing rank's
 exit status, so a test shows the child's error, not a bare "process exited".
 
 ``fn`` and its arguments must be picklable (a module-level function). The workers are forked from
-a server that has imported torch (``overlapkit.worker_start``) and take the parent's environment,
-working directory and ``sys.path`` of the moment of the call, as spawned ones would.
+a server that has imported torch (``overlapkit.workers.forkserver``) and take the parent's
+environment, working directory and ``sys.path`` of the moment of the call, as spawned ones would.
 """
 
 from __future__ import annotations
@@ -30,14 +30,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from overlapkit.worker_start import ParentState, context
+from overlapkit.workers.forkserver import ParentState, context
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 10.0
 DEFAULT_TOTAL_TIMEOUT_S = 120.0
 
 
-class RankFailure(AssertionError):
+class RankFailure(RuntimeError):
     """One or more ranks raised, died or timed out; the message holds their tracebacks.
+
+    A RuntimeError, not an AssertionError: callers outside tests (``overlapkit doctor``,
+    ``overlapkit calibrate``) see a failed run, not a failed assertion.
 
     Attributes:
         results (dict[int, Any]): return values of the ranks that finished, by rank, so a test

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
 
-PRELOAD = ["overlapkit.local_ranks", "overlapkit.train.launch"]
+PRELOAD = ["overlapkit.workers.local_ranks", "overlapkit.train.launch"]
 """Imported by the server before it forks any worker: the entry points of both kinds of worker
 (``run_on_ranks``'s and ``overlapkit-train``'s) and, through them, torch and overlapkit."""
 
