@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "comm_stats": "overlapkit.ddp.comm_stats",
     "ddp": "overlapkit.ddp.wrap",
     "CollectiveFailure": "overlapkit.group.failures",
-    "NonFiniteGradients": "overlapkit.finite",
+    "NonFiniteGradients": "overlapkit.ddp.finite",
     "fsdp": "overlapkit.fsdp.wrap",
     "fsdp_stats": "overlapkit.fsdp.state",
     "Estimate": "overlapkit.planner",

@@ -1,11 +1,14 @@
-"""Checks of user-supplied options shared by the wrappers; errors name the offending value."""
+"""Checks of user-supplied numbers that every layer shares; errors name the offending value.
+
+At the package root, a leaf importing nothing of overlapkit, because its users span every layer
+(``profiling``, ``planner``, ``train``, ``doctor``, ``ddp``) and its two functions belong to no
+concept of their own. Checks of one wrapper's options live with it (``overlapkit.ddp.options``).
+"""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
-
-import torch
 
 
 def is_finite_number(value: Any) -> bool:
@@ -16,28 +19,6 @@ def is_finite_number(value: Any) -> bool:
         and not isinstance(value, bool)
         and -sys.float_info.max <= value <= sys.float_info.max
     )
-
-
-def validate_bucket_mb(bucket_mb: float, *, caller: str) -> float:
-    """Check a bucket size in MiB: a positive finite number."""
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
-        raise TypeError(f"{caller}: bucket_mb must be a number of MiB, got {bucket_mb!r}")
-    if not bucket_mb > 0:
-        raise ValueError(f"{caller}: bucket_mb must be > 0 MiB, got {bucket_mb!r}")
-    if not is_finite_number(bucket_mb):
-        raise ValueError(f"{caller}: bucket_mb must be a finite number of MiB, got {bucket_mb!r}")
-    return float(bucket_mb)
-
-
-def trainable_parameters(model: torch.nn.Module, *, caller: str) -> list[torch.nn.Parameter]:
-    """The parameters with ``requires_grad``; raises ValueError when there are none."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(
-            f"{caller}: the model ({type(model).__name__}) has no trainable parameters "
-            "(none with requires_grad=True); there is nothing to reduce"
-        )
-    return params
 
 
 def check_int(name: str, value: Any, minimum: int, *, unit: str = "") -> int:

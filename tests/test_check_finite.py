@@ -12,7 +12,7 @@ from torch import nn
 import overlapkit as ok
 from overlapkit.ddp import hooks
 from overlapkit.ddp.comm_stats import CommRecorder
-from overlapkit.finite import (
+from overlapkit.ddp.finite import (
     FiniteCheck,
     NonFiniteGradients,
     nonfinite_message,

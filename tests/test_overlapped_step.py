@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import overlapkit as ok
+from overlapkit.ddp.finite import NonFiniteGradients
 from overlapkit.ddp.overlapped_step import OverlapConflict, tail_launch_order
-from overlapkit.finite import NonFiniteGradients
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
 from tests.test_dead_rank import ENV, FAULT_STEP, TIMEOUT_S, _train_until_failure

@@ -1,6 +1,6 @@
 """Data-parallel overlap: instrumented DDP comm hooks, ``ok.ddp`` and ``ok.GradBucketer``.
 
-Names load on first use: ``overlapkit.finite`` and ``overlapkit.tuning.ddp`` import
+Names load on first use: ``overlapkit.ddp.finite`` and ``overlapkit.tuning.ddp`` import
 ``overlapkit.ddp.comm_stats`` while ``ok.ddp`` and the bucketer import them, so an eager
 ``__init__`` would make a cycle of whichever is imported first.
 """

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from overlapkit.validation import validate_bucket_mb
+from overlapkit.ddp.options import validate_bucket_mb
 
 MiB = 1024 * 1024
 TARGET_BUCKETS = 8

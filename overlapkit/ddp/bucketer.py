@@ -36,18 +36,18 @@ from torch.distributed.tensor import DTensor
 
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
+from overlapkit.ddp.finite import FiniteCheck, validate_finite_options
+from overlapkit.ddp.options import trainable_parameters, validate_bucket_mb
 from overlapkit.ddp.overlapped_step import (
     OverlappedStep,
     resolve_overlap_options,
     tail_launch_order,
     validate_optimizer,
 )
-from overlapkit.finite import FiniteCheck, validate_finite_options
 from overlapkit.group.consistency import check_consistent
 from overlapkit.group.failures import FailureScope
 from overlapkit.group.process_group import resolve_process_group
 from overlapkit.tuning.ddp import attach_bucketer_tuner, wants_auto_bucket_mb
-from overlapkit.validation import trainable_parameters, validate_bucket_mb
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class GradBucketer:
         process_group (ProcessGroup | None): group to average over (for example the ``dp`` group
             of a device mesh); None means the world.
         check_finite (bool): after reduction, look for NaN/Inf in every bucket (one
-            sum per bucket); all ranks see the same result (``overlapkit.finite``).
+            sum per bucket); all ranks see the same result (``overlapkit.ddp.finite``).
             Defaults to False: nothing is checked, at no cost.
         on_nonfinite (str): with ``check_finite``: ``"raise"`` (``NonFiniteGradients`` from
             ``wait()`` on every rank, naming the parameters) or ``"skip"`` (every ``.grad`` set

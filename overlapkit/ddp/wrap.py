@@ -15,11 +15,11 @@ from overlapkit.ddp import hooks
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
 from overlapkit.ddp.compile_guard import refuse_small_first_bucket_under_compile
-from overlapkit.finite import FiniteCheck, check_finite_wrapper, validate_finite_options
+from overlapkit.ddp.finite import FiniteCheck, check_finite_wrapper, validate_finite_options
+from overlapkit.ddp.options import trainable_parameters
 from overlapkit.group.consistency import check_consistent
 from overlapkit.group.process_group import backend_of, resolve_process_group
 from overlapkit.tuning.ddp import attach_ddp_tuner, wants_auto_bucket_mb
-from overlapkit.validation import trainable_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def ddp(
         powersgd_options (Mapping | None): keyword arguments of ``PowerSGDState`` (for example
             ``matrix_approximation_rank``, ``start_powerSGD_iter``); only with ``"powersgd"``.
         check_finite (bool): after each bucket's all-reduce, look for NaN/Inf (one
-            sum per bucket); every rank sees the same result (``overlapkit.finite``).
+            sum per bucket); every rank sees the same result (``overlapkit.ddp.finite``).
             Not with ``"powersgd"``. Defaults to False: the hook is the same as without it.
         on_nonfinite (str): with ``check_finite``: ``"raise"`` (``loss.backward()`` raises on
             every rank, naming the parameters) or ``"skip"`` (every ``.grad`` set to None at
