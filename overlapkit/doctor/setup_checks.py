@@ -17,9 +17,8 @@ from overlapkit.planner.cost import estimate
 from overlapkit.planner.explain import where
 from overlapkit.planner.grid import rail_aligned
 from overlapkit.planner.placement import PlacementError, plan
-from overlapkit.topology.cli import rank_ranges
 from overlapkit.topology.model import DeviceKind, Topology
-from overlapkit.topology.units import format_bytes
+from overlapkit.topology.units import format_bytes, rank_ranges
 
 # Environment variables the communication libraries read for interface choice.
 IFNAME_VARIABLES = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")

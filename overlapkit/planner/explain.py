@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING
 
 from overlapkit.planner.cost import estimate
 from overlapkit.planner.grid import physical_order, rail_aligned
-from overlapkit.topology.cli import rank_ranges
 from overlapkit.topology.model import FabricKind
-from overlapkit.topology.units import format_bytes, format_seconds
+from overlapkit.topology.units import format_bytes, format_seconds, rank_ranges
 
 if TYPE_CHECKING:
     from overlapkit.planner.placement import Placement

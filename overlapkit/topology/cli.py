@@ -12,6 +12,7 @@ import torch.distributed as dist
 from overlapkit.topology.detect import detect_topology
 from overlapkit.topology.loading import load_topology, preset_names
 from overlapkit.topology.model import FabricKind, Topology
+from overlapkit.topology.units import rank_ranges
 
 FABRIC_CHOICES = [k.value for k in FabricKind if k is not FabricKind.NONE]
 
@@ -66,22 +67,6 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(topology.to_dict(), indent=2) if args.json else render(topology))
     return 0
-
-
-def rank_ranges(ranks: list[int] | tuple[int, ...]) -> str:
-    """``[0, 1, 2, 3, 8, 9]`` -> ``"0-3,8-9"``."""
-    parts: list[str] = []
-    start = previous = None
-    for rank in ranks:
-        if previous is not None and rank == previous + 1:
-            previous = rank
-            continue
-        if start is not None:
-            parts.append(str(start) if start == previous else f"{start}-{previous}")
-        start = previous = rank
-    if start is not None:
-        parts.append(str(start) if start == previous else f"{start}-{previous}")
-    return ",".join(parts)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

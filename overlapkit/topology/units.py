@@ -6,6 +6,7 @@ spelling); a bare number is GB/s. A lower-case ``b`` or the word ``bit`` means b
 ``B`` means bytes. Durations: ``5us``, ``2.5ms``, ``1e-6s``; a bare number is seconds.
 
 Internally sizes are bytes, bandwidths GB/s (10^9 bytes per second) and durations seconds.
+Rank lists print as ranges: ``[0, 1, 2, 3, 8, 9]`` is ``0-3,8-9``.
 """
 
 from __future__ import annotations
@@ -158,3 +159,19 @@ def format_seconds(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.4g} ms"
     return f"{seconds * 1e6:.4g} us"
+
+
+def rank_ranges(ranks: list[int] | tuple[int, ...]) -> str:
+    """``[0, 1, 2, 3, 8, 9]`` -> ``"0-3,8-9"``."""
+    parts: list[str] = []
+    start = previous = None
+    for rank in ranks:
+        if previous is not None and rank == previous + 1:
+            previous = rank
+            continue
+        if start is not None:
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+        start = previous = rank
+    if start is not None:
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+    return ",".join(parts)
