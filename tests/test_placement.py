@@ -6,7 +6,8 @@ import pytest
 
 import overlapkit as ok
 from overlapkit.planner import PlacementError, Workload, estimate, naive_placement, plan
-from overlapkit.planner.explain import split_penalties, where
+from overlapkit.planner.explain import where
+from overlapkit.planner.penalties import split_penalties
 from overlapkit.topology import load_topology, merge_views
 
 

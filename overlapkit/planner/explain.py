@@ -3,6 +3,9 @@
 Per axis: group size, where the groups live (inside a domain, across domains, on which rails),
 the collectives a step runs and the cost model's time; the penalty of a forced split or of an
 order override; a small rank-grid picture for up to ``PICTURE_MAX_RANKS`` ranks.
+
+Rendering only: the figures come from ``Placement`` and ``overlapkit.planner.penalties``, and
+``Placement`` is imported for type hints alone, so ``placement`` can call these renderers.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ import itertools
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from overlapkit.planner.cost import estimate
-from overlapkit.planner.grid import physical_order, rail_aligned
+from overlapkit.planner.grid import rail_aligned
+from overlapkit.planner.penalties import split_penalties
 from overlapkit.topology.model import FabricKind
 from overlapkit.topology.units import format_bytes, format_seconds, rank_ranges
 
@@ -20,11 +23,6 @@ if TYPE_CHECKING:
     from overlapkit.planner.placement import Placement
 
 PICTURE_MAX_RANKS = 64
-
-
-def dim_of(axis: str) -> str:
-    """The parallel dimension an axis belongs to (``dp_shard`` -> ``dp``)."""
-    return "dp" if axis.startswith("dp") else axis
 
 
 def where(placement: Placement, axis: str) -> str:
@@ -56,51 +54,6 @@ def where(placement: Placement, axis: str) -> str:
     return text + f"; {hops} switch hop(s) between neighbours"
 
 
-def split_penalties(placement: Placement, algorithm: str | None = None) -> list[tuple[str, float]]:
-    """Per dimension with a domain-integrity break: predicted extra seconds per step.
-
-    The reference is the same collectives on the most compact group of the same size (the
-    first ranks in physical order), which sits inside one domain when it fits.
-    """
-    dims = list(dict.fromkeys(dim_of(v.axis) for v in placement.violations))
-    compact = physical_order(placement.topology)
-    out = []
-    for dim in dims:
-        extra = 0.0
-        for c in placement.collectives(algorithm):
-            if c.dim != dim:
-                continue
-            reference = estimate(
-                c.collective,
-                nbytes=c.nbytes,
-                topology=placement.topology,
-                group=compact[: c.estimate.group_size],
-            )
-            extra += c.count * (c.time_s - reference.time_s)
-        out.append((dim, extra))
-    return out
-
-
-def _traffic_placement(placement: Placement) -> Placement | None:
-    """The planner's own layout for the same sizes, or None when it cannot place them."""
-    from overlapkit.planner.placement import PlacementError, plan
-
-    sizes = placement.dims
-    try:
-        return plan(
-            placement.topology,
-            tp=sizes["tp"],
-            ep=sizes["ep"],
-            cp=sizes["cp"],
-            pp=sizes["pp"],
-            dp=sizes["dp"],
-            dp_shard=sizes.get("dp_shard"),
-            workload=placement.workload,
-        )
-    except PlacementError:
-        return None
-
-
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
     return [
@@ -129,8 +82,18 @@ def _summary(placement: Placement) -> list[str]:
     ]
 
 
-def explain(placement: Placement, *, algorithm: str | None = None) -> str:
-    """The readable explanation (see module doc)."""
+def explain(
+    placement: Placement, *, algorithm: str | None = None, planned: Placement | None = None
+) -> str:
+    """The readable explanation (see module doc).
+
+    Args:
+        placement (Placement): what to explain.
+        algorithm (str | None): force a collective algorithm (like ``NCCL_ALGO``).
+        planned (Placement | None): with ``layout == "user"`` (an ``order=`` override), the
+            planner's own layout of the same sizes, to price the override against; None when
+            the traffic order cannot place them without a split.
+    """
     lines = _summary(placement) + [f"note: {n}" for n in placement.notes]
     rows = [
         [axis, str(size), str(placement.world_size // size), where(placement, axis)]
@@ -144,7 +107,6 @@ def explain(placement: Placement, *, algorithm: str | None = None) -> str:
             f"{extra * 1e3:+.4g} ms per step against {dim} groups inside one domain"
         )
     if placement.layout == "user":
-        planned = _traffic_placement(placement)
         if planned is None:
             lines.append("the traffic order cannot place these sizes without a split")
         elif not same_layout(planned, placement):

@@ -51,7 +51,10 @@ from overlapkit.planner.axes import (
     resolve_sizes,
     search,
 )
+from overlapkit.planner.explain import explain as render_explanation
+from overlapkit.planner.explain import placement_dict
 from overlapkit.planner.grid import BlockViolation, axis_groups, physical_order, rank_grid
+from overlapkit.planner.penalties import split_penalties
 from overlapkit.planner.traffic import CollectiveCost, Workload, step_collectives
 from overlapkit.topology.model import Topology
 
@@ -228,14 +231,11 @@ class Placement:
 
     def explain(self, algorithm: str | None = None) -> str:
         """Per axis: group size, where its groups live, their collectives and predicted time."""
-        from overlapkit.planner.explain import explain
-
-        return explain(self, algorithm=algorithm)
+        planned = _traffic_placement(self) if self.layout == "user" else None
+        return render_explanation(self, algorithm=algorithm, planned=planned)
 
     def to_dict(self, algorithm: str | None = None) -> dict:
         """The ``overlapkit plan --json`` document (keys fixed by DESIGN.md)."""
-        from overlapkit.planner.explain import placement_dict
-
         return placement_dict(self, algorithm=algorithm)
 
 
@@ -339,6 +339,24 @@ def plan(
     )
 
 
+def _traffic_placement(placement: Placement) -> Placement | None:
+    """The planner's own layout for the same sizes, or None when it cannot place them."""
+    sizes = placement.dims
+    try:
+        return plan(
+            placement.topology,
+            tp=sizes["tp"],
+            ep=sizes["ep"],
+            cp=sizes["cp"],
+            pp=sizes["pp"],
+            dp=sizes["dp"],
+            dp_shard=sizes.get("dp_shard"),
+            workload=placement.workload,
+        )
+    except PlacementError:
+        return None
+
+
 def naive_placement(placement: Placement) -> Placement:
     """The same sizes laid out as ``init_device_mesh`` would: ``arange`` in rank order."""
     names = HSDP_AXES if "dp_shard" in placement.mesh_dim_names else AXES
@@ -382,8 +400,6 @@ def _refusal(
     suggestions: list[dict[str, int]],
     traffic_order: tuple[str, ...] | None,
 ) -> str:
-    from overlapkit.planner.explain import split_penalties
-
     first = violations[0]
     spread = ", ".join(f"{n} in domain {d}" for d, n, _ in first.domain_counts)
     lines = [
