@@ -13,11 +13,11 @@ from torch import nn
 
 import overlapkit as ok
 from overlapkit.ddp.comm_stats import BucketCommRecord
+from overlapkit.ddp.tuning import BUCKETER_DISCARD_STEPS, DDP_DISCARD_STEPS, exposed_tails
+from overlapkit.ddp.tuning import MEASURE_STEPS as DDP_MEASURE_STEPS
+from overlapkit.fsdp.tuning import FSDP_DISCARD_STEPS
+from overlapkit.fsdp.tuning import MEASURE_STEPS as FSDP_MEASURE_STEPS
 from overlapkit.tuning import decide
-from overlapkit.tuning.ddp import BUCKETER_DISCARD_STEPS, DDP_DISCARD_STEPS, exposed_tails
-from overlapkit.tuning.ddp import MEASURE_STEPS as DDP_MEASURE_STEPS
-from overlapkit.tuning.fsdp import FSDP_DISCARD_STEPS
-from overlapkit.tuning.fsdp import MEASURE_STEPS as FSDP_MEASURE_STEPS
 from overlapkit.tuning.report import Trial, TuningReport
 from overlapkit.tuning.search import WARMUP_STEPS
 from tests.multiproc import run_on_ranks

@@ -1,8 +1,9 @@
 """Data-parallel overlap: instrumented DDP comm hooks, ``ok.ddp`` and ``ok.GradBucketer``.
 
-Names load on first use: ``overlapkit.ddp.finite`` and ``overlapkit.tuning.ddp`` import
-``overlapkit.ddp.comm_stats`` while ``ok.ddp`` and the bucketer import them, so an eager
-``__init__`` would make a cycle of whichever is imported first.
+Names load on first use, for import speed only: ``overlapkit.ddp.hooks`` or ``ok.comm_stats``
+then do not import the bucketer's DTensor support or DDP's wrapper. No module of the package
+imports this ``__init__``'s names, so an eager one would make no cycle either
+(``tests/test_import_layers.py`` checks the module graph).
 """
 
 # Eager: ``comm_stats`` is also the name of its sub-module, and importing a sub-module binds it

@@ -44,10 +44,10 @@ from overlapkit.ddp.overlapped_step import (
     tail_launch_order,
     validate_optimizer,
 )
+from overlapkit.ddp.tuning import attach_bucketer_tuner, wants_auto_bucket_mb
 from overlapkit.group.consistency import check_consistent
 from overlapkit.group.failures import FailureScope
 from overlapkit.group.process_group import resolve_process_group
-from overlapkit.tuning.ddp import attach_bucketer_tuner, wants_auto_bucket_mb
 
 logger = logging.getLogger(__name__)
 

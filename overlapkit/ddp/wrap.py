@@ -17,9 +17,9 @@ from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
 from overlapkit.ddp.compile_guard import refuse_small_first_bucket_under_compile
 from overlapkit.ddp.finite import FiniteCheck, check_finite_wrapper, validate_finite_options
 from overlapkit.ddp.options import trainable_parameters
+from overlapkit.ddp.tuning import attach_ddp_tuner, wants_auto_bucket_mb
 from overlapkit.group.consistency import check_consistent
 from overlapkit.group.process_group import backend_of, resolve_process_group
-from overlapkit.tuning.ddp import attach_ddp_tuner, wants_auto_bucket_mb
 
 logger = logging.getLogger(__name__)
 

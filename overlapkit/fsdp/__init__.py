@@ -1,8 +1,9 @@
 """Sharded data parallel with overlap: ``ok.fsdp()`` on FSDP2, prefetch, memory accounting.
 
-Names load on first use: ``overlapkit.tuning.fsdp`` builds on this package's modules while
-``ok.fsdp`` uses the tuner, so an eager ``__init__`` would make a cycle of whichever is
-imported first.
+Names load on first use, for import speed only: importing one module (``overlapkit.fsdp.mesh``
+for a mesh check) does not import ``fully_shard`` and the rest of the package. No module of the
+package imports this ``__init__``'s names, so an eager one would make no cycle either
+(``tests/test_import_layers.py`` checks the module graph).
 """
 
 from overlapkit.lazy import lazy_exports

@@ -24,11 +24,11 @@ from overlapkit.fsdp.reduce_scatter import (
 from overlapkit.fsdp.replica_all_reduce import explain_replica_all_reduce
 from overlapkit.fsdp.state import OverlapState, is_registered, register_state, state_of
 from overlapkit.fsdp.stats import ROOT, UnshardRecorder
+from overlapkit.fsdp.tuning import attach_prefetch_tuner
 from overlapkit.group.consistency import check_consistent
 from overlapkit.group.failures import FailureScope
 from overlapkit.group.process_group import resolve_process_group
 from overlapkit.tuning.decide import AUTO, check_max_memory, prefetch_candidates
-from overlapkit.tuning.fsdp import attach_prefetch_tuner
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def fsdp(
         prefetch (int): 0 (FSDP2's default behaviour, nothing added), 1 or 2 blocks of
             all-gathers in flight ahead of the computing one. Defaults to 1. ``"auto"`` tries
             the depths that fit ``max_memory`` during the first steps and keeps the fastest
-            (``overlapkit.tuning.fsdp``, ``ok.tuning_report``).
+            (``overlapkit.fsdp.tuning``, ``ok.tuning_report``).
         mesh (DeviceMesh | None): 1-D (FSDP over its ranks) or 2-D (HSDP; axis 0 replicates,
             axis 1 shards). None means a 1-D mesh over the world.
         mixed_precision (str | MixedPrecisionPolicy | None): None (parameter dtype),
