@@ -331,6 +331,7 @@ def _fsdp_by_block(rank, world_size):
 
     # ``overlapkit.fsdp`` the attribute is the function ok.fsdp; the module is in sys.modules.
     prefetch = importlib.import_module("overlapkit.fsdp.prefetch")
+    per_block = importlib.import_module("overlapkit.optim.per_block")  # the loop step_by_block runs
 
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
     out = {}
@@ -340,7 +341,7 @@ def _fsdp_by_block(rank, world_size):
         sched = _schedule(opt)
         owner = {id(p): f"block{i}" for i, b in enumerate(model) for p in b.parameters()}
         order = []
-        real_step_subset = prefetch.step_subset
+        real_step_subset = per_block.step_subset
 
         def spy(optimizer, params, real=real_step_subset, owner=owner, order=order, **kwargs):
             names = {owner.get(id(p), "root") for p in params} or {"root"}
@@ -353,7 +354,7 @@ def _fsdp_by_block(rank, world_size):
                 order.append(("gather", n)),
                 f(*a, **k),
             )[1]
-        prefetch.step_subset = spy
+        per_block.step_subset = spy
         try:
             for _ in range(4):
                 model(x).square().mean().backward()
@@ -365,7 +366,7 @@ def _fsdp_by_block(rank, world_size):
                 opt.zero_grad()
                 sched.step()
         finally:
-            prefetch.step_subset = real_step_subset
+            per_block.step_subset = real_step_subset
         local = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
         state = {
             str(k): {

@@ -27,7 +27,7 @@ Anything else that reads parameters sees every update applied: ``model.state_dic
 too) call ``synchronize()`` through pre-hooks; so does ``bucketer.synchronize()``. Code that reads
 ``param`` tensors directly between ``step()`` and the next forward must call ``synchronize()``.
 
-**The optimizer is the user's.** A bucket is updated by ``overlapkit.optim_subset.step_subset``:
+**The optimizer is the user's.** A bucket is updated by ``overlapkit.optim.subset.step_subset``:
 the optimizer class's own ``step`` on a view restricted to the bucket's parameters, with the
 hyper-parameters snapshotted at ``step()`` and the user's ``optimizer.state``. The result is
 bitwise equal to ``wait(); optimizer.step(); optimizer.zero_grad()`` and
@@ -52,7 +52,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from overlapkit.optim_subset import group_of, hyper_parameters, step_subset
+from overlapkit.optim.subset import group_of, hyper_parameters, mark_stepped, step_subset
 
 if TYPE_CHECKING:
     from overlapkit.ddp.bucketer import GradBucketer
@@ -242,8 +242,7 @@ class OverlappedStep:
         self._refuse_edited_gradients()
         hyper = hyper_parameters(self.optimizer)
         groups = group_of(self.optimizer)
-        # LR schedulers warn when they step before ``optimizer.step()``; this is that step.
-        self.optimizer._opt_called = True
+        mark_stepped(self.optimizer)
         missing, step = bucketer._end_backward()
         self._job = _Job(step, hyper, groups, missing, list(bucketer._launch_order))
         if bucketer._ready_order is not None:

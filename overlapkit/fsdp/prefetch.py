@@ -16,8 +16,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
-from overlapkit.fsdp.state import state_of
-from overlapkit.optim_subset import group_of, hyper_parameters, step_subset
+from overlapkit.fsdp.state import OverlapState, state_of
+from overlapkit.optim.per_block import step_by_sets
 
 
 def set_explicit_prefetch(root: FSDPModule, blocks: Sequence[FSDPModule], depth: int) -> None:
@@ -79,7 +79,7 @@ def step_by_block(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> N
     ``overlap_param_gather_with_optimizer_step``).
 
     Call it instead of ``optimizer.step()``. The root's own parameters are updated first, then
-    each block's, with the user's optimizer (``overlapkit.optim_subset``: bitwise what
+    each block's, with the user's optimizer (``overlapkit.optim.per_block``: bitwise what
     ``optimizer.step()`` gives). On host devices (gloo) the all-gathers of the root and of the
     first ``max(prefetch, 1)`` blocks are issued right after their own update, so they run while
     the rest of the model is updated. On CUDA, FSDP2 gates every all-gather of the next forward
@@ -102,25 +102,40 @@ def step_by_block(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> N
         >>> optimizer.zero_grad()
     """
     state = state_of(model, caller="step_by_block")
-    groups = group_of(optimizer)
-    hyper = hyper_parameters(optimizer)
-    in_blocks = {id(p) for block in state.blocks for p in block.parameters()}
-    root_own = [p for p in state.root.parameters() if id(p) not in in_blocks]
-    known = in_blocks | {id(p) for p in root_own}
-    if any(pid not in known for pid in groups):
+    blocks = _ForwardOrderBlocks(state)
+    held = {id(p) for params in blocks.parameter_sets() for p in params}
+    if any(id(p) not in held for group in optimizer.param_groups for p in group["params"]):
         raise ValueError(
             "step_by_block: the optimizer holds parameters that are not in the ok.fsdp model"
         )
-    early = {id(m) for m in (state.root, *state.blocks[: max(state.prefetch, 1)])}
-    for module, params in (
-        (state.root, root_own),
-        *((b, list(b.parameters())) for b in state.blocks),
-    ):
-        step_subset(optimizer, [p for p in params if id(p) in groups], hyper=hyper, groups=groups)
-        if state.device_type == "cpu" and id(module) in early:
-            module.unshard(async_op=True)
-    # LR schedulers warn when they step before ``optimizer.step()``; this is that step.
-    optimizer._opt_called = True
-    if state.device_type != "cpu":
-        stream = torch.get_device_module(state.device_type).current_stream()
-        state.root.set_post_optim_event(stream.record_event())
+    step_by_sets(blocks, optimizer)
+
+
+class _ForwardOrderBlocks:
+    """An ``ok.fsdp`` model as a ``BlockSet``: the root's own parameters, then each block's.
+
+    After its update, each of the root and the first ``max(prefetch, 1)`` blocks starts its next
+    all-gather on host devices (gloo); on CUDA one post-optimizer event after the last block
+    gates them all (FSDP2 waits for it in the root's pre-forward).
+    """
+
+    def __init__(self, state: OverlapState):
+        self._state = state
+        self._modules = [state.root, *state.blocks]
+        in_blocks = {id(p) for block in state.blocks for p in block.parameters()}
+        root_own = [p for p in state.root.parameters() if id(p) not in in_blocks]
+        self._sets = [root_own, *(list(b.parameters()) for b in state.blocks)]
+        self._early = 1 + max(state.prefetch, 1)
+
+    def parameter_sets(self) -> list[list[torch.nn.Parameter]]:
+        return self._sets
+
+    def updated(self, index: int) -> None:
+        if self._state.device_type == "cpu" and index < self._early:
+            self._modules[index].unshard(async_op=True)
+
+    def all_updated(self) -> None:
+        state = self._state
+        if state.device_type != "cpu":
+            stream = torch.get_device_module(state.device_type).current_stream()
+            state.root.set_post_optim_event(stream.record_event())

@@ -66,3 +66,14 @@ def step_subset(
     view._optimizer_step_pre_hooks = OrderedDict()
     view._optimizer_step_post_hooks = OrderedDict()
     type(optimizer).step(view)
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Record that ``optimizer`` has stepped, for the LR scheduler attached to it.
+
+    An ``LRScheduler`` wraps its optimizer's ``step`` to set ``optimizer._opt_called`` and warns
+    when ``scheduler.step()`` runs before any optimizer step. ``step_subset`` calls the class's
+    ``step`` on views, past that wrapper, so a scheduler that steps the updates of one
+    ``step()`` calls this once for them (``torch.optim.lr_scheduler``, torch 2.13).
+    """
+    optimizer._opt_called = True
