@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import overlapkit as ok
 from overlapkit.ddp.finite import NonFiniteGradients
-from overlapkit.ddp.overlapped_step import OverlapConflict, tail_launch_order
+from overlapkit.ddp.reducer import tail_launch_order
+from overlapkit.optim.per_bucket import OverlapConflict
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
 from tests.test_dead_rank import ENV, FAULT_STEP, TIMEOUT_S, _train_until_failure
@@ -153,7 +154,7 @@ def _event_order(rank, world_size):
     real_all_reduce = dist.all_reduce
 
     def last_bucket() -> torch.Tensor:
-        return bucketer._buckets[bucketer._launch_order[-1]].flat
+        return bucketer._reducer.bucket_flat(bucketer._reducer.launch_order[-1])
 
     def all_reduce(tensor, *args, **kwargs):
         gated = now["step"] == gated_step and tensor.data_ptr() == last_bucket().data_ptr()
@@ -182,7 +183,7 @@ def _event_order(rank, world_size):
     return {
         "events": events,
         "buckets": bucketer.bucket_parameter_names(),
-        "order": bucketer._launch_order,
+        "order": bucketer._reducer.launch_order,
     }
 
 

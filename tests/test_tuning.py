@@ -235,13 +235,13 @@ def _train_one(rank: int, world_size: int, kind: str) -> dict:
         if step == 3:
             early = ok.tuning_report(owner)
     report = ok.tuning_report(owner)
-    idle = owner._tuner if kind == "bucketer" else owner._forward_pre_hooks
+    idle = owner._reducer._step_end_hooks if kind == "bucketer" else owner._forward_pre_hooks
     return {
         "grads": grads,
         "report": report.to_json(),
         "early": early.to_json(),
         "current_mb": current_mb(),
-        "left_behind": idle if kind == "bucketer" else len(idle),
+        "left_behind": len(idle),
         "log": lines.lines,
     }
 

@@ -22,13 +22,14 @@ two steps. This relies on the DDP internals that ``__setstate__`` uses (checked 
 
 Steps are delimited by a forward pre-hook on the DDP module that reacts only when a synchronised
 backward finished since the last one (the comm recorder's step counter moved), so
-``no_sync()`` micro-batches and evaluation forwards do not count. ``GradBucketer`` calls the
-tuner at the end of ``wait()`` and switches by rebuilding its own buckets.
+``no_sync()`` micro-batches and evaluation forwards do not count. ``GradBucketer``'s reducer calls
+the tuner at the end of each ``wait()`` (a step-end hook) and switches by rebuilding its buckets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from overlapkit.ddp.comm_stats import BucketCommRecord, CommRecorder
 from overlapkit.tuning.decide import bucket_ladder, is_auto
 from overlapkit.tuning.report import register_tuner
 from overlapkit.tuning.search import Tuner
+
+if TYPE_CHECKING:
+    from overlapkit.ddp.reducer import BucketReducer
 
 MiB = 1024 * 1024
 DDP_DISCARD_STEPS = 2
@@ -151,32 +155,39 @@ def attach_ddp_tuner(
     return tuner
 
 
-def attach_bucketer_tuner(bucketer) -> Tuner:
-    """Tune a ``GradBucketer``'s bucket size; it calls ``bucketer._tuner.step_ended`` per wait.
+def attach_bucketer_tuner(owner: object, reducer: BucketReducer) -> Tuner:
+    """Tune a ``GradBucketer``'s bucket size from its reducer's step ends.
 
-    The bucketer's first ``wait()`` adopts rank 0's gradient-ready order; the first trial's
-    clock starts there.
+    The tuner runs as a step-end hook of ``reducer`` (after the first step's adoption of rank
+    0's gradient-ready order, where the first trial's clock starts) and switches sizes with
+    ``reducer.set_bucket_mb``; once settled the hook is removed.
+
+    Args:
+        owner (object): the ``GradBucketer`` the user holds (``ok.tuning_report(owner)``).
+        reducer (BucketReducer): its reducer, before the first step.
     """
-    params = bucketer._params
+    params = reducer.params
     ladder = bucket_ladder(_param_bytes(params)[::-1])
+    handle = None
 
     def detach() -> None:
-        bucketer._tuner = None
+        handle.remove()
 
     tuner = Tuner(
         knob="bucket_mb",
         candidates=ladder,
-        apply=bucketer._set_bucket_mb,
+        apply=reducer.set_bucket_mb,
         detach=detach,
-        group=bucketer.process_group,
+        group=reducer.process_group,
         device=params[0].device,
-        extras=_tails_from(bucketer._recorder),
+        extras=_tails_from(reducer.recorder),
         first_step=1,
         discard_steps=BUCKETER_DISCARD_STEPS,
         measure_steps=MEASURE_STEPS,
         caller="ok.GradBucketer",
     )
-    register_tuner(bucketer, tuner)
+    handle = reducer.register_step_end_hook(tuner.step_ended)
+    register_tuner(owner, tuner)
     return tuner
 
 

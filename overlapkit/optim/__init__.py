@@ -2,7 +2,8 @@
 
 ``subset`` steps an optimizer on a subset of its parameters with the same bits as one
 ``optimizer.step()`` (and ``mark_stepped`` tells its LR scheduler the step happened);
-``per_block`` schedules the updates of ``overlapkit.fsdp.step_by_block`` block by block in
+``per_bucket`` schedules the updates of ``GradBucketer(optimizer=)`` bucket by bucket as their
+all-reduces complete, ``per_block`` those of ``overlapkit.fsdp.step_by_block`` block by block in
 forward order. The schedulers see the wrappers through the Protocols of ``protocols``, so this
 package sits below ``ddp`` and ``fsdp`` and imports neither.
 """

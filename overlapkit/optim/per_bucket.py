@@ -46,16 +46,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from overlapkit.optim.protocols import BucketReduction, MissingGradients
 from overlapkit.optim.subset import group_of, hyper_parameters, mark_stepped, step_subset
-
-if TYPE_CHECKING:
-    from overlapkit.ddp.bucketer import GradBucketer
 
 logger = logging.getLogger(__name__)
 
@@ -153,20 +150,6 @@ def resolve_overlap_options(
     return forward_order_tail
 
 
-def tail_launch_order(num_buckets: int, tail: int) -> list[int]:
-    """Buckets in launch order: gradient-ready order, except the last ``tail`` in reverse.
-
-    Buckets are built in the order gradients become ready, so the last ones hold the model's
-    first layers, which the next forward needs first. Launching the last ``tail`` of them in
-    reverse puts the first layer's bucket ahead of the others in the (FIFO) collective queue: the
-    next forward's first modules start while the other tail buckets are still on the wire. The
-    cost is that those buckets start only when backward ends; when the network is busy at the
-    end of backward anyway (comm-bound steps) they would have queued regardless.
-    """
-    split = max(num_buckets - tail, 0)
-    return list(range(split)) + list(range(num_buckets - 1, split - 1, -1))
-
-
 @dataclass
 class _Job:
     """One ``step()``'s pending bucket updates."""
@@ -176,34 +159,37 @@ class _Job:
     """Per user param group, its hyper-parameters at ``step()`` (without ``params``)."""
     group_of: dict[int, int]
     """``id(param)`` -> index of the user's param group holding it."""
-    missing: dict[int, torch.Tensor | None]
-    """The bucketer's parameters without a gradient this step (``_zero_missing_gradients``)."""
+    missing: MissingGradients
+    """The reduction's parameters without a gradient this step (``end_backward()``)."""
     pending: list[int]
     """Buckets not applied yet, in launch order."""
     events: dict[int, torch.Event] = field(default_factory=dict)
     """On CUDA: per bucket, the side-stream event after its update."""
 
 
-class OverlappedStep:
+class PerBucketStep:
     """The optimizer side of ``GradBucketer(optimizer=...)``; see the module docstring.
 
     Args:
-        bucketer (GradBucketer): the bucketer (its buckets, launch order and hooks).
+        reduction (BucketReduction): the bucketer's reducer (its buckets, launch order, hooks).
         model (nn.Module): the model given to the bucketer (forward pre-hooks go on its modules).
         optimizer (torch.optim.Optimizer): validated by ``validate_optimizer``.
     """
 
     def __init__(
-        self, bucketer: GradBucketer, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, reduction: BucketReduction, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ):
-        self._bucketer = bucketer
+        self._reduction = reduction
         self.optimizer = optimizer
         self._job: _Job | None = None
         self._handed: dict[int, tuple[torch.Tensor, int]] = {}
-        device = bucketer._params[0].device
+        params = reduction.params
+        device = params[0].device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        index = {id(p): i for i, p in enumerate(bucketer._params)}
-        self._handles: list[RemovableHandle] = []
+        index = {id(p): i for i, p in enumerate(params)}
+        self._handles: list[RemovableHandle] = [
+            reduction.register_grad_ready_hook(self.grad_handed_over)
+        ]
         for module in model.modules():
             own = sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index})
             if own:
@@ -220,12 +206,11 @@ class OverlappedStep:
     # -- the training loop's side ------------------------------------------------------------
 
     def grad_handed_over(self, index: int, param: torch.Tensor) -> None:
-        """From the bucketer's gradient hook, before the gradient is copied into its bucket."""
+        """From the reduction's grad-ready hook, before the gradient is copied into its bucket."""
         # The first gradient of a backward finishes the previous step: what the forward did not
         # need (a module it skipped) is applied now, before any bucket buffer is reused.
         self.synchronize()
-        b, pos = self._bucketer._bucket_of[index]
-        if param.grad.data_ptr() == self._bucketer._buckets[b].views[pos].data_ptr():
+        if param.grad.data_ptr() == self._reduction.grad_view(index).data_ptr():
             # Already its bucket view (a parameter the optimizer does not update keeps it): the
             # bucket's own division bumps its version, so versions say nothing here.
             return
@@ -233,8 +218,8 @@ class OverlappedStep:
 
     def step(self) -> None:
         """Hand this step's buckets over for per-bucket updates and return (see module doc)."""
-        bucketer = self._bucketer
-        if not bucketer._in_step:
+        reduction = self._reduction
+        if not reduction.in_step:
             raise RuntimeError(
                 "ok.GradBucketer.step() was called but no backward has produced gradients since "
                 "the last step() (or all ran inside no_sync()); call loss.backward() first"
@@ -243,14 +228,14 @@ class OverlappedStep:
         hyper = hyper_parameters(self.optimizer)
         groups = group_of(self.optimizer)
         mark_stepped(self.optimizer)
-        missing, step = bucketer._end_backward()
-        self._job = _Job(step, hyper, groups, missing, list(bucketer._launch_order))
-        if bucketer._ready_order is not None:
+        missing, step = reduction.end_backward()
+        self._job = _Job(step, hyper, groups, missing, list(reduction.launch_order))
+        if reduction.rebuild_pending:
             # The first step rebuilds the buckets in rank 0's order: every update must land first.
             for b in list(self._job.pending):
                 self._apply(b)
             self._job = None
-            bucketer._end_step(step)
+            reduction.end_step(step)
         elif self._stream is not None:
             self._issue_on_side_stream()
         else:
@@ -282,7 +267,7 @@ class OverlappedStep:
         for b in [b for b in job.pending if b in buckets]:
             if b not in job.pending:  # applied below, while waiting for an earlier one
                 continue
-            if not self._bucketer._buckets[b].work.is_completed():
+            if not self._reduction.reduction_complete(b):
                 # Fill the wait with updates whose all-reduce has already finished.
                 self._apply_completed(skip=buckets)
             self._apply(b)
@@ -300,7 +285,7 @@ class OverlappedStep:
         def hook(_module: torch.nn.Module, _args: object) -> None:
             if self._job is not None:
                 # Bucket positions are re-read per call: the layout can be rebuilt.
-                self.wait_for({self._bucketer._bucket_of[i][0] for i in own})
+                self.wait_for({self._reduction.bucket_of(i) for i in own})
 
         return hook
 
@@ -310,7 +295,7 @@ class OverlappedStep:
     def _refuse_direct_step(self, *_: object) -> None:
         # Outside a step (no gradients handed over, nothing pending) a direct step is someone
         # initialising state, e.g. DCP's ``get_state_dict`` on a fresh optimizer: let it run.
-        if not self._bucketer._in_step and self._job is None:
+        if not self._reduction.in_step and self._job is None:
             return
         raise OverlapConflict(
             f"optimizer.step() was called on the optimizer given to {CALLER}; bucketer.step() "
@@ -322,12 +307,12 @@ class OverlappedStep:
     def _refuse_edited_gradients(self) -> None:
         handed, self._handed = self._handed, {}
         for i, (grad, version) in handed.items():
-            param = self._bucketer._params[i]
+            param = self._reduction.params[i]
             if param.grad is None:
                 continue  # zeroed: the reduced bucket is applied regardless, as in wait()
             if param.grad is not grad or grad._version != version:
                 raise OverlapConflict(
-                    f"{CALLER}: the gradient of {self._bucketer._names[i]!r} was changed after "
+                    f"{CALLER}: the gradient of {self._reduction.names[i]!r} was changed after "
                     "backward handed it to its bucket (clip_grad_norm_, GradScaler.unscale_ or "
                     "an in-place edit?). bucketer.step() applies the all-reduced bucket, so the "
                     "change would be lost. Global-norm clipping and GradScaler need every reduced "
@@ -338,7 +323,7 @@ class OverlappedStep:
     def _apply_completed(self, skip: set[int] = frozenset()) -> None:
         job = self._job
         for b in list(job.pending):
-            if b not in skip and self._bucketer._buckets[b].work.is_completed():
+            if b not in skip and self._reduction.reduction_complete(b):
                 self._apply(b)
 
     def _issue_on_side_stream(self) -> None:
@@ -362,12 +347,11 @@ class OverlappedStep:
     def _apply(self, b: int) -> None:
         """Finish bucket ``b``'s reduction, update its parameters, drop their gradients."""
         job = self._job
-        bucketer = self._bucketer
+        reduction = self._reduction
         job.pending.remove(b)
-        bucketer._finish_bucket(b, job.missing)
-        if bucketer._finite is not None:
-            bucketer._finite.finish_step(job.step)  # raise mode: this bucket's NaN/Inf, now
-        params = [bucketer._params[i] for i in bucketer._buckets[b].indices]
+        reduction.finish_bucket(b, job.missing)
+        reduction.settle_nonfinite(job.step)  # raise mode: this bucket's NaN/Inf, now
+        params = [reduction.params[i] for i in reduction.bucket_indices(b)]
         mine = [p for p in params if id(p) in job.group_of]
         step_subset(self.optimizer, mine, hyper=job.hyper, groups=job.group_of)
         for p in mine:
