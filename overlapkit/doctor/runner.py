@@ -29,17 +29,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-import overlapkit as ok
 from overlapkit.ddp.bucket_size import default_bucket_mb
+from overlapkit.ddp.wrap import ddp
 from overlapkit.doctor import affinity, perf_checks, setup_checks
 from overlapkit.doctor.check import CHECK_NAMES, FAIL, Check
 from overlapkit.doctor.scaling import rank_counts
+from overlapkit.fsdp.wrap import fsdp
 from overlapkit.planner.calibrate import fit_ring_all_reduce, measure_all_reduce, sizes_between
 from overlapkit.planner.cost import estimate
+from overlapkit.profiling import profile
 from overlapkit.topology.detect import detect_topology, local_view
 from overlapkit.topology.loading import load_topology
 from overlapkit.topology.model import Topology
 from overlapkit.train.models import GPT, MLP, GPTConfig, MLPConfig
+from overlapkit.tuning import tuning_report
 from overlapkit.validation import check_int, is_finite_number
 from overlapkit.workers.local_ranks import run_on_ranks
 
@@ -294,9 +297,7 @@ def _ddp(
     ctx: _Context, model: nn.Module, bucket_mb: Any, group: dist.ProcessGroup | None = None
 ) -> nn.Module:
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return ok.ddp(
-        model, bucket_mb=bucket_mb, process_group=group or ctx.group, device_ids=device_ids
-    )
+    return ddp(model, bucket_mb=bucket_mb, process_group=group or ctx.group, device_ids=device_ids)
 
 
 def _current_bucket_mb(ctx: _Context, model: nn.Module) -> float:
@@ -331,7 +332,7 @@ def _fsdp(ctx: _Context, model: nn.Module, prefetch: int | str) -> nn.Module:
         if ctx.group is dist.group.WORLD
         else DeviceMesh.from_group(ctx.group, device_type=ctx.device.type)
     )
-    return ok.fsdp(model, prefetch=prefetch, mesh=mesh)
+    return fsdp(model, prefetch=prefetch, mesh=mesh)
 
 
 def _check_prefetch(ctx: _Context) -> Check:
@@ -369,12 +370,12 @@ def _tuned_against_current(
     """
     tuned = wrap(new_model(), "auto")
     optimizer = torch.optim.SGD(tuned.parameters(), lr=1e-3)
-    report = ok.tuning_report(tuned)
+    report = tuning_report(tuned)
     for _ in range(40 if ctx.options.quick else 100):
         optimizer.zero_grad(set_to_none=True)
         loss(tuned).backward()
         optimizer.step()
-        report = ok.tuning_report(tuned)
+        report = tuning_report(tuned)
         if report.settled:
             break
     # Once settled the tuned model runs the chosen setting; both are timed alike, interleaved.
@@ -398,7 +399,7 @@ def _check_overlap(ctx: _Context) -> Check:
     wrapped = _ddp(ctx, model, _current_bucket_mb(ctx, model))
     logdir = ctx.options.logdir or tempfile.mkdtemp(prefix=f"ovk-doctor-rank{ctx.rank}-")
     try:
-        with ok.profile(logdir, wait=1, warmup=1, active=3, write_outputs=False) as prof:
+        with profile(logdir, wait=1, warmup=1, active=3, write_outputs=False) as prof:
             timed_steps(
                 [wrapped],
                 loss,

@@ -32,7 +32,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs
 from accelerate.utils.dataclasses import DDPCommunicationHookType
 
-import overlapkit as ok
+from overlapkit.ddp.wrap import ddp
 
 __all__ = ["OverlapDDPKwargs", "use_ok_ddp"]
 
@@ -68,7 +68,7 @@ class OverlapDDPKwargs(DistributedDataParallelKwargs):
 
     def register_comm_hook(self, model: torch.nn.Module) -> None:
         """Called by ``Accelerator.prepare`` right after it built the DDP model."""
-        ok.ddp(model, **{name: getattr(self, name) for name in _OVERLAP_FIELDS})
+        ddp(model, **{name: getattr(self, name) for name in _OVERLAP_FIELDS})
 
 
 def use_ok_ddp(

@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 
-import overlapkit as ok
+from overlapkit.ddp.wrap import ddp
 
 __all__ = ["OverlapDDPStrategy"]
 
@@ -80,7 +80,7 @@ class OverlapDDPStrategy(DDPStrategy):
         # As DDPStrategy does: build DDP on a side stream on CUDA (PyTorch's CUDA notes).
         ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with ctx:
-            return ok.ddp(model, device_ids=device_ids, **self._overlap_options, **self._ddp_kwargs)
+            return ddp(model, device_ids=device_ids, **self._overlap_options, **self._ddp_kwargs)
 
     def _register_ddp_hooks(self) -> None:
         """Nothing to add: ``ok.ddp`` registered its hook when it built the model."""
