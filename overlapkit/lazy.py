@@ -1,5 +1,12 @@
 """Packages whose public names load on first use (PEP 562), so importing one module of a
-package does not import all of its siblings."""
+package does not import all of its siblings.
+
+For import speed only, never to hide a cycle: ``import overlapkit.ddp.hooks`` takes about 1.0 s
+with ``ddp/__init__`` lazy and 1.7 s eager (it would load DTensor and the bucketer), and every
+module still imports first with eager ``__init__``s (``tests/test_import_cycles.py``). At the
+package root, a leaf importing nothing of overlapkit, because sub-packages of any layer use it
+(``ddp``, ``fsdp``) and it belongs to none of their concepts.
+"""
 
 from __future__ import annotations
 
