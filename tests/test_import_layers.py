@@ -1,0 +1,173 @@
+"""Imports run one way: every unit of overlapkit has a layer, and no import runs upward or
+closes a circle (``tests/import_graph.py`` reads the graph from the source with ``ast``).
+
+A unit is a sub-package of ``overlapkit`` or a module at its root. Direction is checked by unit:
+an import may go to its own unit, to another unit of its layer, or to a lower layer. Circles are
+checked twice: among modules (an import circle, even one closed inside a function) and among the
+units of a layer (two packages leaning on each other sideways, through different modules).
+Imports under ``if TYPE_CHECKING:`` never run and do not count. The second half of the file
+proves that the checks fail, with the offending ``file:line``, on a package made to break them.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import overlapkit
+from tests.import_graph import (
+    import_edges,
+    module_circles,
+    module_files,
+    stale_layers,
+    unit_circles,
+    unlayered,
+    upward_imports,
+)
+
+LAYERS: dict[str, int] = {
+    # 0: leaves. What every wrapper shares about its group, the optimizer side of overlap,
+    # starting workers, the topology model, the tuner's rules; and the root leaf modules (each
+    # says in its docstring why it is not in a package). They import only each other.
+    "overlapkit.group": 0,
+    "overlapkit.optim": 0,
+    "overlapkit.workers": 0,
+    "overlapkit.topology": 0,
+    "overlapkit.tuning": 0,
+    "overlapkit.conf": 0,
+    "overlapkit._version": 0,
+    "overlapkit.lazy": 0,
+    "overlapkit.validation": 0,
+    # 1: the wrappers, the planner and the profiler.
+    "overlapkit.ddp": 1,
+    "overlapkit.fsdp": 1,
+    "overlapkit.planner": 1,
+    "overlapkit.profiling": 1,
+    # 2: what is built from them: the checklist, the training entry point, framework adapters.
+    "overlapkit.doctor": 2,
+    "overlapkit.train": 2,
+    "overlapkit.integrations": 2,
+    # 3: the ``overlapkit`` command and the public surface ``import overlapkit as ok``.
+    "overlapkit.cli": 3,
+    "overlapkit": 3,
+}
+
+ROOT = Path(overlapkit.__file__).parent
+PACKAGE = "overlapkit"
+
+
+@pytest.fixture(scope="module")
+def edges():
+    return import_edges(ROOT, PACKAGE)
+
+
+def test_every_unit_has_a_layer_and_every_layer_names_a_unit():
+    modules = module_files(ROOT, PACKAGE)
+    assert unlayered(modules, LAYERS, PACKAGE) == [], "give each new unit a layer in LAYERS"
+    assert stale_layers(modules, LAYERS, PACKAGE) == [], "drop units that no longer exist"
+
+
+def test_no_import_runs_upward(edges):
+    assert len(edges) > 100
+    found = upward_imports(edges, LAYERS, PACKAGE)
+    assert not found, "\n" + "\n".join(found)
+
+
+def test_no_import_circle_among_modules(edges):
+    found = module_circles(edges)
+    assert not found, "\n" + "\n".join(found)
+
+
+def test_no_circle_among_packages(edges):
+    found = unit_circles(edges, PACKAGE)
+    assert not found, "\n" + "\n".join(found)
+
+
+# -- the checks themselves, on a package built to break them --------------------------------
+
+BROKEN = {
+    "__init__.py": "",
+    "low/__init__.py": "",
+    "low/a.py": """\
+        import os
+
+        from pkg.high import b
+        """,
+    "low/c.py": """\
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from pkg.high.b import f
+        """,
+    "low/x.py": "from . import y\n",
+    "low/y.py": """\
+        def g():
+            import pkg.low.x
+        """,
+    "low/p.py": "from pkg.side import q\n",
+    "low/s.py": "",
+    "side/__init__.py": "",
+    "side/q.py": "",
+    "side/r.py": "from ..low.s import *\n",
+    "high/__init__.py": "",
+    "high/b.py": """\
+        def f():
+            from ..low import c
+        """,
+}
+BROKEN_LAYERS = {"pkg": 1, "pkg.low": 0, "pkg.side": 0, "pkg.high": 1}
+
+
+@pytest.fixture
+def broken(tmp_path):
+    root = tmp_path / "pkg"
+    for name, text in BROKEN.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root, import_edges(root, "pkg")
+
+
+def test_an_upward_import_is_reported_with_its_file_and_line(broken):
+    _, edges = broken
+    found = upward_imports(edges, BROKEN_LAYERS, "pkg")
+    assert len(found) == 1
+    assert found[0].startswith("pkg/low/a.py:3: pkg.low.a (layer 0, pkg.low) imports pkg.high.b")
+    assert "runs upward" in found[0]
+
+
+def test_imports_under_type_checking_do_not_count_and_function_imports_do(broken):
+    _, edges = broken
+    pairs = {(e.source, e.target) for e in edges}
+    assert ("pkg.low.c", "pkg.high.b") not in pairs
+    assert ("pkg.high.b", "pkg.low.c") in pairs  # ``from ..low import c`` inside f()
+
+
+def test_a_circle_closed_inside_a_function_is_reported_with_both_lines(broken):
+    _, edges = broken
+    found = module_circles(edges)
+    assert len(found) == 1
+    assert "pkg.low.x <-> pkg.low.y" in found[0]
+    assert "pkg/low/x.py:1: pkg.low.x imports pkg.low.y" in found[0]
+    assert "pkg/low/y.py:2: pkg.low.y imports pkg.low.x" in found[0]
+
+
+def test_packages_leaning_on_each_other_sideways_are_a_circle(broken):
+    _, edges = broken
+    found = unit_circles(edges, "pkg")
+    circle = [m for m in found if "pkg.low <-> pkg.side" in m]
+    assert len(circle) == 1
+    assert "pkg/low/p.py:1: pkg.low.p imports pkg.side.q" in circle[0]
+    assert "pkg/side/r.py:1: pkg.side.r imports pkg.low.s" in circle[0]
+
+
+def test_a_unit_without_a_layer_and_a_layer_without_a_unit_are_reported(broken):
+    root, _ = broken
+    modules = module_files(root, "pkg")
+    assert unlayered(modules, {"pkg": 1, "pkg.low": 0, "pkg.gone": 0}, "pkg") == [
+        "pkg.high",
+        "pkg.side",
+    ]
+    assert stale_layers(modules, {"pkg": 1, "pkg.low": 0, "pkg.gone": 0}, "pkg") == ["pkg.gone"]
