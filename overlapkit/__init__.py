@@ -1,6 +1,6 @@
 """overlapkit: hide distributed-training communication behind compute, and measure what is left.
 
-The public surface (see DESIGN.md)::
+The public surface (docs/index.md; the layers below it: docs/architecture.md)::
 
     import overlapkit as ok
     model = ok.ddp(model, bucket_mb=25, compress=None)

@@ -6,7 +6,7 @@
 
 Debian's ``munge``, ``slurmctld``, ``slurmd`` and ``slurm-client`` (``.ci/slurm-setup`` installs
 them). Each node is a network namespace with its own address (a veth pair joins the two, see
-shared/EMULATION.md), its own host name (a UTS namespace: ``n1``, ``n2``) and an ``/etc/hosts``
+docs/emulation.md), its own host name (a UTS namespace: ``n1``, ``n2``) and an ``/etc/hosts``
 naming both (``ip netns exec`` mounts ``/etc/netns/<namespace>/hosts`` over it), so that Slurm,
 torch's rendezvous and gloo find the nodes by name, as on a cluster. ``slurmd -N <node>`` runs
 in each; ``slurmctld`` and the client commands run on node 1. munged listens on a socket in the

@@ -1,4 +1,4 @@
-"""``overlapkit report``: table, JSON keys of DESIGN.md, timeline PNG, counter-track copies."""
+"""``overlapkit report``: table, JSON keys (docs/json-contracts.md), timeline PNG, counters."""
 
 from __future__ import annotations
 

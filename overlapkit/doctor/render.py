@@ -1,4 +1,4 @@
-"""What ``overlapkit doctor`` prints: the ``doctor`` JSON of DESIGN.md, or a table for people."""
+"""What ``overlapkit doctor`` prints: its JSON (docs/json-contracts.md), or a table for people."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ class Estimate:
     """(algorithm, protocol, time_s) of every candidate considered, fastest first."""
 
     def to_dict(self) -> dict:
-        """The ``overlapkit estimate --json`` document (keys fixed by DESIGN.md)."""
+        """The ``overlapkit estimate --json`` document (keys fixed by docs/json-contracts.md)."""
         return {
             "collective": self.collective,
             "bytes": self.nbytes,

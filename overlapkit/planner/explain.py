@@ -217,7 +217,7 @@ def same_layout(a: Placement, b: Placement) -> bool:
 
 
 def placement_dict(placement: Placement, *, algorithm: str | None = None) -> dict:
-    """``overlapkit plan --json`` (DESIGN.md keys, plus extra ones)."""
+    """``overlapkit plan --json`` (the keys of docs/json-contracts.md, plus extra ones)."""
     costs = placement.collectives(algorithm)
     groups = {axis: [list(g) for g in placement.groups(axis)] for axis in placement.sizes}
     if "dp" not in groups:

@@ -14,7 +14,7 @@ NCCL's own tuning model does (``src/graph/tuning.cc``, NVIDIA/nccl at b6475625, 
   reduction) is modelled from its data path and ``nvlsEfficiency`` in ``planner.nvls``.
 - gloo runs one ring algorithm; its figures come from ``overlapkit calibrate`` (measured), so it
   adds nothing on top of the topology.
-- "ideal" is a bare link at line rate: DESIGN.md's arithmetic.
+- "ideal" is a bare link at line rate: the arithmetic of docs/cost-model.md.
 
 Left out of the NCCL model, because they need NCCL's channel search: per-channel bandwidth caps
 (``perChMax*Bws``, ``llMaxBws``), the CPU-vendor network overhead and CollNet's GPU/NIC ratio.

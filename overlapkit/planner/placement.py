@@ -235,7 +235,7 @@ class Placement:
         return render_explanation(self, algorithm=algorithm, planned=planned)
 
     def to_dict(self, algorithm: str | None = None) -> dict:
-        """The ``overlapkit plan --json`` document (keys fixed by DESIGN.md)."""
+        """The ``overlapkit plan --json`` document (keys fixed by docs/json-contracts.md)."""
         return placement_dict(self, algorithm=algorithm)
 
 

@@ -1,4 +1,4 @@
-"""Exposed communication per step and per rank, from classified traces (see DESIGN.md).
+"""Exposed communication per step and per rank, from classified traces (docs/architecture.md).
 
 For each step of each rank, with ``comm`` the collectives assigned to the step (by launch on GPU,
 by start on CPU) and ``compute`` the compute intervals assigned to it:
@@ -253,7 +253,7 @@ class RunReport:
     """Per analysed file: ``file``, ``rank``, ``world_size``, ``device`` (gpu/cpu), ``steps``."""
 
     def to_json(self) -> dict[str, Any]:
-        """The ``report`` JSON of DESIGN.md (``steps``, ``files``, ``skipped``) plus extras."""
+        """``overlapkit report --json`` (docs/json-contracts.md) plus extras."""
         return {
             "run_dir": str(self.run_dir),
             "steps": [row.to_dict() for row in self.steps],

@@ -297,7 +297,7 @@ class Topology:
             )
 
     def to_dict(self) -> dict:
-        """The ``overlapkit topo --json`` document (keys fixed by DESIGN.md)."""
+        """The ``overlapkit topo --json`` document (keys fixed by docs/json-contracts.md)."""
         fabric = self.fabric
         return {
             "name": self.name,
@@ -441,7 +441,7 @@ def bare_link(bandwidth_GBps: float, latency_us: float, world_size: int) -> Topo
     """``world_size`` ranks that each have one link of ``bandwidth_GBps`` per direction.
 
     Nothing is lost to protocol (library "ideal"), so a ring all-reduce of S bytes takes
-    ``2(n-1) * latency + 2(n-1)/n * S / bandwidth`` — DESIGN.md's worked example.
+    ``2(n-1) * latency + 2(n-1)/n * S / bandwidth`` — the worked example of docs/cost-model.md.
     """
     domain = ScaleUpDomain(
         kind=DomainKind.NONE,
