@@ -8,6 +8,11 @@ The loop::
     model(next_x)        # each module first waits for (and applies) the buckets of its own
                          # parameters only; the rest of the all-reduces keep running
 
+``GradBucketer`` builds a ``PerBucketStep`` over its bucket reducer and forwards ``step()`` and
+``synchronize()`` to it; the scheduler sees the reducer only through the ``BucketReduction``
+Protocol (``overlapkit.optim.protocols``): its launch order, ``end_backward``, per-bucket
+``reduction_complete`` / ``finish_bucket``, the gradient views and a grad-ready hook.
+
 **What runs where.** ``step()`` snapshots every param group's hyper-parameters (so an LR
 scheduler stepped right after it changes the *next* step, as with ``optimizer.step()``), then:
 
