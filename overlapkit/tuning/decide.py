@@ -1,7 +1,7 @@
 """Pure decision functions of auto-tuning: candidates, trial order, the choice, memory bounds.
 
 Nothing here touches a process group or a clock, so every rule tests without processes. The
-measuring glue (``overlapkit.tuning.tuner``) feeds these functions trials whose timings were
+measuring glue (``overlapkit.tuning.search``) feeds these functions trials whose timings were
 already combined across ranks (the slowest rank per step), so every rank computes the same
 answer from the same numbers.
 
