@@ -1,8 +1,8 @@
 """Does ``"auto"`` find the best setting? Auto-tuning vs an exhaustive sweep of fixed settings.
 
 For each combination of model (``--models``) and emulated link rate (``--rates``), one run on two
-gloo ranks behind that link (a child process per combination, ``bench/emulated_link.py``) holds,
-per wrapper (``--wrappers``: ``ok_ddp``, ``bucketer``):
+gloo ranks behind that link (a child process per combination, ``bench.harness.emulated_link``)
+holds, per wrapper (``--wrappers``: ``ok_ddp``, ``bucketer``):
 
 - one case per fixed bucket size of the sweep (powers of two from ``--min-mb`` MiB up to the
   first that puts every gradient in one bucket, one per distinct bucket layout; or ``--sweep``),
@@ -21,8 +21,8 @@ FSDP combination (MLP of ``--fsdp-blocks`` x ``--fsdp-width``): ``ok.fsdp(prefet
 
 Example::
 
-    python bench/autotune.py --json bench/results/autotune.json
-    python bench/autotune.py --models mlp --rates 4gbit --wrappers ok_ddp --rounds 2
+    python -m bench.autotune --json bench/results/autotune.json
+    python -m bench.autotune --models mlp --rates 4gbit --wrappers ok_ddp --rounds 2
 """
 
 from __future__ import annotations
@@ -38,17 +38,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
-from cpu_priority import prioritize
-from ddp_overlap import MODEL_DEFAULTS, make_workload
-from emulated_link import current_link, enter_emulated_link
-from fsdp_prefetch import make_mlp
-from json_report import write_json_report
 
 import overlapkit as ok
+from bench.ddp_overlap import MODEL_DEFAULTS, make_workload
+from bench.fsdp_prefetch import make_mlp
+from bench.harness.cpu_priority import prioritize
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
 from overlapkit.local_ranks import run_on_ranks
 from overlapkit.tuning.decide import bucket_ladder
 
@@ -315,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(scratch) / f"{i}.json"
             command = [
                 sys.executable,
-                __file__,
+                "-m",
+                "bench.autotune",
                 "--one",
                 "--model",
                 model,

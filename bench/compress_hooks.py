@@ -18,8 +18,8 @@ issue's case: MLP 6 x 4096, batch 4096 per rank, fp32.
 
 Example::
 
-    python bench/compress_hooks.py --json bench/results/compress_hooks.json
-    python bench/compress_hooks.py --device cuda --json runs/gpu_check/compress_hooks.json
+    python -m bench.compress_hooks --json bench/results/compress_hooks.json
+    python -m bench.compress_hooks --device cuda --json runs/gpu_check/compress_hooks.json
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at registration
@@ -32,18 +32,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
-from cpu_priority import prioritize
-from ddp_overlap import enter_device
-from emulated_link import current_link, enter_emulated_link
-from json_report import write_json_report
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
+from bench.ddp_overlap import enter_device
+from bench.harness.cpu_priority import prioritize
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
 from overlapkit.local_ranks import run_on_ranks
 from overlapkit.train.models import MLP, MLPConfig
 

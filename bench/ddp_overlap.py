@@ -35,13 +35,13 @@ threads of all ranks) and the efficiency against a CPU-aware bound,
 
 Example::
 
-    python bench/ddp_overlap.py --json bench/results/ddp_overlap.json
-    python bench/ddp_overlap.py --rate none --layers 4 --width 512
-    python bench/ddp_overlap.py --model gpt_tiny
-    python bench/ddp_overlap.py --sweep 1,2,4,8,25   # ok_ddp / bucketer at these bucket sizes
-    python bench/ddp_overlap.py --only optimizer --profile-dir runs/bucketer_overlap
-    python bench/ddp_overlap.py --only optimizer --tails 0,4   # other forward_order_tail values
-    python bench/ddp_overlap.py --device cuda --rate none     # NCCL ranks on GPU 0 (gpu_overlap.sh)
+    python -m bench.ddp_overlap --json bench/results/ddp_overlap.json
+    python -m bench.ddp_overlap --rate none --layers 4 --width 512
+    python -m bench.ddp_overlap --model gpt_tiny
+    python -m bench.ddp_overlap --sweep 1,2,4,8,25   # ok_ddp / bucketer at these bucket sizes
+    python -m bench.ddp_overlap --only optimizer --profile-dir runs/bucketer_overlap
+    python -m bench.ddp_overlap --only optimizer --tails 0,4   # other forward_order_tail values
+    python -m bench.ddp_overlap --device cuda --rate none     # NCCL ranks on GPU 0 (gpu_overlap.sh)
 """
 
 from __future__ import annotations
@@ -54,18 +54,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
-from cpu_priority import prioritize
-from emulated_link import current_link, enter_emulated_link
-from json_report import write_json_report
-from profile_exposed import exposed_share
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
+from bench.harness.cpu_priority import prioritize
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
+from bench.profile_exposed import exposed_share
 from overlapkit.local_ranks import run_on_ranks
 from overlapkit.train.models import GPT, MLP, GPTConfig, MLPConfig
 

@@ -42,9 +42,9 @@ FSDP2 on gloo the prefetch call itself lasts as long as the collective.
 
 Example::
 
-    python bench/fsdp_prefetch.py --json bench/results/fsdp_prefetch.json           # 8 Gbit/s
-    python bench/fsdp_prefetch.py --rate none --json bench/results/fsdp_prefetch_loopback.json
-    python bench/fsdp_prefetch.py --device cuda --rate none   # 2 NCCL ranks on GPU 0 (under MPS)
+    python -m bench.fsdp_prefetch --json bench/results/fsdp_prefetch.json           # 8 Gbit/s
+    python -m bench.fsdp_prefetch --rate none --json bench/results/fsdp_prefetch_loopback.json
+    python -m bench.fsdp_prefetch --device cuda --rate none   # 2 NCCL ranks on GPU 0 (under MPS)
 """
 
 from __future__ import annotations
@@ -57,17 +57,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
-from cpu_priority import prioritize
-from ddp_overlap import backend_for, enter_device, settle
-from emulated_link import current_link, enter_emulated_link
-from json_report import write_json_report
 from torch import nn
 
 import overlapkit as ok
+from bench.ddp_overlap import backend_for, enter_device, settle
+from bench.harness.cpu_priority import prioritize
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
 from overlapkit.fsdp.prefetch import overlap_optimizer_step, set_explicit_prefetch, step_by_block
 from overlapkit.local_ranks import run_on_ranks
 from overlapkit.process_group import all_gather_single, reduce_scatter_single

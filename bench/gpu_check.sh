@@ -46,7 +46,7 @@ if [[ "${GPU_CHECK_SUITE:-0}" == 1 ]]; then
     && echo "PASS  test-gpu" || echo "FAIL  test-gpu: $(tail -n 1 "$OUT_DIR/test_gpu.log")"
 fi
 if [[ "${GPU_CHECK_BF16:-0}" == 1 ]]; then
-  timeout 600 "$PYTHON" bench/compress_hooks.py --device cuda --json "$OUT_DIR/compress_hooks.json" \
+  timeout 600 "$PYTHON" -m bench.compress_hooks --device cuda --json "$OUT_DIR/compress_hooks.json" \
     > "$OUT_DIR/compress_hooks.log" 2>&1 && tail -n 5 "$OUT_DIR/compress_hooks.log" \
     || echo "FAIL  compress_hooks: $(tail -n 1 "$OUT_DIR/compress_hooks.log")"
 fi

@@ -57,7 +57,7 @@ export NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 run_model() {  # model, extra args...
   local model=$1
   shift
-  timeout 900 "$PYTHON" bench/ddp_overlap.py --device cuda --rate none --model "$model" \
+  timeout 900 "$PYTHON" -m bench.ddp_overlap --device cuda --rate none --model "$model" \
     --only optimizer --optimizer adamw --tails 0,4 --profile-dir "$OUT_DIR/profile_$model" \
     --json "$OUT_DIR/ddp_overlap_$model.json" "$@"
   for case in bucketer_opt bucketer_overlap; do
@@ -70,7 +70,7 @@ run_model mlp --layers 8 --width 2048 --batch 8192
 run_model gpt_tiny --layers 8 --width 1024 --batch 16 --seq-len 256
 # ok.fsdp: FSDP2 default vs ok.fsdp(prefetch=1), and the AdamW step plain / overlap_optimizer_step /
 # step_by_block, on the same two ranks.
-timeout 900 "$PYTHON" bench/fsdp_prefetch.py --device cuda --rate none --blocks 8 --width 2048 \
+timeout 900 "$PYTHON" -m bench.fsdp_prefetch --device cuda --rate none --blocks 8 --width 2048 \
   --batch 8192 --json "$OUT_DIR/fsdp_prefetch.json" \
   --cases compute_only,fsdp2_default,fsdp2_prefetch1,ok_prefetch1,adamw,adamw_overlap_step,adamw_by_block
 echo "gpu_overlap: done; results in $OUT_DIR"

@@ -11,7 +11,7 @@ share of its communication exposed. The numbers come from ``overlapkit report`` 
 
 Example::
 
-    python bench/profile_exposed.py --out runs/profile_exposed
+    python -m bench.profile_exposed --out runs/profile_exposed
     overlapkit report runs/profile_exposed/ok_ddp --png ddp.png
 """
 
@@ -22,16 +22,14 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
-from cpu_priority import prioritize
-from emulated_link import current_link, enter_emulated_link
-from json_report import write_json_report
 from torch import nn
 
 import overlapkit as ok
+from bench.harness.cpu_priority import prioritize
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
 from overlapkit.local_ranks import run_on_ranks
 from overlapkit.profiling.analysis import analyze_run, rank_totals
 

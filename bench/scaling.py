@@ -18,8 +18,8 @@ the cores; the efficiency of the communicating cases is read against it.
 
 Example::
 
-    python bench/scaling.py --model gpt_tiny --json bench/results/scaling.json
-    python bench/scaling.py --max-ranks 4 --rate none --png bench/results/scaling.png
+    python -m bench.scaling --model gpt_tiny --json bench/results/scaling.json
+    python -m bench.scaling --max-ranks 4 --rate none --png bench/results/scaling.png
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cpu_priority import prioritize
-from ddp_overlap import BASELINE, MODEL_DEFAULTS, rank_main, summarize, workload_config
-from emulated_link import current_link, enter_emulated_link
-from json_report import write_json_report
-
+from bench.ddp_overlap import BASELINE, MODEL_DEFAULTS, rank_main, summarize, workload_config
+from bench.harness.cpu_priority import prioritize
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
 from overlapkit.doctor.scaling import rank_counts, scaling_efficiency
 from overlapkit.local_ranks import run_on_ranks
 

@@ -101,7 +101,8 @@ def test_ok_ddp_exposes_clearly_less_than_no_overlap_behind_an_emulated_link(tmp
     done = subprocess.run(
         [
             sys.executable,
-            "bench/profile_exposed.py",
+            "-m",
+            "bench.profile_exposed",
             "--rate",
             "8gbit",
             "--steps",
