@@ -38,8 +38,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
-from bench.ddp_overlap import enter_device
 from bench.harness.cpu_priority import prioritize
+from bench.harness.device import enter_device
 from bench.harness.emulated_link import current_link, enter_emulated_link
 from bench.harness.json_report import write_json_report
 from overlapkit.local_ranks import run_on_ranks

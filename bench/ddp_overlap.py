@@ -61,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
 from bench.harness.cpu_priority import prioritize
+from bench.harness.device import backend_for, enter_device, settle
 from bench.harness.emulated_link import current_link, enter_emulated_link
 from bench.harness.json_report import write_json_report
 from bench.profile_exposed import exposed_share
@@ -115,31 +116,6 @@ def make_workload(cfg: dict, rank: int) -> tuple[Callable[[], nn.Module], Callab
         return GPT(gpt_config).to(device)
 
     return new_gpt, lambda model: GPT.loss(model(tokens[:, :-1]), tokens[:, 1:])
-
-
-def backend_for(cfg: dict) -> str:
-    """The process group backend of ``cfg["device"]``: NCCL on CUDA, gloo on CPU."""
-    return "nccl" if cfg.get("device") == "cuda" else "gloo"
-
-
-def settle(cfg: dict) -> None:
-    """Wait for the device's queued work, so that a host clock read after it measures it."""
-    if cfg.get("device") == "cuda":
-        torch.cuda.synchronize()
-
-
-def enter_device(cfg: dict, rank: int) -> None:
-    """On CUDA: this rank's NCCL host id (two ranks on one GPU; see EMULATION.md) and GPU 0.
-
-    NCCL refuses two ranks on one GPU of one host; a host id per rank makes them two hosts,
-    joined by NCCL's socket transport over loopback. Set before the first collective, which is
-    when NCCL creates its communicator.
-    """
-    if cfg.get("device") == "cuda":
-        os.environ.setdefault("NCCL_HOSTID", f"host{rank}")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_IB_DISABLE", "1")
-        torch.cuda.set_device(0)
 
 
 def _flat_allreduce(flat: torch.Tensor) -> None:

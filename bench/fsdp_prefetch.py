@@ -62,8 +62,8 @@ import torch.distributed as dist
 from torch import nn
 
 import overlapkit as ok
-from bench.ddp_overlap import backend_for, enter_device, settle
 from bench.harness.cpu_priority import prioritize
+from bench.harness.device import backend_for, enter_device, settle
 from bench.harness.emulated_link import current_link, enter_emulated_link
 from bench.harness.json_report import write_json_report
 from overlapkit.fsdp.prefetch import overlap_optimizer_step, set_explicit_prefetch, step_by_block
