@@ -42,12 +42,12 @@ import torch
 import torch.distributed as dist
 
 import overlapkit as ok
-from bench.ddp_overlap import MODEL_DEFAULTS, make_workload
-from bench.fsdp_prefetch import make_mlp
 from bench.harness.cpu_priority import prioritize
 from bench.harness.emulated_link import current_link, enter_emulated_link
 from bench.harness.json_report import write_json_report
+from bench.harness.workloads import make_mlp, workload_of
 from overlapkit.local_ranks import run_on_ranks
+from overlapkit.train.models.workload import DEFAULT_SIZES
 from overlapkit.tuning.decide import bucket_ladder
 
 MiB = 1024 * 1024
@@ -67,7 +67,8 @@ def fixed_sweep(param_bytes: list[int], min_mb: float) -> list[float]:
 
 def _ddp_cases(cfg: dict, rank: int) -> dict[str, tuple[Callable[[], None], object]]:
     """Step function and tuning owner (None for fixed settings) per case name."""
-    new_model, loss = make_workload(cfg, rank)
+    workload = workload_of(cfg, rank)
+    new_model, loss = workload.new_model, workload.loss
     cases = {}
     for wrapper in cfg["wrappers"]:
         for setting in [*cfg["sweep"], "auto"]:
@@ -213,10 +214,9 @@ def _run_one(args: argparse.Namespace) -> int:
             "batch": 64,
         }
     else:
-        defaults = MODEL_DEFAULTS[args.model]
-        cfg = {"kind": "ddp", "model": args.model, **defaults, "seq_len": 64}
-        new_model, _ = make_workload(cfg, 0)
-        param_bytes = [p.numel() * p.element_size() for p in new_model().parameters()]
+        cfg = {"kind": "ddp", "model": args.model, **DEFAULT_SIZES[args.model], "seq_len": 64}
+        model = workload_of(cfg, 0).new_model()
+        param_bytes = [p.numel() * p.element_size() for p in model.parameters()]
         cfg["sweep"] = (
             [float(s) for s in args.sweep.split(",")]
             if args.sweep

@@ -66,6 +66,7 @@ from bench.harness.cpu_priority import prioritize
 from bench.harness.device import backend_for, enter_device, settle
 from bench.harness.emulated_link import current_link, enter_emulated_link
 from bench.harness.json_report import write_json_report
+from bench.harness.workloads import make_mlp
 from overlapkit.fsdp.prefetch import overlap_optimizer_step, set_explicit_prefetch, step_by_block
 from overlapkit.local_ranks import run_on_ranks
 from overlapkit.process_group import all_gather_single, reduce_scatter_single
@@ -85,12 +86,6 @@ CASES = (
 OPTIMIZER_CASES = ("adamw", "adamw_overlap_step", "adamw_by_block")
 PROFILED_RANGES = ("FSDP::forward_prefetch", "FSDP::backward_prefetch", "FSDP::all_gather_copy_out")
 TARGET_RATIO = 0.8
-
-
-def make_mlp(blocks: int, width: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)]
-    return nn.Sequential(*layers)
 
 
 def _build_model(name: str, cfg: dict) -> nn.Module:
