@@ -41,7 +41,7 @@ Example::
     python -m bench.ddp_overlap --sweep 1,2,4,8,25   # ok_ddp / bucketer at these bucket sizes
     python -m bench.ddp_overlap --only optimizer --profile-dir runs/bucketer_overlap
     python -m bench.ddp_overlap --only optimizer --tails 0,4   # other forward_order_tail values
-    python -m bench.ddp_overlap --device cuda --rate none     # NCCL ranks on GPU 0 (gpu_overlap.sh)
+    python -m bench.ddp_overlap --device cuda --rate none   # NCCL ranks on GPU 0 (gpu/overlap.sh)
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="cuda: two NCCL ranks on GPU 0 (start CUDA MPS first; bench/gpu_overlap.sh does)",
+        help="cuda: two NCCL ranks on GPU 0 (start CUDA MPS first; bench/gpu/overlap.sh does)",
     )
     parser.add_argument(
         "--profile-dir",

@@ -322,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="cuda: two NCCL ranks on GPU 0 (start CUDA MPS first; bench/gpu_overlap.sh does)",
+        help="cuda: two NCCL ranks on GPU 0 (start CUDA MPS first; bench/gpu/overlap.sh does)",
     )
     parser.add_argument("--json", type=Path, help="write the report here as JSON")
     return parser.parse_args(argv)

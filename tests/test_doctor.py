@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_check
+from bench.gpu import check as gpu_check
 from overlapkit import cli
 from overlapkit.doctor import affinity, perf_checks, setup_checks
 from overlapkit.doctor.check import (
@@ -511,7 +511,7 @@ def test_invalid_nccl_algo_and_a_topology_mismatch_fail_the_run():
     assert "NCCL_ALGO='fastest'" in doc["checks"][1]["advice"]
 
 
-# ----------------------------------------------------------------------------- bench/gpu_check.py
+# ----------------------------------------------------------------------------- bench/gpu/check.py
 
 
 def _worker_results(backend="nccl", device="cuda", bf16_err=2.8e-3, complete=9):
@@ -624,7 +624,8 @@ def test_gpu_check_dry_run_on_cpu_runs_the_torchrun_worker_and_the_report(tmp_pa
     done = subprocess.run(
         [
             sys.executable,
-            "bench/gpu_check.py",
+            "-m",
+            "bench.gpu.check",
             "--allow-cpu",
             "--only",
             "ddp_nccl,comm_stats,report",

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of issue 9: exercise overlapkit's CUDA paths on one NVIDIA GPU in a few minutes.
 #
-#   bash bench/gpu_check.sh                 # all items; outputs under $OUT (or runs/gpu_check)
-#   bash bench/gpu_check.sh --only doctor   # some items (see bench/gpu_check.py)
+#   bash bench/gpu/check.sh                 # all items; outputs under $OUT (or runs/gpu_check)
+#   bash bench/gpu/check.sh --only doctor   # some items (see bench/gpu/check.py)
 #
 # Prints PASS/FAIL per item (comm hooks and GradBucketer on NCCL at world size 1, CUDA-event
 # timings in comm_stats, a profiled run on two NCCL ranks sharing the GPU read by `overlapkit
@@ -21,7 +21,7 @@
 # - about 3 minutes in all on an idle machine (each subprocess has a timeout; the script
 #   stops after 10 minutes at most).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=.venv/bin/python
 if [[ ! -x "$PYTHON" ]]; then
   PYTHON=$(command -v python3)
@@ -60,5 +60,5 @@ if [[ -n "$MPS_CONTROL" && -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ]]; then
   "$MPS_CONTROL" -d && trap 'echo quit | "$MPS_CONTROL"' EXIT && echo "gpu_check: CUDA MPS started"
 fi
 status=0
-timeout 600 "$PYTHON" bench/gpu_check.py --out "$OUT_DIR" "$@" || status=$?
+timeout 600 "$PYTHON" -m bench.gpu.check --out "$OUT_DIR" "$@" || status=$?
 exit "$status"

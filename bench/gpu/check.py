@@ -1,6 +1,6 @@
 """The GPU check of issue 9: exercise overlapkit's CUDA paths on one NVIDIA GPU, PASS/FAIL each.
 
-Items (``bench/gpu_check.sh`` runs them all; ``--only a,b`` picks some):
+Items (``bench/gpu/check.sh`` runs them all; ``--only a,b`` picks some):
 
     cuda          torch sees a CUDA device and NCCL
     ddp_nccl      under ``torchrun --nproc-per-node 1`` (NCCL, world size 1): ``ok.ddp`` with the
@@ -63,6 +63,8 @@ ITEMS = (
 HOOK_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 1e-2, "bucketer": 1e-6}
 """Largest gradient error, relative to the largest gradient, per path (world size 1)."""
 SKIPPED = 3
+CHECK_MODULE = ("-m", "bench.gpu.check")
+"""How torchrun starts this module's workers (from the working directory, the checkout's root)."""
 HTA_TOLERANCE_POINTS = 1.0
 """Largest |overlapkit - HTA| whole-trace overlap, percentage points; 0.5 was measured on the
 H200 (issue 14) and on synthetic traces (tests/test_trace_hta.py), HTA rounds to whole µs."""
@@ -440,7 +442,7 @@ def run_checks(out: Path, only: tuple[str, ...], allow_cpu: bool) -> dict[str, t
     worker_json = out / "worker_rank0.json"
     if {"ddp_nccl", "comm_stats"} & set(only):
         _run(
-            [*torchrun, "--nproc-per-node", "1", __file__, "--worker", "--out", str(out)],
+            [*torchrun, "--nproc-per-node", "1", *CHECK_MODULE, "--worker", "--out", str(out)],
             out / "worker.log",
             300,
         )
@@ -460,7 +462,7 @@ def run_checks(out: Path, only: tuple[str, ...], allow_cpu: bool) -> dict[str, t
                 *torchrun,
                 "--nproc-per-node",
                 "2",
-                __file__,
+                *CHECK_MODULE,
                 "--shared-gpu-worker",
                 "--out",
                 str(out),
