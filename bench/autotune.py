@@ -152,7 +152,7 @@ def _slowest_median(per_rank: list[list[float]]) -> float:
 
 
 def summarize_combination(results: list[dict], cfg: dict) -> dict:
-    """Medians per case and, per wrapper, best fixed vs auto (the DESIGN.md case keys)."""
+    """Medians per case and, per wrapper, best fixed vs auto (cases: docs/json-contracts.md)."""
     medians = {
         name: _slowest_median([r["wall"][name] for r in results]) for name in results[0]["wall"]
     }

@@ -13,7 +13,7 @@ Cases:
 ``--device cpu`` (default): gloo ranks behind an emulated scale-out link (``--rate``, as
 ``ddp_overlap.py``). ``--device cuda``: two NCCL ranks on GPU 0, made two "hosts" by their own
 ``NCCL_HOSTID`` (NCCL's socket transport over loopback, real NCCL kernels); start CUDA MPS first
-so that both ranks' kernels run concurrently (``../shared/EMULATION.md``). Its defaults are the
+so that both ranks' kernels run concurrently (docs/emulation.md). Its defaults are the
 issue's case: MLP 6 x 4096, batch 4096 per rank, fp32.
 
 Example::
@@ -103,7 +103,7 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict[str, list[float]]:
 
 
 def build_report(per_rank: list[dict[str, list[float]]], cfg: dict) -> dict:
-    """Benchmark JSON (DESIGN.md keys): median of the slower rank per step, ratios."""
+    """Benchmark JSON (docs/json-contracts.md keys): median of the slower rank per step, ratios."""
     median = {
         name: statistics.median(map(max, zip(*(r[name] for r in per_rank), strict=True)))
         for name in per_rank[0]

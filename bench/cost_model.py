@@ -1,7 +1,7 @@
 """Does the calibrated cost model predict gloo all-reduce here? Predicted vs measured, per size.
 
-For every link (plain loopback, and loopback behind an emulated link, see EMULATION.md) two gloo
-ranks time ``all_reduce`` from --min-bytes to --max-bytes with ``overlapkit calibrate``'s
+For every link (plain loopback, and loopback behind an emulated link, see docs/emulation.md) two
+gloo ranks time ``all_reduce`` from --min-bytes to --max-bytes with ``overlapkit calibrate``'s
 measurement code. Each size's iterations are split alternately in two halves that ran in the same
 time window but share no sample: the even iterations are fitted (latency and bandwidth, written
 as a topology YAML like ``overlapkit calibrate`` writes it), the odd iterations are the

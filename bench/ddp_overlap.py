@@ -27,10 +27,10 @@ reports their exposed communication per step (``overlapkit report DIR/<case>`` f
 Models: ``--model mlp`` (default: 8 blocks of Linear(1024) + ReLU, 64 rows per rank) or
 ``--model gpt_tiny`` (4 blocks, width 256, 2 sequences of 64 tokens per rank).
 
-Overlap efficiency is ``(T_no_overlap - T) / (T_no_overlap - T_bound)`` with
+Overlap efficiency (docs/architecture.md) is ``(T_no_overlap - T) / (T_no_overlap - T_bound)`` with
 ``T_bound = max(T_compute, T_forward + T_comm)``, all medians from this run. Because gloo's
-transfers cost CPU on the cores that also compute, the table adds each case's CPU time (all
-threads of all ranks) and the efficiency against a CPU-aware bound,
+transfers cost CPU on the cores that also compute, the table adds each case's CPU time (all threads
+of all ranks) and the efficiency against a CPU-aware bound,
 ``max(T_bound, (CPU_compute + CPU_comm) / cores)``.
 
 Example::
@@ -76,11 +76,12 @@ PROFILED = ("bucketer_opt", "bucketer_overlap")
 
 
 def build_report(wall: dict[str, float], cpu: dict[str, float], cfg: dict, grad_bytes: int):
-    """The benchmark JSON (DESIGN.md keys plus CPU accounting), from medians in ms.
+    """The benchmark JSON (docs/json-contracts.md keys plus CPU accounting), from medians in ms.
 
     On CPU, gloo's transfers and reductions run on the same cores as compute, so besides the
-    design's ``T_bound`` there is a second lower bound: all CPU work of compute and comm spread
-    over the machine's cores. ``overlap_efficiency_cpu`` measures against the larger of the two.
+    definition's ``T_bound`` (docs/architecture.md) there is a second lower bound: all CPU work
+    of compute and comm spread over the machine's cores. ``overlap_efficiency_cpu`` measures
+    against the larger of the two.
     """
     t_compute, t_comm = wall["compute_only"], wall["comm_only"]
     t_bound = max(t_compute, wall["forward"] + t_comm)

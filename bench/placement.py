@@ -395,7 +395,7 @@ def render(report: dict, args: argparse.Namespace) -> str:
 
 
 def to_benchmark_json(report: dict) -> dict:
-    """DESIGN.md's benchmark document, with the predictions and raw times beside it."""
+    """The benchmark document (docs/json-contracts.md), with the predictions and raw times."""
     layouts = report["layouts"]
     baseline = layouts["tp_across_link"]["median_s"]
     return {

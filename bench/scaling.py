@@ -45,8 +45,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def build_report(medians: dict[int, dict[str, float]], cfg: dict) -> dict:
     """The benchmark JSON from per rank count, per case median step times (ms).
 
-    ``cases`` follows DESIGN.md's benchmark keys with one entry per (case, rank count), named
-    ``case@n``; ``scaling`` holds per case and rank count the throughput and efficiency.
+    ``cases`` follows the benchmark keys of docs/json-contracts.md with one entry per (case, rank
+    count), named ``case@n``; ``scaling`` holds per case and rank count the throughput and
+    efficiency.
     """
     if 1 not in medians:
         raise ValueError(f"scaling needs the 1-rank run; got rank counts {sorted(medians)}")

@@ -9,7 +9,7 @@ Items (``bench/gpu/check.sh`` runs them all; ``--only a,b`` picks some):
     comm_stats    CUDA-event timings: every ``ok.comm_stats`` record of those runs completed, and
                   every duration is > 0 ms
     report        a profiled ``ok.ddp`` run on two NCCL ranks sharing this one GPU (CUDA MPS
-                  + ``NCCL_HOSTID``, ../shared/EMULATION.md; at world size 1 NCCL launches no
+                  + ``NCCL_HOSTID``, docs/emulation.md; at world size 1 NCCL launches no
                   kernel): the traces hold CUDA kernels, ``overlapkit report --json`` has comm
                   > 0 in every step of both ranks, and where HolisticTraceAnalysis is installed
                   each rank's whole-trace overlap % is HTA's within ``HTA_TOLERANCE_POINTS``

@@ -39,7 +39,7 @@ cat "$OUT_DIR/machine.txt"
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} PYTHONUNBUFFERED=1
 # Issue 18, when asked for: GPU_CHECK_SUITE=1 runs `make test-gpu` (the whole suite with the
 # CUDA-only tests, ~10 min); GPU_CHECK_BF16=1 times ok.ddp(compress="bf16") against PyTorch's
-# bf16_compress_hook on two NCCL ranks of this GPU (start CUDA MPS first: ../shared/EMULATION.md).
+# bf16_compress_hook on two NCCL ranks of this GPU (start CUDA MPS first: docs/emulation.md).
 # `-o .venv/.installed`: use the .venv as it is (this machine cannot download).
 if [[ "${GPU_CHECK_SUITE:-0}" == 1 ]]; then
   timeout 1500 make -o .venv/.installed test-gpu > "$OUT_DIR/test_gpu.log" 2>&1 \
@@ -51,7 +51,7 @@ if [[ "${GPU_CHECK_BF16:-0}" == 1 ]]; then
     || echo "FAIL  compress_hooks: $(tail -n 1 "$OUT_DIR/compress_hooks.log")"
 fi
 # The report and fsdp_cuda items run two NCCL ranks on this one GPU; CUDA MPS lets their kernels
-# run concurrently (../shared/EMULATION.md). Started here, and stopped at exit, when the control
+# run concurrently (docs/emulation.md). Started here, and stopped at exit, when the control
 # binary exists and no MPS pipe directory is set already.
 MPS_CONTROL=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null || true)
 if [[ -n "$MPS_CONTROL" && -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ]]; then

@@ -6,8 +6,8 @@
 #   bash bench/gpu/overlap.sh --help                        # this text
 #
 # Two NCCL ranks share GPU 0 under CUDA MPS, each with its own NCCL_HOSTID, so NCCL joins them
-# through its socket transport over loopback (../shared/EMULATION.md, "Real NCCL kernels on one
-# GPU"). For each model it runs python -m bench.ddp_overlap --device cuda (all cases interleaved in one
+# through its socket transport over loopback (docs/emulation.md, NCCL on one
+# GPU). For each model it runs python -m bench.ddp_overlap --device cuda (all cases interleaved in one
 # run, including ddp_opt / bucketer_opt / bucketer_overlap with AdamW) and profiles bucketer_opt
 # and bucketer_overlap with ok.profile; `overlapkit report --json` then reads the traces.
 #

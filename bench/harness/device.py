@@ -4,7 +4,7 @@ NCCL refuses two ranks on one GPU of one host ("Duplicate GPU detected"). A host
 (``NCCL_HOSTID``) makes them two hosts, joined by NCCL's socket transport over loopback: real
 NCCL kernels and a real (slow) network on one GPU. Without CUDA MPS the ranks' kernels
 time-slice the GPU, which distorts overlap; ``bench/gpu/*.sh`` start MPS first (see
-docs/emulation.md, "NCCL on one GPU").
+docs/emulation.md).
 """
 
 from __future__ import annotations
