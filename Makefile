@@ -53,16 +53,16 @@ demo: $(BASE_STAMP)
 
 # Benchmarks print side-by-side ratios measured in one run; JSON copies go to bench/results/.
 bench: $(STAMP)
-	$(PY) bench/ddp_overlap.py --json bench/results/ddp_overlap_mlp.json
-	$(PY) bench/ddp_overlap.py --model gpt_tiny --json bench/results/ddp_overlap_gpt_tiny.json
-	$(PY) bench/fsdp_prefetch.py --json bench/results/fsdp_prefetch.json
-	$(PY) bench/fsdp_prefetch.py --rate none --json bench/results/fsdp_prefetch_loopback.json
-	$(PY) bench/cost_model.py --links none,8gbit --quantile 0.25 --fit-min-bytes 1MiB --json bench/results/cost_model.json
-	$(PY) bench/placement.py --json bench/results/placement.json
-	$(PY) bench/profile_overhead.py --json bench/results/profile_overhead.json
-	$(PY) bench/profile_exposed.py --out runs/profile_exposed --json bench/results/profile_exposed.json
-	$(PY) bench/autotune.py --json bench/results/autotune.json
-	$(PY) bench/scaling.py --json bench/results/scaling.json
+	$(PY) -m bench.ddp_overlap --json bench/results/ddp_overlap_mlp.json
+	$(PY) -m bench.ddp_overlap --model gpt_tiny --json bench/results/ddp_overlap_gpt_tiny.json
+	$(PY) -m bench.fsdp_prefetch --json bench/results/fsdp_prefetch.json
+	$(PY) -m bench.fsdp_prefetch --rate none --json bench/results/fsdp_prefetch_loopback.json
+	$(PY) -m bench.cost_model --links none,8gbit --quantile 0.25 --fit-min-bytes 1MiB --json bench/results/cost_model.json
+	$(PY) -m bench.placement --json bench/results/placement.json
+	$(PY) -m bench.profile_overhead --json bench/results/profile_overhead.json
+	$(PY) -m bench.profile_exposed --out runs/profile_exposed --json bench/results/profile_exposed.json
+	$(PY) -m bench.autotune --json bench/results/autotune.json
+	$(PY) -m bench.scaling --json bench/results/scaling.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check overlapkit tests recipes bench

@@ -1,8 +1,8 @@
 """Does ``"auto"`` find the best setting? Auto-tuning vs an exhaustive sweep of fixed settings.
 
 For each combination of model (``--models``) and emulated link rate (``--rates``), one run on two
-gloo ranks behind that link (a child process per combination, ``bench/emulated_link.py``) holds,
-per wrapper (``--wrappers``: ``ok_ddp``, ``bucketer``):
+gloo ranks behind that link (a child process per combination, ``bench.harness.emulated_link``)
+holds, per wrapper (``--wrappers``: ``ok_ddp``, ``bucketer``):
 
 - one case per fixed bucket size of the sweep (powers of two from ``--min-mb`` MiB up to the
   first that puts every gradient in one bucket, one per distinct bucket layout; or ``--sweep``),
@@ -21,8 +21,8 @@ FSDP combination (MLP of ``--fsdp-blocks`` x ``--fsdp-width``): ``ok.fsdp(prefet
 
 Example::
 
-    python bench/autotune.py --json bench/results/autotune.json
-    python bench/autotune.py --models mlp --rates 4gbit --wrappers ok_ddp --rounds 2
+    python -m bench.autotune --json bench/results/autotune.json
+    python -m bench.autotune --models mlp --rates 4gbit --wrappers ok_ddp --rounds 2
 """
 
 from __future__ import annotations
@@ -38,17 +38,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
-from cpu_priority import prioritize
-from ddp_overlap import MODEL_DEFAULTS, make_workload
-from emulated_link import current_link, enter_emulated_link
-from fsdp_prefetch import make_mlp
-from json_report import write_json_report
 
 import overlapkit as ok
+from bench.harness.cpu_priority import prioritize
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
+from bench.harness.workloads import make_mlp, workload_of
+from overlapkit.train.models.workload import DEFAULT_SIZES
 from overlapkit.tuning.decide import bucket_ladder
 from overlapkit.workers.local_ranks import run_on_ranks
 
@@ -69,7 +67,8 @@ def fixed_sweep(param_bytes: list[int], min_mb: float) -> list[float]:
 
 def _ddp_cases(cfg: dict, rank: int) -> dict[str, tuple[Callable[[], None], object]]:
     """Step function and tuning owner (None for fixed settings) per case name."""
-    new_model, loss = make_workload(cfg, rank)
+    workload = workload_of(cfg, rank)
+    new_model, loss = workload.new_model, workload.loss
     cases = {}
     for wrapper in cfg["wrappers"]:
         for setting in [*cfg["sweep"], "auto"]:
@@ -153,7 +152,7 @@ def _slowest_median(per_rank: list[list[float]]) -> float:
 
 
 def summarize_combination(results: list[dict], cfg: dict) -> dict:
-    """Medians per case and, per wrapper, best fixed vs auto (the DESIGN.md case keys)."""
+    """Medians per case and, per wrapper, best fixed vs auto (cases: docs/json-contracts.md)."""
     medians = {
         name: _slowest_median([r["wall"][name] for r in results]) for name in results[0]["wall"]
     }
@@ -215,10 +214,9 @@ def _run_one(args: argparse.Namespace) -> int:
             "batch": 64,
         }
     else:
-        defaults = MODEL_DEFAULTS[args.model]
-        cfg = {"kind": "ddp", "model": args.model, **defaults, "seq_len": 64}
-        new_model, _ = make_workload(cfg, 0)
-        param_bytes = [p.numel() * p.element_size() for p in new_model().parameters()]
+        cfg = {"kind": "ddp", "model": args.model, **DEFAULT_SIZES[args.model], "seq_len": 64}
+        model = workload_of(cfg, 0).new_model()
+        param_bytes = [p.numel() * p.element_size() for p in model.parameters()]
         cfg["sweep"] = (
             [float(s) for s in args.sweep.split(",")]
             if args.sweep
@@ -315,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(scratch) / f"{i}.json"
             command = [
                 sys.executable,
-                __file__,
+                "-m",
+                "bench.autotune",
                 "--one",
                 "--model",
                 model,

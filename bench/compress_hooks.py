@@ -13,13 +13,13 @@ Cases:
 ``--device cpu`` (default): gloo ranks behind an emulated scale-out link (``--rate``, as
 ``ddp_overlap.py``). ``--device cuda``: two NCCL ranks on GPU 0, made two "hosts" by their own
 ``NCCL_HOSTID`` (NCCL's socket transport over loopback, real NCCL kernels); start CUDA MPS first
-so that both ranks' kernels run concurrently (``../shared/EMULATION.md``). Its defaults are the
+so that both ranks' kernels run concurrently (docs/emulation.md). Its defaults are the
 issue's case: MLP 6 x 4096, batch 4096 per rank, fp32.
 
 Example::
 
-    python bench/compress_hooks.py --json bench/results/compress_hooks.json
-    python bench/compress_hooks.py --device cuda --json runs/gpu_check/compress_hooks.json
+    python -m bench.compress_hooks --json bench/results/compress_hooks.json
+    python -m bench.compress_hooks --device cuda --json runs/gpu_check/compress_hooks.json
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at registration
@@ -32,18 +32,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
-from cpu_priority import prioritize
-from ddp_overlap import enter_device
-from emulated_link import current_link, enter_emulated_link
-from json_report import write_json_report
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
+from bench.harness.cpu_priority import prioritize
+from bench.harness.device import enter_device
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
 from overlapkit.train.models import MLP, MLPConfig
 from overlapkit.workers.local_ranks import run_on_ranks
 
@@ -105,7 +103,7 @@ def rank_main(rank: int, world_size: int, cfg: dict) -> dict[str, list[float]]:
 
 
 def build_report(per_rank: list[dict[str, list[float]]], cfg: dict) -> dict:
-    """Benchmark JSON (DESIGN.md keys): median of the slower rank per step, ratios."""
+    """Benchmark JSON (docs/json-contracts.md keys): median of the slower rank per step, ratios."""
     median = {
         name: statistics.median(map(max, zip(*(r[name] for r in per_rank), strict=True)))
         for name in per_rank[0]

@@ -1,14 +1,14 @@
 """Does the calibrated cost model predict gloo all-reduce here? Predicted vs measured, per size.
 
-For every link (plain loopback, and loopback behind an emulated link, see EMULATION.md) two gloo
-ranks time ``all_reduce`` from --min-bytes to --max-bytes with ``overlapkit calibrate``'s
+For every link (plain loopback, and loopback behind an emulated link, see docs/emulation.md) two
+gloo ranks time ``all_reduce`` from --min-bytes to --max-bytes with ``overlapkit calibrate``'s
 measurement code. Each size's iterations are split alternately in two halves that ran in the same
 time window but share no sample: the even iterations are fitted (latency and bandwidth, written
 as a topology YAML like ``overlapkit calibrate`` writes it), the odd iterations are the
 measurement the prediction is compared with. Every size is then predicted with ``ok.estimate`` on
 the fitted topology. The target is +-20 % for sizes >= --judge-from (1 MiB).
 
-    python bench/cost_model.py --quantile 0.25 --json bench/results/cost_model.json
+    python -m bench.cost_model --quantile 0.25 --json bench/results/cost_model.json
 
 --fit-min-bytes fits only the sizes from there up, as ``overlapkit calibrate --fit-min-bytes``.
 A size's time is a quantile of its iterations (--quantile, the median by default), the same one
@@ -29,11 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cpu_priority import prioritize
-from emulated_link import current_link, enter_emulated_link
-
+from bench.harness.cpu_priority import prioritize
+from bench.harness.emulated_link import current_link, enter_emulated_link
 from overlapkit.planner import estimate
 from overlapkit.planner.calibrate import (
     Measurement,
@@ -206,7 +203,14 @@ def main() -> int:
                 )
             ]
             subprocess.run(
-                [sys.executable, __file__, f"--link={rate}", f"--child-json={out}", *forwarded],
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.cost_model",
+                    f"--link={rate}",
+                    f"--child-json={out}",
+                    *forwarded,
+                ],
                 check=True,
                 timeout=3600,
             )

@@ -42,9 +42,9 @@ FSDP2 on gloo the prefetch call itself lasts as long as the collective.
 
 Example::
 
-    python bench/fsdp_prefetch.py --json bench/results/fsdp_prefetch.json           # 8 Gbit/s
-    python bench/fsdp_prefetch.py --rate none --json bench/results/fsdp_prefetch_loopback.json
-    python bench/fsdp_prefetch.py --device cuda --rate none   # 2 NCCL ranks on GPU 0 (under MPS)
+    python -m bench.fsdp_prefetch --json bench/results/fsdp_prefetch.json           # 8 Gbit/s
+    python -m bench.fsdp_prefetch --rate none --json bench/results/fsdp_prefetch_loopback.json
+    python -m bench.fsdp_prefetch --device cuda --rate none   # 2 NCCL ranks on GPU 0 (under MPS)
 """
 
 from __future__ import annotations
@@ -57,17 +57,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
-from cpu_priority import prioritize
-from ddp_overlap import backend_for, enter_device, settle
-from emulated_link import current_link, enter_emulated_link
-from json_report import write_json_report
 from torch import nn
 
 import overlapkit as ok
+from bench.harness.cpu_priority import prioritize
+from bench.harness.device import backend_for, enter_device, settle
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
+from bench.harness.workloads import make_mlp
 from overlapkit.fsdp.prefetch import overlap_optimizer_step, set_explicit_prefetch, step_by_block
 from overlapkit.group.process_group import all_gather_single, reduce_scatter_single
 from overlapkit.workers.local_ranks import run_on_ranks
@@ -87,12 +86,6 @@ CASES = (
 OPTIMIZER_CASES = ("adamw", "adamw_overlap_step", "adamw_by_block")
 PROFILED_RANGES = ("FSDP::forward_prefetch", "FSDP::backward_prefetch", "FSDP::all_gather_copy_out")
 TARGET_RATIO = 0.8
-
-
-def make_mlp(blocks: int, width: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)]
-    return nn.Sequential(*layers)
 
 
 def _build_model(name: str, cfg: dict) -> nn.Module:
@@ -329,7 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="cuda: two NCCL ranks on GPU 0 (start CUDA MPS first; bench/gpu_overlap.sh does)",
+        help="cuda: two NCCL ranks on GPU 0 (start CUDA MPS first; bench/gpu/overlap.sh does)",
     )
     parser.add_argument("--json", type=Path, help="write the report here as JSON")
     return parser.parse_args(argv)

@@ -1,11 +1,11 @@
 """Placement benchmark: one TP x DP training step, laid out by ``ok.plan`` and laid out wrong.
 
-Two emulated nodes (``bench/two_nodes.py``: network namespaces joined by a veth pair limited to
+Two emulated nodes (``bench.harness.two_nodes``: network namespaces joined by a veth pair limited to
 ``--rate``) run two gloo ranks each, started through torchrun's multi-node c10d rendezvous. Every
-rank detects the topology (it must find 2 nodes x 2 ranks) and calibrates the cost model on it
-with ``overlapkit calibrate``'s all-reduce fit: scale-out from one rank per node (the link), and
-scale-up with both nodes' pairs all-reducing at once, because the emulated nodes share this
-machine's cores and loopback copies cost CPU (on real nodes each would have its own). Then:
+rank detects the topology (it must find 2 nodes x 2 ranks) and calibrates the cost model on it with
+``overlapkit calibrate``'s all-reduce fit: scale-out from one rank per node (the link), and scale-up
+with both nodes' pairs all-reducing at once, because the emulated nodes share this machine's cores
+and loopback copies cost CPU (on real nodes each would have its own). Then:
 
 - **planned**: ``ok.plan(topology, tp=2)``: tp inside each node, dp across the link.
 - **tp_across_link**: the same sizes with tp outside dp (``order=(..., "tp", "dp")``,
@@ -29,8 +29,8 @@ layouts end with the same parameters, and the data-parallel replicas agree.
 
 Example::
 
-    python bench/placement.py --json bench/results/placement.json
-    python bench/placement.py --rate 1gbit --width 256 --batch 4096
+    python -m bench.placement --json bench/results/placement.json
+    python -m bench.placement --rate 1gbit --width 256 --batch 4096
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,9 +56,9 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
-from two_nodes import TwoNodes, unavailable_reason
 
 import overlapkit as ok
+from bench.harness.two_nodes import TwoNodes, unavailable_reason
 from overlapkit.planner.calibrate import (
     calibrate_collective,
     fit_ring_all_reduce,
@@ -69,6 +67,8 @@ from overlapkit.planner.calibrate import (
 )
 from overlapkit.train.models import MLP, MLPConfig
 
+REPO = Path(__file__).resolve().parents[1]
+"""The checkout: the ranks run ``python -m bench.placement`` from here, wherever launch runs."""
 LAYOUTS = ("planned", "tp_across_link")
 WRONG_ORDER = ("pp", "ep", "cp", "tp", "dp")
 
@@ -331,11 +331,12 @@ def launch(args: argparse.Namespace) -> dict:
             forwarded.append("--detect-only")
         with TwoNodes(rate=args.rate) as nodes:
             nodes.torchrun(
-                [str(Path(__file__).resolve()), *forwarded],
+                ["-m", "bench.placement", *forwarded],
                 nproc_per_node=2,
                 timeout_s=args.timeout,
                 env={"OMP_NUM_THREADS": "1"},
                 autogroup_nice=-19,
+                cwd=REPO,
             )
         report = json.loads(out.read_text())
     report["link"] = {"rate": args.rate, "delay": "0ms"}
@@ -394,7 +395,7 @@ def render(report: dict, args: argparse.Namespace) -> str:
 
 
 def to_benchmark_json(report: dict) -> dict:
-    """DESIGN.md's benchmark document, with the predictions and raw times beside it."""
+    """The benchmark document (docs/json-contracts.md), with the predictions and raw times."""
     layouts = report["layouts"]
     baseline = layouts["tp_across_link"]["median_s"]
     return {
@@ -457,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     reason = unavailable_reason()
     if reason is not None:
-        # Like bench/emulated_link.py: say so and leave, rather than fail `make bench`.
+        # Like bench/harness/emulated_link.py: say so and leave, rather than fail `make bench`.
         print(f"[placement] two emulated nodes are unavailable here ({reason}); skipped")
         return 0
     report = launch(args)

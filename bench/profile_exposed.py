@@ -11,39 +11,28 @@ share of its communication exposed. The numbers come from ``overlapkit report`` 
 
 Example::
 
-    python bench/profile_exposed.py --out runs/profile_exposed
+    python -m bench.profile_exposed --out runs/profile_exposed
     overlapkit report runs/profile_exposed/ok_ddp --png ddp.png
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
 import torch.distributed as dist
-from cpu_priority import prioritize
-from emulated_link import current_link, enter_emulated_link
-from json_report import write_json_report
-from torch import nn
 
 import overlapkit as ok
-from overlapkit.profiling.analysis import analyze_run, rank_totals
+from bench.harness.cpu_priority import prioritize
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.exposed_comm import exposed_share
+from bench.harness.json_report import write_json_report
+from bench.harness.workloads import make_mlp
 from overlapkit.workers.local_ranks import run_on_ranks
 
 CASES = ("no_overlap", "ok_ddp")
-
-
-def make_mlp(layers: int, width: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks)
 
 
 def profiled_training(rank: int, world_size: int, case: str, logdir: str, cfg: dict) -> dict:
@@ -100,20 +89,6 @@ def run_cases(root: Path, cfg: dict) -> dict[str, list[dict]]:
         _all_cases, 2, str(root), cfg, collective_timeout_s=60, total_timeout_s=600
     )
     return {case: [r[case] for r in per_rank] for case in CASES}
-
-
-def exposed_share(logdir: Path) -> dict:
-    """Whole-run exposed share and median step time from ``overlapkit report``'s analysis."""
-    report = analyze_run(logdir)
-    totals = rank_totals(report.steps)
-    comm = sum(t["comm_ms"] for t in totals)
-    exposed = sum(t["exposed_comm_ms"] for t in totals)
-    return {
-        "exposed_share": exposed / comm if comm else None,
-        "comm_ms_per_step": comm / len(report.steps),
-        "exposed_comm_ms_per_step": exposed / len(report.steps),
-        "median_ms": statistics.median(r.step_ms for r in report.steps),
-    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,7 +14,7 @@
 
 Example::
 
-    python bench/profile_overhead.py --json bench/results/profile_overhead.json
+    python -m bench.profile_overhead --json bench/results/profile_overhead.json
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
-from cpu_priority import prioritize
-from json_report import write_json_report
 
 import overlapkit as ok
+from bench.harness.cpu_priority import prioritize
+from bench.harness.json_report import write_json_report
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.synthetic import TraceBuilder
 

@@ -1,13 +1,13 @@
 """Scaling efficiency at 1..N local ranks, with and without overlapkit's overlap paths.
 
-For every rank count ``n`` in 1, 2, 4, ... N (N included) the cases of ``bench/ddp_overlap.py``
-run on ``n`` gloo ranks (its ``rank_main``: interleaved rounds, a barrier before each step,
-a step's time is the slowest rank's), each rank with the same per-rank batch (weak scaling).
+For every rank count ``n`` in 1, 2, 4, ... N (N included) the cases of ``bench.ddp_overlap`` run on
+``n`` gloo ranks (``bench.harness.ddp_cases.rank_main``: interleaved rounds, a barrier before each
+step, a step's time is the slowest rank's), each rank with the same per-rank batch (weak scaling).
 Throughput is the job's: ``n x items per rank / median step``; items are tokens for gpt_tiny and
-samples for the MLP. Scaling efficiency is ``T(n) / (n x T(1))`` of each case against its own
-1-rank throughput (``overlapkit.doctor.scaling.scaling_efficiency``, also doctor check 8); the
-JSON adds ``efficiency_vs_compute_only``, against the 1-rank ``compute_only`` throughput, one
-yardstick for all cases (the 1-rank runs of the cases differ only by noise and hook overhead).
+samples for the MLP. Scaling efficiency is ``T(n) / (n x T(1))`` of each case against its own 1-rank
+throughput (``overlapkit.doctor.scaling.scaling_efficiency``, also doctor check 8); the JSON adds
+``efficiency_vs_compute_only``, against the 1-rank ``compute_only`` throughput, one yardstick for
+all cases (the 1-rank runs of the cases differ only by noise and hook overhead).
 
 Cases shown: ``compute_only`` (no communication: what the cores give), ``no_overlap``
 (backward, then one flat all-reduce), ``ddp_default`` (torch DDP, the baseline), ``ok_ddp`` and
@@ -18,8 +18,8 @@ the cores; the efficiency of the communicating cases is read against it.
 
 Example::
 
-    python bench/scaling.py --model gpt_tiny --json bench/results/scaling.json
-    python bench/scaling.py --max-ranks 4 --rate none --png bench/results/scaling.png
+    python -m bench.scaling --model gpt_tiny --json bench/results/scaling.json
+    python -m bench.scaling --max-ranks 4 --rate none --png bench/results/scaling.png
 """
 
 from __future__ import annotations
@@ -29,34 +29,29 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cpu_priority import prioritize
-from ddp_overlap import BASELINE, MODEL_DEFAULTS, rank_main, summarize, workload_config
-from emulated_link import current_link, enter_emulated_link
-from json_report import write_json_report
-
+from bench.harness.cpu_priority import prioritize
+from bench.harness.ddp_cases import BASELINE, rank_main, summarize, workload_config
+from bench.harness.emulated_link import current_link, enter_emulated_link
+from bench.harness.json_report import write_json_report
+from bench.harness.workloads import workload_of
 from overlapkit.doctor.scaling import rank_counts, scaling_efficiency
+from overlapkit.train.models.workload import DEFAULT_SIZES
 from overlapkit.workers.local_ranks import run_on_ranks
 
 SHOWN = ("compute_only", "no_overlap", BASELINE, "ok_ddp", "bucketer", "ok_ddp_bf16")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def items_per_rank(cfg: dict) -> int:
-    """Items one rank processes per step: tokens (gpt_tiny) or samples (mlp)."""
-    return cfg["batch"] * cfg["seq_len"] if cfg["model"] == "gpt_tiny" else cfg["batch"]
-
-
 def build_report(medians: dict[int, dict[str, float]], cfg: dict) -> dict:
     """The benchmark JSON from per rank count, per case median step times (ms).
 
-    ``cases`` follows DESIGN.md's benchmark keys with one entry per (case, rank count), named
-    ``case@n``; ``scaling`` holds per case and rank count the throughput and efficiency.
+    ``cases`` follows the benchmark keys of docs/json-contracts.md with one entry per (case, rank
+    count), named ``case@n``; ``scaling`` holds per case and rank count the throughput and
+    efficiency.
     """
     if 1 not in medians:
         raise ValueError(f"scaling needs the 1-rank run; got rank counts {sorted(medians)}")
-    items = items_per_rank(cfg)
+    items = workload_of(cfg, 0).items  # tokens (gpt_tiny) or samples (mlp) per rank
     unit = "tokens" if cfg["model"] == "gpt_tiny" else "samples"
     scaling: dict[str, dict[str, dict[str, float]]] = {}
     ideal_one = items / (medians[1]["compute_only"] / 1e3)
@@ -157,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-ranks", type=int, default=2, help="largest rank count (2)")
     parser.add_argument("--rate", default="8gbit", help="tc rate of the emulated link, or 'none'")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (needs netem)")
-    parser.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="gpt_tiny")
+    parser.add_argument("--model", choices=sorted(DEFAULT_SIZES), default="gpt_tiny")
     parser.add_argument("--layers", type=int, help="blocks (default per model)")
     parser.add_argument("--width", type=int, help="block width (default per model)")
     parser.add_argument("--batch", type=int, help="rows or sequences per rank (default per model)")

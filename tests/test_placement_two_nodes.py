@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
+from bench.harness.two_nodes import TwoNodes, unavailable_reason
 from bench.placement import launch, parse_args
-from bench.two_nodes import TwoNodes, unavailable_reason
 
 REASON = unavailable_reason()
 needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"ip netns: {REASON}")

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.profile_exposed import exposed_share, make_mlp, run_cases
+from bench.harness.exposed_comm import exposed_share
+from bench.harness.workloads import make_mlp
+from bench.profile_exposed import run_cases
 from overlapkit import cli
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.tensorboard import TAGS
@@ -101,7 +103,8 @@ def test_ok_ddp_exposes_clearly_less_than_no_overlap_behind_an_emulated_link(tmp
     done = subprocess.run(
         [
             sys.executable,
-            "bench/profile_exposed.py",
+            "-m",
+            "bench.profile_exposed",
             "--rate",
             "8gbit",
             "--steps",

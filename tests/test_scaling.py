@@ -93,7 +93,8 @@ def test_bench_measures_one_and_two_ranks_and_plots(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            "bench/scaling.py",
+            "-m",
+            "bench.scaling",
             "--rate",
             "none",
             "--model",

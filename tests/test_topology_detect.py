@@ -302,7 +302,7 @@ def _detect(rank, world_size):
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="checks CPU workers; on a CUDA host both gloo ranks describe GPU 0, as detection "
-    "reports the hardware (GPU detection: test_nvml_probe.py, bench/gpu_check.py topo_nvml)",
+    "reports the hardware (GPU detection: test_nvml_probe.py, bench/gpu/check.py topo_nvml)",
 )
 def test_real_two_rank_gloo_detection_agrees_on_every_rank():
     results = run_on_ranks(_detect, 2)

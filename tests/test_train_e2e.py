@@ -31,7 +31,7 @@ SMALL = [
     "launcher.threads_per_rank=1",
     "launcher.collective_timeout_s=60",
     "launcher.rdzv_timeout_s=60",
-    "train.device=cpu",  # gloo ranks on GPU hosts too; bench/gpu_check.py trains on NCCL
+    "train.device=cpu",  # gloo ranks on GPU hosts too; bench/gpu/check.py trains on NCCL
 ]
 PARALLEL = ["ddp", "ddp_bf16", "bucketer", "fsdp", "fsdp_prefetch2"]
 

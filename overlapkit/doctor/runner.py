@@ -41,7 +41,7 @@ from overlapkit.profiling import profile
 from overlapkit.topology.detect import detect_topology, local_view
 from overlapkit.topology.loading import load_topology
 from overlapkit.topology.model import Topology
-from overlapkit.train.models import GPT, MLP, GPTConfig, MLPConfig
+from overlapkit.train.models.workload import DEFAULT_SIZES, Workload, make_workload
 from overlapkit.tuning import tuning_report
 from overlapkit.validation import check_int, is_finite_number
 from overlapkit.workers.local_ranks import run_on_ranks
@@ -93,36 +93,11 @@ class DoctorOptions:
         return self.scaling_steps or (5 if self.quick else 15)
 
 
-# ------------------------------------------------------------------------------------------
-# the small workload the measuring checks train
-
-
-def make_workload(
-    options: DoctorOptions, rank: int, device: torch.device
-) -> tuple[Callable[[], nn.Module], Callable[[nn.Module], torch.Tensor], int]:
-    """A model factory (same weights everywhere), ``loss(model)`` on this rank's batch, and the
-    items (samples or tokens) one rank processes per step."""
-    g = torch.Generator().manual_seed(rank)
-    if options.model == "mlp":
-        width, layers, batch = (512, 4, 64) if options.quick else (1024, 8, 64)
-        config = MLPConfig(width=width, n_layer=layers)
-        x = torch.randn(batch, width, generator=g).to(device)
-        y = torch.randn(batch, width, generator=g).to(device)
-
-        def new_mlp() -> nn.Module:
-            torch.manual_seed(0)
-            return MLP(config).to(device)
-
-        return new_mlp, lambda m: (m(x) - y).pow(2).mean(), batch
-    layers, width, seq = (2, 128, 64) if options.quick else (4, 256, 64)
-    gpt_config = GPTConfig(n_layer=layers, n_embd=width, block_size=seq)
-    tokens = torch.randint(0, gpt_config.vocab_size, (2, seq + 1), generator=g).to(device)
-
-    def new_gpt() -> nn.Module:
-        torch.manual_seed(0)
-        return GPT(gpt_config).to(device)
-
-    return new_gpt, lambda m: GPT.loss(m(tokens[:, :-1]), tokens[:, 1:]), 2 * seq
+QUICK_SIZES = {
+    "mlp": {"layers": 4, "width": 512, "batch": 64},
+    "gpt_tiny": {"layers": 2, "width": 128, "batch": 2},
+}
+"""The workload's sizes under ``--quick`` (``DEFAULT_SIZES`` otherwise)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -189,6 +164,12 @@ class _Context:
         if self.expected is not None and self.expected.world_size >= self.world_size:
             return self.expected
         return self.topology
+
+
+def _workload(ctx: _Context) -> Workload:
+    """The small model the measuring checks train, and this rank's batch."""
+    sizes = (QUICK_SIZES if ctx.options.quick else DEFAULT_SIZES)[ctx.options.model]
+    return make_workload(ctx.options.model, rank=ctx.rank, device=ctx.device, **sizes)
 
 
 def _comm_setup(rank: int, world_size: int) -> tuple[dist.ProcessGroup, str, torch.device]:
@@ -311,10 +292,10 @@ def _check_bucket_size(ctx: _Context) -> Check:
         return perf_checks.not_applicable(
             "bucket_size", "one rank reduces nothing", "run with --nproc 2 or more"
         )
-    new_model, loss, _ = make_workload(ctx.options, ctx.rank, ctx.device)
-    current = _current_bucket_mb(ctx, new_model())
+    workload = _workload(ctx)
+    current = _current_bucket_mb(ctx, workload.new_model())
     report, chosen_ms, current_ms = _tuned_against_current(
-        ctx, new_model, loss, lambda model, bucket_mb: _ddp(ctx, model, bucket_mb), current
+        ctx, workload, lambda model, bucket_mb: _ddp(ctx, model, bucket_mb), current
     )
     return perf_checks.check_bucket_size(
         current_mb=current,
@@ -340,10 +321,9 @@ def _check_prefetch(ctx: _Context) -> Check:
         return perf_checks.not_applicable(
             "prefetch", "one rank shards nothing", "run with --nproc 2 or more"
         )
-    new_model, loss, _ = make_workload(ctx.options, ctx.rank, ctx.device)
     current = 1 if ctx.options.prefetch is None else ctx.options.prefetch
     report, chosen_ms, current_ms = _tuned_against_current(
-        ctx, new_model, loss, lambda model, prefetch: _fsdp(ctx, model, prefetch), current
+        ctx, _workload(ctx), lambda model, prefetch: _fsdp(ctx, model, prefetch), current
     )
     return perf_checks.check_prefetch(
         current_depth=current,
@@ -356,8 +336,7 @@ def _check_prefetch(ctx: _Context) -> Check:
 
 def _tuned_against_current(
     ctx: _Context,
-    new_model: Callable[[], nn.Module],
-    loss: Callable[[nn.Module], torch.Tensor],
+    workload: Workload,
     wrap: Callable[[nn.Module, Any], nn.Module],
     current: Any,
 ) -> tuple[Any, float | None, float]:
@@ -368,20 +347,20 @@ def _tuned_against_current(
         tuple: the tuning report, the settled model's median step (ms; None if it never settled)
         and the ``current`` setting's median step (ms).
     """
-    tuned = wrap(new_model(), "auto")
+    tuned = wrap(workload.new_model(), "auto")
     optimizer = torch.optim.SGD(tuned.parameters(), lr=1e-3)
     report = tuning_report(tuned)
     for _ in range(40 if ctx.options.quick else 100):
         optimizer.zero_grad(set_to_none=True)
-        loss(tuned).backward()
+        workload.loss(tuned).backward()
         optimizer.step()
         report = tuning_report(tuned)
         if report.settled:
             break
     # Once settled the tuned model runs the chosen setting; both are timed alike, interleaved.
     chosen_ms, current_ms = timed_steps(
-        [tuned, wrap(new_model(), current)],
-        loss,
+        [tuned, wrap(workload.new_model(), current)],
+        workload.loss,
         ctx.options.steps,
         group=ctx.group,
         device=ctx.device,
@@ -394,15 +373,15 @@ def _check_overlap(ctx: _Context) -> Check:
         return perf_checks.not_applicable(
             "overlap", "one rank communicates nothing", "run with --nproc 2 or more"
         )
-    new_model, loss, _ = make_workload(ctx.options, ctx.rank, ctx.device)
-    model = new_model()
+    workload = _workload(ctx)
+    model = workload.new_model()
     wrapped = _ddp(ctx, model, _current_bucket_mb(ctx, model))
     logdir = ctx.options.logdir or tempfile.mkdtemp(prefix=f"ovk-doctor-rank{ctx.rank}-")
     try:
         with profile(logdir, wait=1, warmup=1, active=3, write_outputs=False) as prof:
             timed_steps(
                 [wrapped],
-                loss,
+                workload.loss,
                 3,
                 group=ctx.group,
                 device=ctx.device,
@@ -424,7 +403,7 @@ def _check_placement(ctx: _Context) -> Check:
 
 
 def _check_scaling(ctx: _Context) -> Check:
-    new_model, loss, items = make_workload(ctx.options, ctx.rank, ctx.device)
+    workload = _workload(ctx)
     throughputs = {}
     for n in rank_counts(ctx.world_size):
         # new_group is collective: every rank creates every group, members run.
@@ -435,12 +414,12 @@ def _check_scaling(ctx: _Context) -> Check:
             else dist.new_group(ranks, backend="nccl" if ctx.backend == "nccl" else "gloo")
         )
         if ctx.rank in ranks:
-            model = new_model()
+            model = workload.new_model()
             wrapped = _ddp(ctx, model, _current_bucket_mb(ctx, model), group)
             (step_ms,) = timed_steps(
-                [wrapped], loss, ctx.options.steps, group=group, device=ctx.device
+                [wrapped], workload.loss, ctx.options.steps, group=group, device=ctx.device
             )
-            throughputs[n] = n * items / (step_ms / 1e3)
+            throughputs[n] = n * workload.items / (step_ms / 1e3)
         # The ranks outside wait here for the members to finish.
         dist.barrier(group=ctx.group)
     agreed: list[Any] = [None] * ctx.world_size

@@ -1,4 +1,4 @@
-"""Where a benchmark's ``--json PATH`` goes: one indented JSON file (keys in DESIGN.md)."""
+"""Where a benchmark's ``--json PATH`` goes: one indented JSON file (docs/json-contracts.md)."""
 
 from __future__ import annotations
 

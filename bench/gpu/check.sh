@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of issue 9: exercise overlapkit's CUDA paths on one NVIDIA GPU in a few minutes.
 #
-#   bash bench/gpu_check.sh                 # all items; outputs under $OUT (or runs/gpu_check)
-#   bash bench/gpu_check.sh --only doctor   # some items (see bench/gpu_check.py)
+#   bash bench/gpu/check.sh                 # all items; outputs under $OUT (or runs/gpu_check)
+#   bash bench/gpu/check.sh --only doctor   # some items (see bench/gpu/check.py)
 #
 # Prints PASS/FAIL per item (comm hooks and GradBucketer on NCCL at world size 1, CUDA-event
 # timings in comm_stats, a profiled run on two NCCL ranks sharing the GPU read by `overlapkit
@@ -21,7 +21,7 @@
 # - about 3 minutes in all on an idle machine (each subprocess has a timeout; the script
 #   stops after 10 minutes at most).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=.venv/bin/python
 if [[ ! -x "$PYTHON" ]]; then
   PYTHON=$(command -v python3)
@@ -39,19 +39,19 @@ cat "$OUT_DIR/machine.txt"
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} PYTHONUNBUFFERED=1
 # Issue 18, when asked for: GPU_CHECK_SUITE=1 runs `make test-gpu` (the whole suite with the
 # CUDA-only tests, ~10 min); GPU_CHECK_BF16=1 times ok.ddp(compress="bf16") against PyTorch's
-# bf16_compress_hook on two NCCL ranks of this GPU (start CUDA MPS first: ../shared/EMULATION.md).
+# bf16_compress_hook on two NCCL ranks of this GPU (start CUDA MPS first: docs/emulation.md).
 # `-o .venv/.installed`: use the .venv as it is (this machine cannot download).
 if [[ "${GPU_CHECK_SUITE:-0}" == 1 ]]; then
   timeout 1500 make -o .venv/.installed test-gpu > "$OUT_DIR/test_gpu.log" 2>&1 \
     && echo "PASS  test-gpu" || echo "FAIL  test-gpu: $(tail -n 1 "$OUT_DIR/test_gpu.log")"
 fi
 if [[ "${GPU_CHECK_BF16:-0}" == 1 ]]; then
-  timeout 600 "$PYTHON" bench/compress_hooks.py --device cuda --json "$OUT_DIR/compress_hooks.json" \
+  timeout 600 "$PYTHON" -m bench.compress_hooks --device cuda --json "$OUT_DIR/compress_hooks.json" \
     > "$OUT_DIR/compress_hooks.log" 2>&1 && tail -n 5 "$OUT_DIR/compress_hooks.log" \
     || echo "FAIL  compress_hooks: $(tail -n 1 "$OUT_DIR/compress_hooks.log")"
 fi
 # The report and fsdp_cuda items run two NCCL ranks on this one GPU; CUDA MPS lets their kernels
-# run concurrently (../shared/EMULATION.md). Started here, and stopped at exit, when the control
+# run concurrently (docs/emulation.md). Started here, and stopped at exit, when the control
 # binary exists and no MPS pipe directory is set already.
 MPS_CONTROL=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null || true)
 if [[ -n "$MPS_CONTROL" && -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ]]; then
@@ -60,5 +60,5 @@ if [[ -n "$MPS_CONTROL" && -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ]]; then
   "$MPS_CONTROL" -d && trap 'echo quit | "$MPS_CONTROL"' EXIT && echo "gpu_check: CUDA MPS started"
 fi
 status=0
-timeout 600 "$PYTHON" bench/gpu_check.py --out "$OUT_DIR" "$@" || status=$?
+timeout 600 "$PYTHON" -m bench.gpu.check --out "$OUT_DIR" "$@" || status=$?
 exit "$status"

@@ -1,12 +1,12 @@
 """Two emulated nodes on this machine: network namespaces joined by a rate-limited veth pair.
 
     with TwoNodes(rate="4gbit") as nodes:
-        outputs = nodes.torchrun(["bench/placement.py", "--worker"], nproc_per_node=2)
+        outputs = nodes.torchrun(["-m", "bench.placement", "--worker"], nproc_per_node=2)
 
 Each node is a network namespace holding its loopback and one end of a veth pair
 (10.231.0.1/30 and 10.231.0.2/30); ``tc tbf`` limits each end to ``rate``. Ranks of one node talk
 through loopback at memory speed, ranks of different nodes cross the veth (see
-shared/EMULATION.md). torchrun's c10d rendezvous is hosted on node 0; gloo is pinned to each
+docs/emulation.md). torchrun's c10d rendezvous is hosted on node 0; gloo is pinned to each
 namespace's veth address (``GLOO_SOCKET_IFNAME``), and a local peer's address still routes
 through ``lo``.
 
@@ -142,12 +142,17 @@ class TwoNodes:
         timeout_s: float = 300.0,
         env: dict[str, str] | None = None,
         autogroup_nice: int | None = None,
+        cwd: Path | None = None,
     ) -> list[str]:
         """Run ``python -m torch.distributed.run ... script_and_args`` on both nodes.
 
         Args:
+            script_and_args (Sequence[str]): what torchrun starts per rank: a script and its
+                arguments, or ``-m`` and a module (found from ``cwd``, e.g. ``bench.placement``
+                from the repository root).
             autogroup_nice (int): scheduling priority of each node's session (-19 gives the
                 ranks the CPU ahead of other work on a shared machine; root only, best effort).
+            cwd (Path): the nodes' working directory. Defaults to this process's.
 
         Returns:
             list[str]: each node's combined stdout and stderr.
@@ -187,6 +192,7 @@ class TwoNodes:
                                 # torchrun's log directories go to TMPDIR: keep them in
                                 # the scratch directory, which is removed with the run.
                                 env={**os.environ, "TMPDIR": scratch, **(env or {})},
+                                cwd=cwd,
                                 start_new_session=True,
                             )
                         )

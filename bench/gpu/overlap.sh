@@ -2,18 +2,18 @@
 # Issue 13 on a lent GPU: per-bucket optimizer updates (GradBucketer(optimizer=)) against the
 # synchronous GradBucketer and torch DDP, on real NCCL kernels, with one command:
 #
-#   OUT=/tmp/gpu_overlap bash bench/gpu_overlap.sh          # ~5 min; JSON, traces and logs in $OUT
-#   bash bench/gpu_overlap.sh --help                        # this text
+#   OUT=/tmp/gpu_overlap bash bench/gpu/overlap.sh          # ~5 min; JSON, traces and logs in $OUT
+#   bash bench/gpu/overlap.sh --help                        # this text
 #
 # Two NCCL ranks share GPU 0 under CUDA MPS, each with its own NCCL_HOSTID, so NCCL joins them
-# through its socket transport over loopback (../shared/EMULATION.md, "Real NCCL kernels on one
-# GPU"). For each model it runs bench/ddp_overlap.py --device cuda (all cases interleaved in one
+# through its socket transport over loopback (docs/emulation.md, NCCL on one
+# GPU). For each model it runs python -m bench.ddp_overlap --device cuda (all cases interleaved in one
 # run, including ddp_opt / bucketer_opt / bucketer_overlap with AdamW) and profiles bucketer_opt
 # and bucketer_overlap with ok.profile; `overlapkit report --json` then reads the traces.
 #
 # Writes to $OUT (default runs/gpu_overlap): machine.txt, ddp_overlap_<model>.json (the
 # benchmark JSON: cases, overlap efficiency, speed-ups, "profiled" exposed comm per step),
-# fsdp_prefetch.json (bench/fsdp_prefetch.py --device cuda, with the step_by_block cases),
+# fsdp_prefetch.json (python -m bench.fsdp_prefetch --device cuda, with the step_by_block cases),
 # report_<model>_<case>.json (overlapkit report on the real traces), gpu_overlap.log (everything
 # printed). Exit code: 0 done, 3 no CUDA device (nothing run), other: the failing step's.
 #
@@ -25,7 +25,7 @@ if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then
   sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=.venv/bin/python
 [[ -x "$PYTHON" ]] || PYTHON=$(command -v python3)
 OUT_DIR=${OUT:-runs/gpu_overlap}
@@ -57,7 +57,7 @@ export NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 run_model() {  # model, extra args...
   local model=$1
   shift
-  timeout 900 "$PYTHON" bench/ddp_overlap.py --device cuda --rate none --model "$model" \
+  timeout 900 "$PYTHON" -m bench.ddp_overlap --device cuda --rate none --model "$model" \
     --only optimizer --optimizer adamw --tails 0,4 --profile-dir "$OUT_DIR/profile_$model" \
     --json "$OUT_DIR/ddp_overlap_$model.json" "$@"
   for case in bucketer_opt bucketer_overlap; do
@@ -70,7 +70,7 @@ run_model mlp --layers 8 --width 2048 --batch 8192
 run_model gpt_tiny --layers 8 --width 1024 --batch 16 --seq-len 256
 # ok.fsdp: FSDP2 default vs ok.fsdp(prefetch=1), and the AdamW step plain / overlap_optimizer_step /
 # step_by_block, on the same two ranks.
-timeout 900 "$PYTHON" bench/fsdp_prefetch.py --device cuda --rate none --blocks 8 --width 2048 \
+timeout 900 "$PYTHON" -m bench.fsdp_prefetch --device cuda --rate none --blocks 8 --width 2048 \
   --batch 8192 --json "$OUT_DIR/fsdp_prefetch.json" \
   --cases compute_only,fsdp2_default,fsdp2_prefetch1,ok_prefetch1,adamw,adamw_overlap_step,adamw_by_block
 echo "gpu_overlap: done; results in $OUT_DIR"

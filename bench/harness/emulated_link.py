@@ -1,9 +1,10 @@
-"""Put a benchmark behind an emulated scale-out link (see shared/EMULATION.md).
+"""Put a benchmark behind an emulated scale-out link (see docs/emulation.md).
 
-``enter_emulated_link(rate, delay_ms)`` re-executes the current script inside a private network
-namespace (``unshare -n``) whose loopback is limited by ``tc``: every rank of the benchmark then
-talks over a link of ``rate`` with ``delay_ms`` one-way delay, as ranks on different nodes would.
-The namespace disappears with the process, so nothing is left behind even on a crash.
+``enter_emulated_link(rate, delay_ms)`` re-executes the current command (``python -m
+bench.<name> ...``, as it was started) inside a private network namespace (``unshare -n``) whose
+loopback is limited by ``tc``: every rank of the benchmark then talks over a link of ``rate``
+with ``delay_ms`` one-way delay, as ranks on different nodes would. The namespace disappears
+with the process, so nothing is left behind even on a crash.
 
 When ``unshare`` or ``tc`` is unavailable (not root, no iproute2) it says so and returns, and the
 benchmark runs on plain loopback.
@@ -61,7 +62,7 @@ def _can_emulate() -> str | None:
 
 
 def enter_emulated_link(rate: str, delay_ms: float = 0.0) -> None:
-    """Re-run this script behind an emulated link, unless already behind one or impossible.
+    """Re-run this command behind an emulated link, unless already behind one or impossible.
 
     Args:
         rate (str): tc rate, e.g. ``"8gbit"``; ``"none"`` keeps plain loopback.
@@ -80,7 +81,8 @@ def enter_emulated_link(rate: str, delay_ms: float = 0.0) -> None:
         print("[emulated link] netem is unavailable here: delay ignored, rate kept", flush=True)
         delay_ms = 0.0
     script = " && ".join(["ip link set lo up", *_tc_commands(rate, delay_ms)])
-    command = shlex.join([sys.executable, *sys.argv])
+    # The interpreter's own argv, so that ``-m bench.<name>`` (and any -X option) is kept.
+    command = shlex.join([sys.executable, *sys.orig_argv[1:]])
     env = dict(os.environ, **{_INSIDE: f"{rate},{delay_ms}ms"})
     sys.stdout.flush()
     os.execvpe("unshare", ["unshare", "-n", "bash", "-c", f"{script} && exec {command}"], env)

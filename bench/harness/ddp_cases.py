@@ -1,0 +1,253 @@
+"""The data-parallel cases of ``bench.ddp_overlap`` and ``bench.scaling``, and their timing.
+
+Every case is a step function (forward, backward, and what the case does with the gradients)
+built on each rank from the same workload; ``rank_main`` runs them interleaved round-robin, so
+that machine noise hits all cases alike. The case names and what they do are listed in
+``bench.ddp_overlap``'s docstring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import overlapkit as ok
+from bench.harness.device import enter_device, settle
+from bench.harness.workloads import workload_of
+from overlapkit.train.models.workload import DEFAULT_SIZES
+
+BASELINE = "ddp_default"
+OPTIMIZER_BASELINE = "ddp_opt"
+# Cases the report needs whatever ``--only`` says (T_compute, T_comm, T_no_overlap, the baseline).
+REFERENCE_CASES = ("compute_only", "comm_only", "no_overlap", BASELINE)
+OPTIMIZER_CASES = (OPTIMIZER_BASELINE, "bucketer_opt", "bucketer_overlap")
+TAIL_CASE = "bucketer_overlap@tail"  # + forward_order_tail, with --tails
+
+
+def with_optimizer(name: str) -> bool:
+    """Whether case ``name`` includes the optimizer step (timed as blocks of steps)."""
+    return name in OPTIMIZER_CASES or name.startswith(TAIL_CASE)
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+}
+
+
+def _flat_allreduce(flat: torch.Tensor) -> None:
+    dist.all_reduce(flat)
+    flat.div_(dist.get_world_size())
+
+
+def optimizer_cases(
+    cfg: dict, new_model: Callable[[], nn.Module], loss: Callable
+) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]]]:
+    """The cases with an optimizer step (``OPTIMIZER_CASES``) and what ends a block of steps."""
+    make_optimizer = OPTIMIZERS[cfg["optimizer"]]
+    ddp = DistributedDataParallel(new_model())
+    ddp_opt = make_optimizer(ddp.parameters())
+    sync_model = new_model()
+    sync = ok.GradBucketer(sync_model)
+    sync_opt = make_optimizer(sync_model.parameters())
+    overlap_model = new_model()
+    overlap = ok.GradBucketer(overlap_model, optimizer=make_optimizer(overlap_model.parameters()))
+    tails = {}
+    for tail in cfg.get("tails", []):
+        model = new_model()
+        bucketer = ok.GradBucketer(
+            model, optimizer=make_optimizer(model.parameters()), forward_order_tail=tail
+        )
+        tails[f"{TAIL_CASE}{tail}"] = (model, bucketer)
+
+    def ddp_step() -> None:
+        loss(ddp).backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+
+    def sync_step() -> None:
+        loss(sync_model).backward()
+        sync.wait()
+        sync_opt.step()
+        sync_opt.zero_grad()
+
+    def overlap_step() -> None:
+        loss(overlap_model).backward()
+        overlap.step()
+
+    def tail_step(model: nn.Module, bucketer: ok.GradBucketer) -> Callable[[], None]:
+        def step() -> None:
+            loss(model).backward()
+            bucketer.step()
+
+        return step
+
+    steps = dict(zip(OPTIMIZER_CASES, (ddp_step, sync_step, overlap_step), strict=True))
+    steps |= {name: tail_step(*pair) for name, pair in tails.items()}
+    finish = {"bucketer_overlap": overlap.synchronize}
+    finish |= {name: bucketer.synchronize for name, (_, bucketer) in tails.items()}
+    return steps, finish
+
+
+def _build_cases(
+    cfg: dict, rank: int
+) -> tuple[dict[str, Callable[[], None]], list[float], int, dict[str, Callable[[], None]]]:
+    """Step functions by case name (each runs one full step and returns when it is done), the
+    list the compute-only case appends its forward times (ms) to, the gradient element count,
+    and, for the cases timed as blocks of steps, what ends a block (``OPTIMIZER_CASES``).
+    """
+    workload = workload_of(cfg, rank)
+    new_model, loss = workload.new_model, workload.loss
+    plain = new_model()
+    grad_numel = sum(p.numel() for p in plain.parameters())
+    flat = torch.zeros(grad_numel, device=cfg.get("device", "cpu"))
+    forward_ms: list[float] = []
+
+    def compute_only() -> None:
+        plain.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        out = loss(plain)
+        settle(cfg)
+        forward_ms.append((time.perf_counter() - start) * 1e3)
+        out.backward()
+
+    def no_overlap() -> None:
+        plain.zero_grad(set_to_none=True)
+        loss(plain).backward()
+        torch.cat([p.grad.view(-1) for p in plain.parameters()], out=flat)
+        _flat_allreduce(flat)
+        offset = 0
+        for p in plain.parameters():
+            p.grad.view(-1).copy_(flat[offset : offset + p.numel()])
+            offset += p.numel()
+
+    def ddp_step(model: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss(model).backward()
+
+        return step
+
+    def bucketer_step(bucket_mb: float | None) -> Callable[[], None]:
+        model = new_model()
+        kwargs = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+        bucketer = ok.GradBucketer(model, **kwargs)
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss(model).backward()
+            bucketer.wait()
+
+        return step
+
+    cases = {
+        "compute_only": compute_only,
+        "comm_only": lambda: _flat_allreduce(flat),
+        "no_overlap": no_overlap,
+        BASELINE: ddp_step(DistributedDataParallel(new_model())),
+        "ok_ddp": ddp_step(ok.ddp(new_model())),
+        "bucketer": bucketer_step(None),
+        "ok_ddp_bf16": ddp_step(ok.ddp(new_model(), compress="bf16")),
+    }
+    for mb in cfg["sweep"]:
+        cases[f"ok_ddp@{mb:g}MB"] = ddp_step(ok.ddp(new_model(), bucket_mb=mb))
+        cases[f"bucketer@{mb:g}MB"] = bucketer_step(mb)
+    finish: dict[str, Callable[[], None]] = {}
+    if cfg.get("optimizer"):
+        optimizer_steps, finish = optimizer_cases(cfg, new_model, loss)
+        cases |= optimizer_steps
+    only = cfg.get("only")
+    if only:
+        cases = {
+            n: f
+            for n, f in cases.items()
+            if n in only or n in REFERENCE_CASES or n.startswith(TAIL_CASE)
+        }
+    return cases, forward_ms, grad_numel, finish
+
+
+def rank_main(rank: int, world_size: int, cfg: dict) -> dict:
+    """Per case, this rank's wall and CPU ms per timed step (CPU: all threads, gloo's too).
+
+    Cases with an optimizer (``OPTIMIZER_CASES``) give one value per round: the mean step of a
+    block of ``steps`` back-to-back steps, ended by the case's ``finish``.
+    """
+    enter_device(cfg, rank)
+    cases, forward_ms, grad_numel, finish = _build_cases(cfg, rank)
+    wall: dict[str, list[float]] = {name: [] for name in cases}
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
+    for round_index in range(cfg["rounds"]):
+        for name, step in cases.items():
+            if with_optimizer(name):
+                _time_block(step, finish.get(name), cfg, round_index == 0, wall[name], cpu[name])
+                continue
+            for i in range(cfg["steps"]):
+                dist.barrier()
+                start, cpu_start = time.perf_counter(), time.process_time()
+                step()
+                settle(cfg)
+                if round_index > 0 or i >= cfg["warmup"]:
+                    wall[name].append((time.perf_counter() - start) * 1e3)
+                    cpu[name].append((time.process_time() - cpu_start) * 1e3)
+        if rank == 0:
+            print(f"  round {round_index + 1}/{cfg['rounds']} done", flush=True)
+    wall["forward"] = forward_ms[len(forward_ms) - len(wall["compute_only"]) :]
+    return {"wall": wall, "cpu": cpu, "grad_bytes": grad_numel * 4}
+
+
+def _time_block(
+    step: Callable[[], None],
+    finish: Callable[[], None] | None,
+    cfg: dict,
+    first_round: bool,
+    wall: list[float],
+    cpu: list[float],
+) -> None:
+    """Append the mean wall and CPU ms of ``cfg["steps"]`` back-to-back steps (after warm-up)."""
+    if first_round:
+        for _ in range(cfg["warmup"]):
+            step()
+        if finish is not None:
+            finish()
+    dist.barrier()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(cfg["steps"]):
+        step()
+    if finish is not None:
+        finish()
+    settle(cfg)
+    wall.append((time.perf_counter() - start) * 1e3 / cfg["steps"])
+    cpu.append((time.process_time() - cpu_start) * 1e3 / cfg["steps"])
+
+
+def summarize(per_rank: list[dict[str, list[float]]], combine) -> dict[str, float]:
+    """Per case, the median over steps of ``combine`` (max: slowest rank; sum: all ranks)."""
+    return {
+        name: statistics.median(
+            combine(step) for step in zip(*(r[name] for r in per_rank), strict=True)
+        )
+        for name in per_rank[0]
+    }
+
+
+def workload_config(args: argparse.Namespace, *, sweep: list[float]) -> dict:
+    """The per-rank workload (``rank_main``'s ``cfg``) from the command line's model options."""
+    defaults = DEFAULT_SIZES[args.model]
+    return {
+        "model": args.model,
+        "layers": args.layers or defaults["layers"],
+        "width": args.width or defaults["width"],
+        "batch": args.batch or defaults["batch"],
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "sweep": sweep,
+    }
