@@ -11,8 +11,9 @@ endif
 PY := $(VENV)/bin/python
 BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: install test test-fast test-gpu fuzz demo bench lint clean
+.PHONY: install test test-fast test-gpu fuzz demo docs bench lint clean
 
 install: $(STAMP)
 
@@ -24,13 +25,20 @@ $(BASE_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
-# `make test` adds the test tools, HTA and the frameworks of overlapkit.integrations.
+# `make test` adds the test tools, the docs tools, HTA and the frameworks of overlapkit.integrations.
 $(STAMP): $(BASE_STAMP)
-	$(PY) -m pip install --quiet -e ".[dev,hta,integrations]"
+	$(PY) -m pip install --quiet -e ".[dev,docs,hta,integrations]"
+	touch $@ $(DOCS_STAMP)
+
+# `make docs` needs MkDocs and its theme only.
+$(DOCS_STAMP): $(BASE_STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
 	touch $@
 
+# The docs are built first (strict): a broken link or a page missing from nav fails `make test`.
 # Property tests draw the same examples on every run (tests/conftest.py, profile "ci")...
 test: $(STAMP)
+	$(MKDOCS_BUILD)
 	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
 
 test-fast: $(STAMP)
@@ -51,6 +59,13 @@ fuzz: $(STAMP)
 demo: $(BASE_STAMP)
 	$(VENV)/bin/overlapkit-train recipe=demo
 
+# The site (docs/ and mkdocs.yml) into site/, strict: any warning (a broken link or anchor, a
+# page missing from nav) fails the build. Not --quiet: it hides the warnings from --strict too,
+# which then passes a broken link. NO_MKDOCS_2_WARNING silences the theme's end-of-life banner.
+MKDOCS_BUILD = NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+docs: $(DOCS_STAMP)
+	$(MKDOCS_BUILD)
+
 # Benchmarks print side-by-side ratios measured in one run; JSON copies go to bench/results/.
 bench: $(STAMP)
 	$(PY) -m bench.ddp_overlap --json bench/results/ddp_overlap_mlp.json
@@ -69,4 +84,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check overlapkit tests recipes bench
 
 clean:
-	rm -rf $(VENV) runs bench/results .pytest_cache
+	rm -rf $(VENV) runs bench/results .pytest_cache site
