@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from overlapkit.planner import estimate, group_shape, pipeline
+from overlapkit.planner.cost import estimate_shape
 from overlapkit.planner.libraries import GLOO, IDEAL
 from overlapkit.topology import bare_link, load_topology
 
@@ -221,3 +222,14 @@ def test_ring_overhead_is_zero_for_nothing_to_move():
     assert math.isfinite(
         estimate("all_reduce", nbytes=0, topology=load_topology("dgx-h100")).time_s
     )
+
+
+def test_estimate_on_a_prebuilt_shape_equals_estimate():
+    topo = load_topology("dgx-h100x2")
+    shape = group_shape(topo, topo.first(16))
+    for nbytes in (MiB, 64 * MiB, 2**33):
+        assert estimate_shape("all_reduce", nbytes=nbytes, shape=shape, topology=topo) == (
+            estimate("all_reduce", nbytes=nbytes, topology=topo)
+        )
+    with pytest.raises(ValueError, match="algorithm 'pairwise' does not run all_reduce"):
+        estimate_shape("all_reduce", nbytes=1, shape=shape, topology=topo, algorithm="pairwise")

@@ -559,6 +559,31 @@ def estimate(
     return _estimate_shape(c, S, group_shape(topology, ranks), topology, algorithm)
 
 
+def estimate_shape(
+    collective: str,
+    *,
+    nbytes: float,
+    shape: GroupShape,
+    topology: Topology,
+    algorithm: str | None = None,
+) -> Estimate:
+    """``estimate`` for a group already described by ``group_shape``: arithmetic only.
+
+    For callers that cost one group at many sizes (the planner): ``group_shape`` walks the
+    group's ranks once; each size then costs only the candidates' formulas.
+
+    Args:
+        collective (str): as for ``estimate``.
+        nbytes (float): size in bytes as nccl-tests counts it.
+        shape (GroupShape): ``group_shape(topology, ranks)``.
+        topology (Topology): the topology ``shape`` was built on (its library decides).
+        algorithm (str): force one, as for ``estimate``.
+    """
+    c = normalize_collective(collective)
+    _check_algorithm(c, algorithm)
+    return _estimate_shape(c, float(nbytes), shape, topology, algorithm)
+
+
 def _check_algorithm(c: str, algorithm: str | None) -> None:
     if algorithm is not None and algorithm not in _AVAILABLE[c]:
         raise ValueError(
