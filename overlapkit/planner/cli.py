@@ -255,7 +255,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             print(json.dumps({"checks": [c.to_dict() for c in checks]}, indent=2))
         else:
             print(render_checks(checks))
-        return 0 if all(c.within_tolerance for c in checks) else 1
+        return 0 if all(c.accepted for c in checks) else 1
     missing = [flag for flag in ("collective", "bytes") if getattr(args, flag) is None]
     if missing:
         raise ValueError(f"estimate needs {' and '.join('--' + m for m in missing)}")

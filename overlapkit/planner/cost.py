@@ -23,8 +23,10 @@ A ring crossing domains is limited by the NICs the group can drive on each side
 (``min(nics_per_node, ranks on the node)`` per node), divided by the fabric's oversubscription
 (or dragonfly taper) once it leaves a leaf, rail group or dragonfly group. Bandwidths are the
 topology's *achieved* figures (spec x efficiency); the library model (``libraries.py``) adds what
-NCCL's tuning model says each algorithm and protocol lose. The fastest candidate wins, as NCCL
-picks; ``algorithm=`` forces one (like ``NCCL_ALGO``).
+NCCL's tuning model says each algorithm and protocol lose, and for NCCL what its chunking and
+pipeline fill cost below about 1 GiB (``planner.pipeline``: ring, tree and NVLS / NVLS-tree;
+not hierarchical, all-to-all or send/recv). The fastest candidate wins, as NCCL picks;
+``algorithm=`` forces one (like ``NCCL_ALGO``).
 
 ``nbytes`` means what nccl-tests calls size: the buffer for all-reduce and broadcast, the whole
 gathered output for all-gather, the whole input for reduce-scatter, a rank's send buffer for
@@ -41,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from overlapkit.planner import pipeline
 from overlapkit.planner.libraries import (
     HIERARCHICAL,
     LIBRARIES,
@@ -53,10 +56,13 @@ from overlapkit.planner.libraries import (
     LibraryModel,
 )
 from overlapkit.planner.nvls import (
+    NVLS_CHANNELS,
+    nvlink_generation,
     nvls_allreduce_GBps,
     nvls_collective_GBps,
     nvls_tree_domain_GBps,
 )
+from overlapkit.planner.pipeline import ring_channels
 from overlapkit.topology.model import (
     DomainKind,
     FabricKind,
@@ -157,6 +163,10 @@ class GroupShape:
     """NCCL NVLS reduce-scatter / all-gather link rate in the slowest shared domain."""
     nvls_tree_GBps: float | None = None
     """NCCL NVLS-tree's in-domain all-reduce algbw in the slowest shared domain."""
+    ring_channels: int = 2
+    """Channels (CTAs) a ring over the group runs in NCCL (``planner.pipeline``)."""
+    nvls_channels: int = 16
+    """Channels NCCL's NVLS (one domain) or NVLS-tree (several) runs."""
 
     @property
     def ring_GBps(self) -> float:
@@ -188,13 +198,18 @@ def group_shape(
         )
     switch_reduces = all(d.in_network_reduction for d, _ in shared)
     nvls = nvls_collective = nvls_tree = None
+    nvls_channels = 16
     if shared and switch_reduces:
         nvls = min(nvls_allreduce_GBps(d, len(members)) for d, members in shared)
         nvls_collective = min(nvls_collective_GBps(d) for d, _ in shared)
         nvls_tree = min(nvls_tree_domain_GBps(d, len(members)) for d, members in shared)
+        one_domain, several = NVLS_CHANNELS[nvlink_generation(shared[0][0])]
+        nvls_channels = one_domain if len(by_domain) == 1 else several
     inter_ring = inter_rank = None
     fabric = topology.fabric
-    if len(by_domain) > 1:
+    if len(by_domain) == 1:
+        channels = _intra_ring_channels(shared)
+    else:
         spine = _spine_factor(topology, ranks)
         nic = fabric.achieved_GBps * spine
         usable = {
@@ -203,6 +218,8 @@ def group_shape(
         inter_ring = Tier(nic * min(usable.values()), fabric.latency_us, "net")
         share = min(usable[d] / len(members) for d, members in by_domain.items())
         inter_rank = Tier(nic * share, fabric.latency_us, "net")
+        # One ring per NIC, doubled (ncclTopoPostset); 8 x H100 over 8 NICs runs 16.
+        channels = max(4, 2 * round(min(usable.values())))
     return GroupShape(
         size=len(ranks),
         domains=len(by_domain),
@@ -215,6 +232,19 @@ def group_shape(
         nvls_GBps=nvls,
         nvls_collective_GBps=nvls_collective,
         nvls_tree_GBps=nvls_tree,
+        ring_channels=channels,
+        nvls_channels=nvls_channels,
+    )
+
+
+def _intra_ring_channels(shared: list[tuple[ScaleUpDomain, list[int]]]) -> int:
+    """NCCL's ring channels inside the slowest shared NVLink domain (2 where there is none)."""
+    nvlink = [(d, m) for d, m in shared if d.kind is DomainKind.NVLINK]
+    if not nvlink:
+        return 2
+    domain, members = min(nvlink, key=lambda dm: dm[0].achieved_GBps)
+    return ring_channels(
+        domain.achieved_GBps * _usable_link_fraction(domain, members), domain.links
     )
 
 
@@ -297,7 +327,17 @@ def _ring(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> flo
     bw = g.ring_GBps * lib.bandwidth_factor(
         RING, proto, collective=c, multi_domain=multi, ranks_per_domain=n / k
     )
-    return _seconds(latency, volume, bw)
+    return _seconds(latency, volume, bw) + (
+        _ring_chunking_s(c, S, g, proto, bw) if lib.chunked else 0
+    )
+
+
+def _ring_chunking_s(c: str, S: float, g: GroupShape, proto: str, bw: float) -> float:
+    n = g.size
+    if c == "broadcast":  # one chunk per loop, pipelined through n-1 hops
+        return pipeline.ring_overhead_s(S, g.ring_channels, proto, 1, 1, bw, 1, n - 2)
+    steps = 2 * (n - 1) if c == "all_reduce" else n - 1
+    return pipeline.ring_overhead_s(S, g.ring_channels, proto, steps, n, bw)
 
 
 def tree_network_volume(domains: int) -> float:
@@ -314,9 +354,10 @@ def tree_network_volume(domains: int) -> float:
 def _tree(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> float:
     m, k = g.per_domain, g.domains
     intra_depth = m - 1 if lib.tree_chains_within_domain else math.ceil(math.log2(m))
+    inter_depth = math.ceil(math.log2(k))
     latency = lib.base_latency_us(TREE, proto) + 2 * (
         intra_depth * _step_us(g.intra, lib, TREE, proto)
-        + math.ceil(math.log2(k)) * _step_us(g.inter_ring, lib, TREE, proto)
+        + inter_depth * _step_us(g.inter_ring, lib, TREE, proto)
     )
     factor = lib.size_correction(TREE, proto, S) * lib.bandwidth_factor(
         TREE, proto, collective=c, multi_domain=k > 1, ranks_per_domain=g.size / k
@@ -325,7 +366,12 @@ def _tree(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> flo
     # domain's NICs carry the tree's share, at the same time.
     intra = 2 * S / g.intra.GBps if g.intra is not None else 0.0
     inter = tree_network_volume(k) * S / g.inter_ring.GBps if k > 1 else 0.0
-    return latency * 1e-6 + max(intra, inter) / (factor * 1e9)
+    bandwidth_s = max(intra, inter) / (factor * 1e9)
+    if lib.chunked and S > 0:
+        bandwidth_s += pipeline.tree_overhead_s(
+            S, g.ring_channels, proto, intra_depth + inter_depth, bandwidth_s / S, k, g.size / k
+        )
+    return latency * 1e-6 + bandwidth_s
 
 
 def _hierarchical(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> float:
@@ -357,7 +403,10 @@ def _switch(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> f
         in_domain = g.nvls_collective_GBps if nvls else g.intra.GBps
     volume = S if c == "all_reduce" else (n - 1) / n * S
     if k == 1:
-        return _seconds(latency, volume, in_domain)
+        time = _seconds(latency, volume, in_domain)
+        if lib.chunked and c == "all_reduce" and g.intra is not None:
+            time += pipeline.nvls_overhead_s(S, n, g.nvls_channels, in_domain)
+        return time
     if g.fabric_reduces:
         # The switches of both tiers reduce: one pass through each (NVLS + SHARP); a domain's
         # NICs carry its S once each way. Not checked against a measurement.
@@ -367,8 +416,11 @@ def _switch(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> f
     latency += 2 * math.ceil(math.log2(k)) * _step_us(g.inter_ring, lib, RING, SIMPLE)
     if nvls and g.nvls_tree_GBps is not None:
         in_domain = g.nvls_tree_GBps
-    inter = g.inter_ring.GBps / tree_network_volume(k)
-    return _seconds(latency, S, min(in_domain, inter))
+    algbw = min(in_domain, g.inter_ring.GBps / tree_network_volume(k))
+    time = _seconds(latency, S, algbw)
+    if lib.chunked:
+        time += pipeline.nvls_overhead_s(S, g.per_domain, g.nvls_channels, algbw, k)
+    return time
 
 
 def _pairwise(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> float:
@@ -505,6 +557,31 @@ def estimate(
         ranks = topology.first(topology.world_size if group_size is None else group_size)
     _check_algorithm(c, algorithm)
     return _estimate_shape(c, S, group_shape(topology, ranks), topology, algorithm)
+
+
+def estimate_shape(
+    collective: str,
+    *,
+    nbytes: float,
+    shape: GroupShape,
+    topology: Topology,
+    algorithm: str | None = None,
+) -> Estimate:
+    """``estimate`` for a group already described by ``group_shape``: arithmetic only.
+
+    For callers that cost one group at many sizes (the planner): ``group_shape`` walks the
+    group's ranks once; each size then costs only the candidates' formulas.
+
+    Args:
+        collective (str): as for ``estimate``.
+        nbytes (float): size in bytes as nccl-tests counts it.
+        shape (GroupShape): ``group_shape(topology, ranks)``.
+        topology (Topology): the topology ``shape`` was built on (its library decides).
+        algorithm (str): force one, as for ``estimate``.
+    """
+    c = normalize_collective(collective)
+    _check_algorithm(c, algorithm)
+    return _estimate_shape(c, float(nbytes), shape, topology, algorithm)
 
 
 def _check_algorithm(c: str, algorithm: str | None) -> None:

@@ -16,8 +16,12 @@ NCCL's own tuning model does (``src/graph/tuning.cc``, NVIDIA/nccl at b6475625, 
   adds nothing on top of the topology.
 - "ideal" is a bare link at line rate: the arithmetic of docs/cost-model.md.
 
-Left out of the NCCL model, because they need NCCL's channel search: per-channel bandwidth caps
-(``perChMax*Bws``, ``llMaxBws``), the CPU-vendor network overhead and CollNet's GPU/NIC ratio.
+NCCL's tuning model is ``latency + bytes / bandwidth``: it has no term for how much less than a
+full chunk a medium message moves per step, nor for the pipeline fill. ``planner.pipeline`` adds
+them for a ``chunked`` library (NCCL); gloo and "ideal" add nothing.
+
+Left out of the NCCL model: per-channel bandwidth caps (``perChMax*Bws``, ``llMaxBws``), the
+CPU-vendor network overhead and CollNet's GPU/NIC ratio.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ _PROTOCOL_INDEX = {LL: 0, LL128: 1, SIMPLE: 2}
 _NCCL_BASE_LATENCY_US = {TREE: (6.8, 14.0, 0.0), RING: (6.6, 14.0, 8.4), SWITCH: (0.0, 0.0, 0.0)}
 # tuning.cc hwLat (us per step) by link class, algorithm and protocol { LL, LL128, Simple }.
 # NVLS ("switch") has only Simple; its network entry is NVLS's 18 us (NVLS-tree uses 14 us).
+# Its NVLink entry (23 us) is the time its pipeline takes to fill at the smallest sizes NVLS
+# runs, which planner.pipeline charges by size (NVLS_FILL_LOOPS): 0 here.
 _NCCL_STEP_LATENCY_US = {
-    "nvlink": {TREE: (0.6, 1.25, 28.0), RING: (0.6, 1.9, 3.4), SWITCH: (0.0, 0.0, 23.0)},
+    "nvlink": {TREE: (0.6, 1.25, 28.0), RING: (0.6, 1.9, 3.4), SWITCH: (0.0, 0.0, 0.0)},
     "pci": {TREE: (1.0, 1.9, 28.0), RING: (1.0, 2.5, 5.7), SWITCH: (0.0, 0.0, 0.0)},
     "net": {TREE: (5.0, 8.5, 28.0), RING: (2.7, 4.0, 14.0), SWITCH: (0.0, 0.0, 18.0)},
 }
@@ -119,6 +125,19 @@ _NCCL_TREE_CORRECTION = (
     ),
 )
 _NCCL_RING_PLATEAU = 1.4  # multi-node Simple ring all-reduce latency, compute capability >= 8.0
+# step_latency_scale's answers: hwLat over the link's Ring/Simple hwLat (the topology's latency).
+_NCCL_STEP_SCALE = {
+    (link, algorithm, protocol): table.get(algorithm, table[RING])[index]
+    / table[RING][_PROTOCOL_INDEX[SIMPLE]]
+    for link, table in _NCCL_STEP_LATENCY_US.items()
+    for algorithm in (RING, TREE, HIERARCHICAL, SWITCH, PAIRWISE, P2P)
+    for protocol, index in _PROTOCOL_INDEX.items()
+}
+LL128_EFFICIENCY = 0.6
+"""Fitted: the share of tuning.cc's LL128 bandwidth (0.92 of the link) LL128 reaches at the
+sizes it runs at, fitted with ``planner.pipeline.HALF_BYTES`` to the 8 x A100 and 4 x GB200
+ring sweeps (where it runs 2-16 MiB): 0.55 of the link. With 0.92, LL128 would beat Simple up
+to 128 MiB on A100, where the sweep has Simple's shape from 32 MiB on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +155,10 @@ class LibraryModel:
     nvls_data_path: bool = False
     """In-switch reduction runs at what NCCL's NVLS data path sustains (``planner.nvls``);
     without it, every byte passes once each way at the link rate (ideal)."""
+    chunked: bool = False
+    """Below about 1 GiB the library pays for its chunking and pipeline fill
+    (``planner.pipeline``, NCCL's); without it, a collective costs latency plus bytes over
+    bandwidth at every size."""
 
     def protocols(self, algorithm: str, *, intra_class: str | None) -> tuple[str, ...]:
         """Protocols to consider for ``algorithm``; ``intra_class`` is the intra tier's class."""
@@ -188,10 +211,7 @@ class NcclModel(LibraryModel):
         return table[_PROTOCOL_INDEX[protocol]]
 
     def step_latency_scale(self, link_class: str, algorithm: str, protocol: str) -> float:
-        table = _NCCL_STEP_LATENCY_US[link_class]
-        reference = table[RING][_PROTOCOL_INDEX[SIMPLE]]
-        row = table.get(algorithm, table[RING])
-        return row[_PROTOCOL_INDEX[protocol]] / reference
+        return _NCCL_STEP_SCALE[link_class, algorithm, protocol]
 
     def bandwidth_factor(
         self,
@@ -207,12 +227,12 @@ class NcclModel(LibraryModel):
             if protocol == LL:
                 factor /= 3.8
             elif protocol == LL128:
-                factor *= 120.0 / 128.0 if multi_domain else 7.0 / 9.0
+                factor *= (120.0 / 128.0 if multi_domain else 7.0 / 9.0) * LL128_EFFICIENCY
             return factor
         if protocol == LL:
             return 1 / 4 if multi_domain or collective == "all_reduce" else 1 / 3
         if protocol == LL128:
-            return 0.7 if ranks_per_domain < 2 else 0.92
+            return (0.7 if ranks_per_domain < 2 else 0.92) * LL128_EFFICIENCY
         return 1.0
 
     def size_correction(self, algorithm: str, protocol: str, nbytes: float) -> float:
@@ -236,6 +256,7 @@ NCCL = NcclModel(
     auto_algorithms=frozenset({RING, TREE, SWITCH}),
     tree_chains_within_domain=True,
     nvls_data_path=True,
+    chunked=True,
 )
 # ProcessGroupGloo's all-reduce calls gloo's ring algorithm.
 GLOO = LibraryModel(name="gloo", auto_algorithms=frozenset({RING}))
