@@ -264,7 +264,7 @@ def _variants(
 ) -> list[TrainingLayout]:
     replicas = dims["dp"] * dims["ep"]
     if global_batch % replicas:
-        return []
+        return []  # the caller reports indivisible batches
     per_replica = global_batch // replicas
     micro = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
     if "micro_batch" in fixed:
@@ -284,7 +284,7 @@ def _variants(
             stages += [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= model.layers]
         if "virtual_stages" in fixed:
             stages = [fixed["virtual_stages"]]
-        stages = [v for v in stages if every_chunk_has_layers(model.layers, pp * v)]
+        stages = [v for v in stages if every_stage_has_layers(model.layers, pp * v, pp)]
         for v in stages:
             for r in recompute:
                 for s in sharding:
@@ -316,10 +316,15 @@ def _variants(
     return out
 
 
-def every_chunk_has_layers(layers: int, chunks: int) -> bool:
-    """Whether ``ceil(layers / chunks)`` layers per model chunk leave none of them empty."""
+def every_stage_has_layers(layers: int, chunks: int, stages: int) -> bool:
+    """Whether ``ceil(layers / chunks)`` layers per model chunk leave every stage some layers.
+
+    Chunks at the end may be short or empty (Megatron-LM fills them with the embedding, the loss
+    or multi-token-prediction layers: ``--pipeline-model-parallel-layout``); the fullest stage
+    sets the step time either way.
+    """
     per_chunk = math.ceil(layers / chunks)
-    return per_chunk * (chunks - 1) < layers
+    return (stages - 1) * per_chunk < layers
 
 
 def search(
@@ -388,7 +393,7 @@ def search(
     divisible = False
     for dims in sizes:
         layouts = _variants(dims, model, global_batch, fixed, domain_size(topology))
-        divisible = divisible or bool(layouts)
+        divisible = divisible or global_batch % (dims["dp"] * dims["ep"]) == 0
         for layout in layouts:
             searched += 1
             memory = measure(layout)
@@ -403,6 +408,12 @@ def search(
             fitting.append(Candidate(layout, step, memory, limit, seq_len, peak))
     if not divisible:
         raise PlanSearchError(_batch_message(global_batch, sizes))
+    if smallest is None:
+        raise PlanSearchError(
+            f"no variant of the fixed layout exists: {_fixed_text(fixed)} (micro-batch sizes "
+            f"dividing the {global_batch} sequences, interleaving that leaves every pipeline "
+            f"stage some of the {model.layers} layers)"
+        )
     if not fitting:
         assert smallest is not None
         total, layout, memory = smallest
@@ -413,7 +424,7 @@ def search(
             f"({_memory_text(memory)}). Use more GPUs, a shorter --seq-len, or a larger "
             "--gpu-memory-gb"
         )
-    fitting.sort(key=lambda c: (not c.fits, c.step.step_s))
+    fitting.sort(key=_rank_key)
     return SearchResult(
         candidates=_distinct(fitting, candidates),
         searched=searched,
@@ -452,13 +463,41 @@ def _fewest_recomputed(
     return layout, full
 
 
+TIE = 1e-3
+"""Step times within this fraction count as a tie, broken by the simpler layout."""
+
+
+def _rank_key(candidate: Candidate) -> tuple:
+    # Equal predictions (cp = 2 with twice the micro-batch computes the same as cp = 1) go
+    # to the layout with fewer parallel dimensions, then to the less sharded one.
+    lay = candidate.layout
+    dims = sum(size > 1 for name, size in lay.dims.items() if name != "dp")
+    return (
+        not candidate.fits,
+        round(math.log(candidate.step.step_s) / math.log1p(TIE)),
+        dims,
+        SHARDING.index(lay.sharding),
+        candidate.step.step_s,
+    )
+
+
 def _distinct(ranked: list[Candidate], count: int) -> list[Candidate]:
-    """The best ``count``, at most two per parallel-size tuple, so the list shows choices."""
+    """The best ``count`` that differ: at most two per parallel-size tuple, and none that ties
+    with a listed one of the same tp, pp, ep, recomputation and sharding (cp traded for
+    micro-batch size computes the same)."""
     out: list[Candidate] = []
     per_dims: dict[tuple, int] = {}
     for candidate in ranked:
-        key = tuple(candidate.layout.dims.values())
+        lay = candidate.layout
+        key = tuple(lay.dims.values())
+        kind = (lay.tp, lay.pp, lay.ep, lay.recompute, lay.sharding)
         if per_dims.get(key, 0) >= 2:
+            continue
+        if any(
+            (o.layout.tp, o.layout.pp, o.layout.ep, o.layout.recompute, o.layout.sharding) == kind
+            and candidate.step.step_s <= o.step.step_s * (1 + TIE)
+            for o in out
+        ):
             continue
         per_dims[key] = per_dims.get(key, 0) + 1
         out.append(candidate)
@@ -477,6 +516,10 @@ def _memory_text(memory: MemoryBreakdown) -> str:
         )
         + " GB"
     )
+
+
+def _fixed_text(fixed: dict) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items()) or "none fixed"
 
 
 def _batch_message(global_batch: int, sizes: list[dict[str, int]]) -> str:
