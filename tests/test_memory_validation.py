@@ -8,8 +8,6 @@ with the tensors autograd saves for backward (``torch.autograd.graph.saved_tenso
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,18 +22,17 @@ from tests.multiproc import run_on_ranks
 CONFIG = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
 
-def tiny_spec(**config) -> ModelSpec:
+def tiny_spec() -> ModelSpec:
     """gpt_tiny as the planner describes it (GPT-2 shapes, tied embeddings, no dropout)."""
-    c = CONFIG | config
-    spec = gpt_spec(
+    return gpt_spec(
         name="gpt_tiny",
-        layers=c["n_layer"],
-        hidden=c["n_embd"],
-        heads=c["n_head"],
-        vocab_size=c["vocab_size"],
-        seq_len=c["block_size"],
+        layers=CONFIG["n_layer"],
+        hidden=CONFIG["n_embd"],
+        heads=CONFIG["n_head"],
+        vocab_size=CONFIG["vocab_size"],
+        seq_len=CONFIG["block_size"],
+        dropout=False,
     )
-    return dataclasses.replace(spec, dropout=False)
 
 
 def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:

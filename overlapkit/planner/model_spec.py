@@ -464,9 +464,14 @@ def gpt_spec(
     vocab_size: int = 51200,
     seq_len: int = 2048,
     ffn_hidden: int | None = None,
+    dropout: bool = True,
+    experts: int = 0,
+    topk: int = 0,
+    expert_hidden: int = 0,
 ) -> ModelSpec:
     """A Megatron-LM GPT (GELU MLP of ``4 x hidden``, LayerNorm, tied embeddings, learned
-    positions, dropout), as its papers' tables describe models by layers, hidden and heads."""
+    positions, dropout), as its papers' tables describe models by layers, hidden and heads;
+    with ``experts``, every MLP a mixture of them (overlapkit-train's moe_tiny)."""
     return ModelSpec(
         name=name,
         family="gpt2",
@@ -483,5 +488,8 @@ def gpt_spec(
         output_bias=True,
         tied_embeddings=True,
         position_embeddings=seq_len,
-        dropout=True,
+        dropout=dropout,
+        experts=experts,
+        topk=topk,
+        moe_ffn_hidden=expert_hidden,
     )

@@ -16,14 +16,15 @@ the output layer on the last stage):
 - **ep**: all-to-all dispatch and combine of each token's ``topk`` copies, forward and backward,
   per MoE layer: exposed (``ep_overlap`` hides a share, as DeepSeek's DualPipe does).
 - **pp**: the activation sent forward and its gradient sent back, per model chunk.
-- **fsdp / hsdp shard axis**: parameters all-gathered for forward and for backward and
-  gradients reduce-scattered, per micro-batch, hidden behind its compute (the first block's
-  gather is not).
+- **fsdp / hsdp shard axis**: each block's parameters all-gathered for forward and for
+  backward and its gradients reduce-scattered, per micro-batch, hidden behind its compute (the
+  first block's gather is not).
 
 Then ``step = (m + (pp - 1) / v) x t_micro_batch`` (1F1B, interleaved: Narayanan et al.,
 SC'21), plus the data-parallel gradient traffic that does not hide behind the last
 micro-batch's backward (ddp all-reduce; zero1 reduce-scatter, then the parameter all-gather
-behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica all-reduce),
+behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica all-reduce; in
+``GRADIENT_BUCKET_BYTES`` buckets, or per block for hsdp),
 plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter).
 Hidden communication uses ``overlap_efficiency`` of the window. Every collective is the cost
 model's estimate on the group the layout's placement gives (``planner.group_costs``).
@@ -31,6 +32,7 @@ model's estimate on the group the layout's placement gives (``planner.group_cost
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from overlapkit.planner.candidate import TrainingLayout
@@ -51,6 +53,9 @@ from overlapkit.planner.memory import (
 from overlapkit.planner.model_spec import ModelSpec
 from overlapkit.topology.accelerator import Accelerator
 
+GRADIENT_BUCKET_BYTES = 25 * 2**20
+"""Gradients are reduced in buckets of this size (torch DDP's and ok.GradBucketer's default
+``bucket_cap_mb=25``); each bucket is one collective, with its latency."""
 TRAFFIC_PASSES = 3
 """Times a layer's saved activations cross device memory in a step (see predict_step)."""
 OPTIMIZER_BYTES_PER_PARAM = 30
@@ -229,6 +234,12 @@ def predict_step(
     def cost(collective: str, nbytes: float, *axes: str) -> float:
         return costs.time_s(collective, nbytes, sizes, order, axes)
 
+    def in_chunks(collective: str, nbytes: float, chunks: int, *axes: str) -> float:
+        return chunks * cost(collective, nbytes / chunks, *axes)
+
+    def buckets(nbytes: float) -> int:
+        return max(1, math.ceil(nbytes / GRADIENT_BUCKET_BYTES))
+
     # Tensor parallel, sequence parallel: 2 all-gathers + 2 reduce-scatters per layer pass.
     tp_bytes = tokens / cp * model.hidden * act
     passes = 2 + recomputed
@@ -266,41 +277,54 @@ def predict_step(
     window_last_bwd = o.overlap_efficiency * t_bwd
     window_first_fwd = o.overlap_efficiency * fwd
     if lay.sharding in ("fsdp", "hsdp"):
+        # One all-gather (forward), one again (backward) and one reduce-scatter per block: the
+        # stage's layers and the root (embedding, head).
+        blocks = stage.layers + 1
         shard_axes = ("dp_shard",) if hsdp else dense_axes
         expert_shard = ("dp_shard",) if hsdp else expert_axes
-        gather = cost("all_gather", dense_params * act, *shard_axes) + cost(
-            "all_gather", expert_params * act, *expert_shard
+        gather = in_chunks("all_gather", dense_params * act, blocks, *shard_axes) + in_chunks(
+            "all_gather", expert_params * act, max(1, stage.layers), *expert_shard
         )
-        scatter = cost("reduce_scatter", dense_params * p.fsdp_reduce_bytes, *shard_axes) + cost(
-            "reduce_scatter", expert_params * p.fsdp_reduce_bytes, *expert_shard
+        scatter = in_chunks(
+            "reduce_scatter", dense_params * p.fsdp_reduce_bytes, blocks, *shard_axes
+        ) + in_chunks(
+            "reduce_scatter",
+            expert_params * p.fsdp_reduce_bytes,
+            max(1, stage.layers),
+            *expert_shard,
         )
         per_mb = 2 * gather + scatter
-        first_block = gather / max(1, stage.layers)
+        first_block = gather / blocks
         fsdp_mb = max(0.0, per_mb - o.overlap_efficiency * t_compute) + first_block
         dp_total += m * per_mb
         if hsdp:
             z = lay.dp_shard
-            replica = cost(
-                "all_reduce", dense_params * p.fsdp_reduce_bytes / z, "dp_replicate", "ep", "cp"
-            ) + cost("all_reduce", expert_params * p.fsdp_reduce_bytes / z, "dp_replicate", "cp")
+            dense_shard = dense_params * p.fsdp_reduce_bytes / z
+            expert_shard_bytes = expert_params * p.fsdp_reduce_bytes / z
+            replica = in_chunks(
+                "all_reduce", dense_shard, blocks, "dp_replicate", "ep", "cp"
+            ) + in_chunks(
+                "all_reduce", expert_shard_bytes, max(1, stage.layers), "dp_replicate", "cp"
+            )
             dp_total += replica
             dp_exposed += max(0.0, replica - window_last_bwd)
     else:
         g = p.grad_reduce_bytes
         grads = (dense_params * g, expert_params * g)
         if lay.sharding == "ddp":
-            reduce = cost("all_reduce", grads[0], *dense_axes) + cost(
-                "all_reduce", grads[1], *expert_axes
+            reduce = in_chunks("all_reduce", grads[0], buckets(grads[0]), *dense_axes) + in_chunks(
+                "all_reduce", grads[1], buckets(grads[1]), *expert_axes
             )
             dp_total += reduce
             dp_exposed += max(0.0, reduce - window_last_bwd)
         else:
-            scatter = cost("reduce_scatter", grads[0], *dense_axes) + cost(
-                "reduce_scatter", grads[1], *expert_axes
-            )
-            gather = cost("all_gather", dense_params * p.weight_bytes, *dense_axes) + cost(
-                "all_gather", expert_params * p.weight_bytes, *expert_axes
-            )
+            scatter = in_chunks(
+                "reduce_scatter", grads[0], buckets(grads[0]), *dense_axes
+            ) + in_chunks("reduce_scatter", grads[1], buckets(grads[1]), *expert_axes)
+            weights = (dense_params * p.weight_bytes, expert_params * p.weight_bytes)
+            gather = in_chunks(
+                "all_gather", weights[0], buckets(weights[0]), *dense_axes
+            ) + in_chunks("all_gather", weights[1], buckets(weights[1]), *expert_axes)
             if lay.sharding == "zero1":
                 dp_total += scatter + gather
                 dp_exposed += max(0.0, scatter - window_last_bwd)
