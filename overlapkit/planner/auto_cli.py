@@ -217,10 +217,10 @@ def why_best(ranked: list[Candidate]) -> list[str]:
         shown = ", ".join(
             f"{k} {delta * 1e3:+.4g} ms" for delta, k in deltas[:3] if abs(delta) > 1e-6
         )
+        rank = ranked.index(second) + 1
         lines.append(
-            f"why #1: {gap * 100:.3g} % faster than #{ranked.index(second) + 1} "
-            f"({_cell_dims(second.layout)}, {second.layout.sharding}), which spends more on: "
-            f"{shown or 'nothing measurable'}"
+            f"why #1: {gap * 100:.3g} % faster than #{rank} ({_cell_dims(second.layout)}, "
+            f"{second.layout.sharding}); #{rank} minus #1: {shown or 'nothing measurable'}"
         )
     parts = _time_parts(best)
     top = sorted(parts.items(), key=lambda kv: -kv[1])

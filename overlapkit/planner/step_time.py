@@ -24,7 +24,7 @@ Then ``step = (m + (pp - 1) / v) x t_micro_batch`` (1F1B, interleaved: Narayanan
 SC'21), plus the data-parallel gradient traffic that does not hide behind the last
 micro-batch's backward (ddp all-reduce; zero1 reduce-scatter, then the parameter all-gather
 behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica all-reduce; in
-``GRADIENT_BUCKET_BYTES`` buckets, or per block for hsdp),
+Megatron-LM's buckets, or per block for hsdp),
 plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter).
 Hidden communication uses ``overlap_efficiency`` of the window. Every collective is the cost
 model's estimate on the group the layout's placement gives (``planner.group_costs``).
@@ -53,9 +53,11 @@ from overlapkit.planner.memory import (
 from overlapkit.planner.model_spec import ModelSpec
 from overlapkit.topology.accelerator import Accelerator
 
-GRADIENT_BUCKET_BYTES = 25 * 2**20
-"""Gradients are reduced in buckets of this size (torch DDP's and ok.GradBucketer's default
-``bucket_cap_mb=25``); each bucket is one collective, with its latency."""
+BUCKET_PARAMS = 40_000_000
+BUCKET_PARAMS_PER_RANK = 1_000_000
+"""Gradients are reduced in buckets of ``max(40M, 1M x data-parallel ranks)`` parameters,
+Megatron-LM's rule (``DistributedDataParallelConfig.bucket_size``); each bucket is one
+collective, with its latency."""
 TRAFFIC_PASSES = 3
 """Times a layer's saved activations cross device memory in a step (see predict_step)."""
 OPTIMIZER_BYTES_PER_PARAM = 30
@@ -237,8 +239,8 @@ def predict_step(
     def in_chunks(collective: str, nbytes: float, chunks: int, *axes: str) -> float:
         return chunks * cost(collective, nbytes / chunks, *axes)
 
-    def buckets(nbytes: float) -> int:
-        return max(1, math.ceil(nbytes / GRADIENT_BUCKET_BYTES))
+    def buckets(count: float, replicas: int) -> int:
+        return max(1, math.ceil(count / max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * replicas)))
 
     # Tensor parallel, sequence parallel: 2 all-gathers + 2 reduce-scatters per layer pass.
     tp_bytes = tokens / cp * model.hidden * act
@@ -311,20 +313,22 @@ def predict_step(
     else:
         g = p.grad_reduce_bytes
         grads = (dense_params * g, expert_params * g)
+        z_dense, z_expert = lay.dp * lay.ep * cp, lay.dp * cp
+        chunks = (buckets(dense_params, z_dense), buckets(expert_params, z_expert))
         if lay.sharding == "ddp":
-            reduce = in_chunks("all_reduce", grads[0], buckets(grads[0]), *dense_axes) + in_chunks(
-                "all_reduce", grads[1], buckets(grads[1]), *expert_axes
+            reduce = in_chunks("all_reduce", grads[0], chunks[0], *dense_axes) + in_chunks(
+                "all_reduce", grads[1], chunks[1], *expert_axes
             )
             dp_total += reduce
             dp_exposed += max(0.0, reduce - window_last_bwd)
         else:
-            scatter = in_chunks(
-                "reduce_scatter", grads[0], buckets(grads[0]), *dense_axes
-            ) + in_chunks("reduce_scatter", grads[1], buckets(grads[1]), *expert_axes)
+            scatter = in_chunks("reduce_scatter", grads[0], chunks[0], *dense_axes) + in_chunks(
+                "reduce_scatter", grads[1], chunks[1], *expert_axes
+            )
             weights = (dense_params * p.weight_bytes, expert_params * p.weight_bytes)
-            gather = in_chunks(
-                "all_gather", weights[0], buckets(weights[0]), *dense_axes
-            ) + in_chunks("all_gather", weights[1], buckets(weights[1]), *expert_axes)
+            gather = in_chunks("all_gather", weights[0], chunks[0], *dense_axes) + in_chunks(
+                "all_gather", weights[1], chunks[1], *expert_axes
+            )
             if lay.sharding == "zero1":
                 dp_total += scatter + gather
                 dp_exposed += max(0.0, scatter - window_last_bwd)
