@@ -35,6 +35,7 @@ from overlapkit.planner.search import (
     with_memory,
 )
 from overlapkit.topology.model import Topology
+from overlapkit.topology.units import format_seconds
 
 SLOW_FACTOR = 1.5
 """A manual layout predicted this much slower than the best gets a warning."""
@@ -215,7 +216,9 @@ def why_best(ranked: list[Candidate]) -> list[str]:
         rival = _time_parts(second)
         deltas = sorted(((rival[k] - parts[k], k) for k in parts), key=lambda d: -abs(d[0]))
         shown = ", ".join(
-            f"{k} {delta * 1e3:+.4g} ms" for delta, k in deltas[:3] if abs(delta) > 1e-6
+            f"{k} {'+' if delta > 0 else '-'}{format_seconds(abs(delta))}"
+            for delta, k in deltas[:3]
+            if abs(delta) > 1e-6
         )
         rank = ranked.index(second) + 1
         lines.append(
@@ -226,7 +229,7 @@ def why_best(ranked: list[Candidate]) -> list[str]:
     top = sorted(parts.items(), key=lambda kv: -kv[1])
     lines.append(
         "  #1's step: "
-        + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in top if v > 0)
+        + ", ".join(f"{k} {format_seconds(v)}" for k, v in top if v > 0)
         + f" (MFU {best.mfu:.1%}; memory {best.memory.total / 1e9:.3g} of "
         f"{best.memory_limit / 1e9:.3g} GB: "
         + ", ".join(
@@ -320,7 +323,7 @@ def layout_warnings(
     if layout.tp > domain:
         out.append(
             f"tp={layout.tp} spans {layout.tp // domain} scale-up domains of {domain}: its "
-            f"collectives cross the network, {chosen.step.tp_s * 1e3:.4g} ms of exposed tp "
+            f"collectives cross the network, {format_seconds(chosen.step.tp_s)} of exposed tp "
             f"communication per step predicted"
         )
     if not chosen.fits:
@@ -377,12 +380,12 @@ def manual_warnings(args: argparse.Namespace, placement: Placement) -> list[str]
                 inside_s = sum(c.total_s for c in inside.collectives() if c.dim == "tp")
                 note = (
                     f", {total / inside_s:.3g}x tp={domain} inside a domain "
-                    f"({inside_s * 1e3:.4g} ms); better: tp={domain} "
+                    f"({format_seconds(inside_s)}); better: tp={domain} "
                     f"dp={inside.dims['dp']} pp={inside.dims['pp']}"
                 )
             out.append(
                 f"tp={sizes['tp']} spans {sizes['tp'] // domain} scale-up domains of {domain}: its "
-                f"all-reduces cross the network, {total * 1e3:.4g} ms per step predicted for "
+                f"all-reduces cross the network, {format_seconds(total)} per step predicted for "
                 f"{placement.workload.describe()}{note}"
             )
         return out
