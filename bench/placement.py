@@ -436,6 +436,20 @@ def to_benchmark_json(report: dict) -> dict:
     }
 
 
+def add_two_node_arguments(parser: argparse.ArgumentParser, *, timeout_s: float) -> None:
+    """The options every two-emulated-node benchmark takes: calibration, timeouts, output."""
+    parser.add_argument("--calibrate-min", type=int, default=256 * 1024, help=argparse.SUPPRESS)
+    parser.add_argument("--calibrate-max", type=int, default=16 * 2**20, help=argparse.SUPPRESS)
+    parser.add_argument("--calibrate-budget", type=float, default=0.2, help=argparse.SUPPRESS)
+    parser.add_argument("--collective-timeout", type=float, default=120, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--timeout", type=float, default=timeout_s, help=f"whole run, seconds ({timeout_s:g})"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="4gbit", help="link rate per direction (tc spelling)")
@@ -444,17 +458,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8192, help="rows per dp rank (8192)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per layout (20)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per layout (2)")
-    parser.add_argument("--calibrate-min", type=int, default=256 * 1024, help=argparse.SUPPRESS)
-    parser.add_argument("--calibrate-max", type=int, default=16 * 2**20, help=argparse.SUPPRESS)
-    parser.add_argument("--calibrate-budget", type=float, default=0.2, help=argparse.SUPPRESS)
-    parser.add_argument("--collective-timeout", type=float, default=120, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=600, help="whole run, seconds (600)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    add_two_node_arguments(parser, timeout_s=600)
     parser.add_argument(
         "--detect-only", action="store_true", help="only detect and plan (no training)"
     )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.layers < 2 or args.layers % 2:
         parser.error(f"--layers must be even and >= 2 (Colwise/Rowwise pairs), got {args.layers}")

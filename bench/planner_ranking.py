@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from placement import calibrated_topology
+from placement import add_two_node_arguments, calibrated_topology
 from two_nodes import TwoNodes, unavailable_reason
 
 import overlapkit as ok
@@ -376,16 +376,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="models"
     )
-    parser.add_argument("--calibrate-min", type=int, default=256 * 1024, help=argparse.SUPPRESS)
-    parser.add_argument("--calibrate-max", type=int, default=16 * 2**20, help=argparse.SUPPRESS)
-    parser.add_argument("--calibrate-budget", type=float, default=0.2, help=argparse.SUPPRESS)
     parser.add_argument("--calibrate-steps", type=int, default=5, help=argparse.SUPPRESS)
     parser.add_argument("--latency-probes", type=int, default=30, help=argparse.SUPPRESS)
-    parser.add_argument("--collective-timeout", type=float, default=120, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=900, help="whole run, seconds (900)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_two_node_arguments(parser, timeout_s=900)
     args = parser.parse_args(argv)
     if args.rounds < 5:
         parser.error(f"--rounds must be >= 5 (medians of paired rounds), got {args.rounds}")

@@ -25,12 +25,18 @@ from overlapkit.planner.model_spec import ModelSpec, load_model
 from overlapkit.planner.placement import Placement, PlacementError
 from overlapkit.planner.placement import plan as place
 from overlapkit.planner.published_runs import render_run_checks, validate
-from overlapkit.planner.run_config import torchtitan_config, train_lacks, train_overrides
+from overlapkit.planner.run_config import (
+    TRAIN_MODELS,
+    torchtitan_config,
+    train_lacks,
+    train_overrides,
+)
 from overlapkit.planner.search import (
     TIE,
     Candidate,
     PlanSearchError,
     SearchSettings,
+    memory_text,
     search,
     with_memory,
 )
@@ -231,13 +237,7 @@ def why_best(ranked: list[Candidate]) -> list[str]:
         "  #1's step: "
         + ", ".join(f"{k} {format_seconds(v)}" for k, v in top if v > 0)
         + f" (MFU {best.mfu:.1%}; memory {best.memory.total / 1e9:.3g} of "
-        f"{best.memory_limit / 1e9:.3g} GB: "
-        + ", ".join(
-            f"{k.removesuffix('_gb')} {v:.3g}"
-            for k, v in best.memory.to_dict().items()
-            if k != "total_gb" and v > 0.005
-        )
-        + ")"
+        f"{best.memory_limit / 1e9:.3g} GB: {memory_text(best.memory)})"
     )
     return lines
 
@@ -295,6 +295,11 @@ def render_auto(answer: AutoPlan, warnings: list[str], elapsed_s: float) -> str:
     lines.append("")
     if "overlapkit_train" in run:
         lines.append("run it: " + " ".join(run["overlapkit_train"]))
+        if answer.model.name not in TRAIN_MODELS:
+            lines.append(
+                f"  (overlapkit-train's model zoo is {', '.join(TRAIN_MODELS)}: point "
+                f"model._target_ at your {answer.model.name} module)"
+            )
     else:
         lines.append(
             "overlapkit-train lacks " + ", ".join(run["overlapkit_train_lacks"]) + "; run it "
@@ -329,13 +334,7 @@ def layout_warnings(
     if not chosen.fits:
         out.append(
             f"predicted not to fit: {chosen.memory.total / 1e9:.3g} GB per GPU of "
-            f"{chosen.memory_limit / 1e9:.3g} ("
-            + ", ".join(
-                f"{k.removesuffix('_gb')} {v:.3g}"
-                for k, v in chosen.memory.to_dict().items()
-                if k != "total_gb" and v > 0.005
-            )
-            + " GB)"
+            f"{chosen.memory_limit / 1e9:.3g} ({memory_text(chosen.memory)})"
         )
     if model is not None and any(k in fixed for k in ("tp", "pp", "dp", "cp", "ep")):
         try:

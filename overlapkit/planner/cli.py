@@ -208,29 +208,28 @@ def run_plan(args: argparse.Namespace) -> int:
         return run_auto(args, topology)
     if args.model is not None:
         model = load_model(args.model)
-        workload = Workload(
-            params=float(model.params),
-            dtype=args.dtype,
-            layers=model.layers,
-            hidden=model.hidden,
-            seq_len=4096 if args.seq_len is None else args.seq_len,
-            micro_batch=_size(args.micro_batch),
-            microbatches=args.microbatches,
-            topk=max(1, model.topk),
-            expert_fraction=model.expert_params / model.params if model.is_moe else 0.0,
-        )
+        shape = {
+            "params": float(model.params),
+            "layers": model.layers,
+            "hidden": model.hidden,
+            "topk": max(1, model.topk),
+            "expert_fraction": model.expert_params / model.params if model.is_moe else 0.0,
+        }
     else:
-        workload = Workload(
-            params=parse_size(args.params, what="--params"),
-            dtype=args.dtype,
-            layers=args.layers,
-            hidden=args.hidden,
-            seq_len=4096 if args.seq_len is None else args.seq_len,
-            micro_batch=_size(args.micro_batch),
-            microbatches=args.microbatches,
-            topk=args.topk,
-            expert_fraction=args.expert_fraction,
-        )
+        shape = {
+            "params": parse_size(args.params, what="--params"),
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "topk": args.topk,
+            "expert_fraction": args.expert_fraction,
+        }
+    workload = Workload(
+        dtype=args.dtype,
+        seq_len=4096 if args.seq_len is None else args.seq_len,
+        micro_batch=_size(args.micro_batch),
+        microbatches=args.microbatches,
+        **shape,
+    )
     placement = placement_from_args(args, topology, workload)
     warnings = manual_warnings(args, placement)
     naive = naive_placement(placement) if args.compare else None

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -472,24 +471,17 @@ def gpt_spec(
     """A Megatron-LM GPT (GELU MLP of ``4 x hidden``, LayerNorm, tied embeddings, learned
     positions, dropout), as its papers' tables describe models by layers, hidden and heads;
     with ``experts``, every MLP a mixture of them (overlapkit-train's moe_tiny)."""
-    return ModelSpec(
-        name=name,
-        family="gpt2",
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=heads,
-        head_dim=math.ceil(hidden / heads),
-        ffn_hidden=ffn_hidden or 4 * hidden,
-        vocab_size=vocab_size,
-        gated_mlp=False,
-        norm="layernorm",
-        attention_bias=True,
-        output_bias=True,
-        tied_embeddings=True,
-        position_embeddings=seq_len,
-        dropout=dropout,
-        experts=experts,
-        topk=topk,
-        moe_ffn_hidden=expert_hidden,
-    )
+    config = {
+        "model_type": "gpt2",
+        "n_layer": layers,
+        "n_embd": hidden,
+        "n_head": heads,
+        "n_inner": ffn_hidden,
+        "n_positions": seq_len,
+        "vocab_size": vocab_size,
+        "resid_pdrop": 0.1 if dropout else 0.0,
+    }
+    spec = from_hf_config(config, name=name)
+    if experts:
+        spec = dataclasses.replace(spec, experts=experts, topk=topk, moe_ffn_hidden=expert_hidden)
+    return spec

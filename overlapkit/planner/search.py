@@ -421,7 +421,7 @@ def search(
             f"{model.name} ({model.params / 1e9:.4g}B parameters) fits nowhere on "
             f"{topology.name} ({topology.world_size} GPUs of {limit / 1e9:.4g} GB): the "
             f"smallest layout ({layout.describe()}) needs {total / 1e9:.4g} GB per GPU "
-            f"({_memory_text(memory)}). Use more GPUs, a shorter --seq-len, or a larger "
+            f"({memory_text(memory)}). Use more GPUs, a shorter --seq-len, or a larger "
             "--gpu-memory-gb"
         )
     fitting.sort(key=_rank_key)
@@ -506,16 +506,14 @@ def _distinct(ranked: list[Candidate], count: int) -> list[Candidate]:
     return out
 
 
-def _memory_text(memory: MemoryBreakdown) -> str:
-    parts = memory.to_dict()
-    return (
-        ", ".join(
-            f"{name.removesuffix('_gb')} {value:.3g}"
-            for name, value in parts.items()
-            if name != "total_gb"
-        )
-        + " GB"
-    )
+def memory_text(memory: MemoryBreakdown) -> str:
+    """``weights 16.1, grads 1, ... GB``: the parts above 5 MB."""
+    parts = [
+        f"{name.removesuffix('_gb')} {value:.3g}"
+        for name, value in memory.to_dict().items()
+        if name != "total_gb" and value > 0.005
+    ]
+    return ", ".join(parts) + " GB"
 
 
 def _fixed_text(fixed: dict) -> str:
