@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import itertools
@@ -142,13 +141,14 @@ def compute_rate(name: str, args: argparse.Namespace) -> float:
     return flops / tensor.item()
 
 
-def loaded_latencies(topology: ok.Topology, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds per ring step of a tiny all-reduce between two ranks that come from computing.
+def arrival_skew(topology: ok.Topology, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds a tiny blocking all-reduce between two ranks that come from computing takes.
 
-    On this shared machine a collective waits for its peer to be scheduled: with every rank
-    busy that costs milliseconds, not the microseconds an idle calibration measures, and a
-    layout with many small collectives (tp's per layer, FSDP's per block) pays it each time.
-    Measured per tier: a node's two ranks, and one rank of each node (across the link).
+    On this shared machine a collective on the critical path waits for its peer to be
+    scheduled: with every rank busy that costs milliseconds, not the microseconds an idle
+    calibration measures, and a layout with many blocking collectives (tp's per layer, ep's
+    per MoE layer) pays it each time. Measured per tier: a node's two ranks, and one rank of
+    each node (across the link). The planner's ``StepOptions.skew_s``.
     """
     nodes = topology.nodes()
     # new_group is collective: every rank creates every group, in the same order.
@@ -170,24 +170,13 @@ def loaded_latencies(topology: ok.Topology, args: argparse.Namespace) -> dict[st
             times.append(time.perf_counter() - start)
         median = torch.tensor(statistics.median(times), dtype=torch.float64)
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
-        out[tier] = median.item() / 2  # a two-rank ring all-reduce is two steps
+        out[tier] = median.item()
     return out
 
 
-def with_latencies(topology: ok.Topology, latency_s: dict[str, float]) -> ok.Topology:
-    """``topology`` with at least ``latency_s``'s per-step latency on each tier."""
-    domains = tuple(
-        dataclasses.replace(d, latency_us=max(d.latency_us, latency_s["scale_up"] * 1e6))
-        for d in topology.domains
-    )
-    fabric = dataclasses.replace(
-        topology.fabric,
-        latency_us=max(topology.fabric.latency_us, latency_s["scale_out"] * 1e6),
-    )
-    return dataclasses.replace(topology, domains=domains, fabric=fabric)
-
-
-def predictions(name: str, predictor: ok.Topology, rate: float, args) -> dict[str, float]:
+def predictions(
+    name: str, predictor: ok.Topology, rate: float, skew_s: float, args
+) -> dict[str, float]:
     """The planner's predicted step time of every layout, seconds."""
     spec = planner_spec(name)
     topology = predictor.with_accelerator(measured_accelerator(rate / 1e12, memory_GB=8))
@@ -197,6 +186,7 @@ def predictions(name: str, predictor: ok.Topology, rate: float, args) -> dict[st
         achievable=1.0,  # the rate is the model's own, measured above
         overlap_efficiency=overlap_efficiency(str(topology.library)),
         precision=FP32,
+        skew_s=skew_s,
     )
     costs = AxisCosts(topology)
     out = {}
@@ -241,18 +231,17 @@ def worker(args: argparse.Namespace) -> None:
     predictor, calibration = calibrated_topology(
         topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
     )
-    latency = loaded_latencies(topology, args)
-    predictor = with_latencies(predictor, latency)
+    skew = arrival_skew(topology, args)
     report = {
         "nodes": [list(n) for n in topology.nodes()],
         "calibration": calibration,
-        "loaded_latency_us": {tier: s * 1e6 for tier, s in latency.items()},
+        "blocking_collective_us": {tier: s * 1e6 for tier, s in skew.items()},
     }
     for name in args.models:
         rate = compute_rate(name, args)
         report[name] = {
             "compute_GFLOPs": rate / 1e9,
-            "predicted_s": predictions(name, predictor, rate, args),
+            "predicted_s": predictions(name, predictor, rate, max(skew.values()), args),
             "measured_s": measure_model(name, topology, args),
         }
     if dist.get_rank() == 0:
@@ -307,8 +296,8 @@ def render(report: dict, args: argparse.Namespace) -> str:
             f"calibrated {tier}: {fit['bandwidth_GBps']:.3g} GB/s, {fit['latency_us']:.3g} us"
         )
     lines.append(
-        "latency per ring step with the ranks busy (used for the predictions): "
-        + ", ".join(f"{t} {us:.0f} us" for t, us in report["loaded_latency_us"].items())
+        "a tiny blocking all-reduce between busy ranks (the predictions' skew_s, the larger): "
+        + ", ".join(f"{t} {us:.0f} us" for t, us in report["blocking_collective_us"].items())
     )
     for name in args.models:
         result = report[name]

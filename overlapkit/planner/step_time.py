@@ -82,6 +82,10 @@ class StepOptions:
     """Share of tp communication hidden (async TP); 0: all on the critical path."""
     ep_overlap: float = 0.0
     """Share of ep all-to-all hidden behind compute (DualPipe-style schedules)."""
+    skew_s: float = 0.0
+    """Seconds each blocking collective (tp, cp, ep, pp: on the critical path) waits for the
+    last of its ranks to arrive; asynchronous ones (gradient buckets, FSDP's prefetched
+    gathers) do not. 0 by default; measured where ranks share cores (bench/planner_ranking)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,13 +249,20 @@ def predict_step(
     # Tensor parallel, sequence parallel: 2 all-gathers + 2 reduce-scatters per layer pass.
     tp_bytes = tokens / cp * model.hidden * act
     passes = 2 + recomputed
-    tp_layer = 2 * (cost("all_gather", tp_bytes, "tp") + cost("reduce_scatter", tp_bytes, "tp"))
+    skew = {axis: o.skew_s if sizes.get(axis, 1) > 1 else 0.0 for axis in ("tp", "cp", "ep", "pp")}
+    tp_layer = 2 * (
+        cost("all_gather", tp_bytes, "tp") + cost("reduce_scatter", tp_bytes, "tp") + 2 * skew["tp"]
+    )
     tp_total = n_layers * passes * tp_layer
     tp_exposed = (1 - o.tp_overlap) * tp_total
 
     # Context parallel (ring attention), hidden behind each layer's attention.
     kv_bytes = tokens * (model.kv_dim + model.v_dim) * act / tp
-    cp_layer = 2 * cost("all_gather", kv_bytes, "cp") + cost("reduce_scatter", kv_bytes, "cp")
+    cp_layer = (
+        2 * cost("all_gather", kv_bytes, "cp")
+        + cost("reduce_scatter", kv_bytes, "cp")
+        + 3 * skew["cp"]
+    )
     attn_layer = 3 * attn_fwd
     cp_total = n_layers * cp_layer
     cp_exposed = n_layers * max(0.0, cp_layer - o.overlap_efficiency * attn_layer)
@@ -259,12 +270,12 @@ def predict_step(
     # Expert parallel: dispatch + combine, forward and backward (and recomputed forward).
     ep_bytes = tokens / (cp * tp) * model.hidden * model.dispatch_copies * act
     ep_passes = 4 + 2 * recomputed
-    ep_total = moe_per_stage * ep_passes * cost("all_to_all", ep_bytes, "ep")
+    ep_total = moe_per_stage * ep_passes * (cost("all_to_all", ep_bytes, "ep") + skew["ep"])
     ep_exposed = (1 - o.ep_overlap) * ep_total
 
     # Pipeline: one activation forward and one gradient back per model chunk boundary.
     pp_bytes = tokens / cp * model.hidden * act / tp
-    pp_total = 2 * v * cost("send_recv", pp_bytes, "pp") if pp > 1 else 0.0
+    pp_total = 2 * v * (cost("send_recv", pp_bytes, "pp") + skew["pp"]) if pp > 1 else 0.0
 
     # Data-parallel traffic of the heaviest stage's parameters.
     stage = stage_params(model, lay, stage=0)
