@@ -14,9 +14,16 @@ import torch.nn.functional as F
 
 import overlapkit as ok
 from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.memory import FP32, layer_activation_bytes, model_state_bytes, stage_params
+from overlapkit.planner.memory import (
+    FP32,
+    layer_activation_bytes,
+    memory_breakdown,
+    model_state_bytes,
+    stage_params,
+)
 from overlapkit.planner.model_spec import ModelSpec, gpt_spec
 from overlapkit.train.models import GPT, GPTConfig
+from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 
 CONFIG = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -120,3 +127,32 @@ def test_one_block_saves_the_predicted_activation_bytes_within_10_percent(batch,
         tiny_spec(), layout, FP32, seq_len=seq, flash_attention=True, moe_layer=False
     )
     assert measured == pytest.approx(predicted, rel=0.10), (measured, predicted)
+
+
+@requires_cuda
+def test_predicted_peak_bounds_cuda_max_memory_allocated_within_15_percent():
+    """On a GPU: the predicted allocation (states + activations + logits, no allowance) of an
+    fp32 gpt step against ``torch.cuda.max_memory_allocated`` (written here without a GPU)."""
+    config = dict(CONFIG, n_embd=1024, n_head=16, block_size=1024, vocab_size=8192)
+    spec = gpt_spec(
+        name="gpt",
+        layers=config["n_layer"],
+        hidden=config["n_embd"],
+        heads=config["n_head"],
+        vocab_size=config["vocab_size"],
+        seq_len=config["block_size"],
+        dropout=False,
+    )
+    torch.cuda.reset_peak_memory_stats()
+    model = GPT(GPTConfig(**config)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(config["vocab_size"], (8, config["block_size"]), device="cuda")
+    for _ in range(2):  # the second step has the optimizer state allocated
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    measured = torch.cuda.max_memory_allocated()
+    layout = TrainingLayout(dp=1, micro_batch=8)
+    memory = memory_breakdown(spec, layout, seq_len=config["block_size"], precision=FP32)
+    predicted = memory.total - memory.reserved
+    assert measured == pytest.approx(predicted, rel=0.15), (measured, memory.to_dict())
