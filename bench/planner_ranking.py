@@ -163,7 +163,7 @@ def arrival_skew(topology: ok.Topology, args: argparse.Namespace) -> dict[str, f
     for tier, group in (("scale_up", in_node[node]), ("scale_out", across[local])):
         times = []
         for _ in range(args.latency_probes):
-            for _ in range(20):  # a few milliseconds of compute, as a layer's
+            for _ in range(args.probe_work):  # about a layer's compute between collectives
                 work = torch.tanh(work @ work)
             start = time.perf_counter()
             dist.all_reduce(probe, group=group)
@@ -343,6 +343,7 @@ def launch(args: argparse.Namespace) -> dict:
             "--calibrate-budget", str(args.calibrate_budget),
             "--calibrate-steps", str(args.calibrate_steps),
             "--latency-probes", str(args.latency_probes),
+            "--probe-work", str(args.probe_work),
             "--collective-timeout", str(args.collective_timeout),
         ]  # fmt: skip
         with TwoNodes(rate=args.rate) as nodes:
@@ -367,6 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--calibrate-steps", type=int, default=5, help=argparse.SUPPRESS)
     parser.add_argument("--latency-probes", type=int, default=30, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-work", type=int, default=2, help=argparse.SUPPRESS)
     add_two_node_arguments(parser, timeout_s=900)
     args = parser.parse_args(argv)
     if args.rounds < 5:

@@ -9,7 +9,8 @@ micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / s
 where it saves something: without flash attention) / full; sharding ddp, zero1, zero2, fsdp and
 hsdp (every proper ``dp_shard`` of dp). A size the caller fixes constrains the search instead
 of replacing it. Memory is checked first (cheap); only layouts that fit are timed, except with
-every parallel size fixed, where the best variant is reported even when nothing fits.
+a parallel size fixed, where layouts that fit come first and the best that does not is
+reported when none fits.
 
 Candidates are priced analytically per group shape (``planner.group_costs``); the rank grid is
 built (``ok.plan``) only for the ones shown.
@@ -351,7 +352,7 @@ def search(
         candidates (int): how many to return. Defaults to 5.
 
     Returns:
-        SearchResult: best first; only layouts that fit, unless every parallel size is fixed.
+        SearchResult: best first; only layouts that fit, unless a parallel size is fixed.
 
     Raises:
         PlanSearchError: (a ValueError) fixed sizes that do not divide the world, a global
@@ -370,9 +371,8 @@ def search(
     limit = options.accelerator.memory_GB * 1e9
     peak = options.accelerator.peak_tflops(settings.precision.matmul_dtype)
     costs = costs or AxisCosts(topology)
-    all_dims_fixed = all(k in fixed for k in ("tp", "pp", "cp", "ep")) or (
-        not model.is_moe and all(k in fixed for k in ("tp", "pp", "cp"))
-    )
+    # With a parallel size fixed the user asks about a layout: report it even if it does not fit.
+    dims_fixed = any(k in fixed for k in DIMS)
     sizes = _parallel_sizes(topology, model, seq_len, fixed)
 
     def measure(layout: TrainingLayout) -> MemoryBreakdown:
@@ -401,7 +401,7 @@ def search(
                 layout, memory = _fewest_recomputed(layout, memory, measure, limit, model)
             if smallest is None or memory.total < smallest[0]:
                 smallest = (memory.total, layout, memory)
-            if memory.total > limit and not all_dims_fixed:
+            if memory.total > limit and not dims_fixed:
                 continue
             timed += 1
             step = predict_step(model, layout, options, costs)
