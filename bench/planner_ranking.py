@@ -3,9 +3,10 @@
 Two emulated nodes (``bench/two_nodes.py``: network namespaces joined by a veth pair limited to
 ``--rate``) run two gloo ranks each, as ``bench/placement.py`` does. Every rank detects the
 topology (2 nodes x 2 ranks), fits the cost model to this machine (``placement.calibrated_
-topology``: the link, and the in-node path while both nodes use theirs) and measures the
-model's own compute rate (one rank's forward and backward of a micro-batch, no communication:
-the planner's "achievable TFLOP/s" here). Then, for each model (``gpt_tiny``, ``moe_tiny``), it
+topology``: the link, and the in-node path while both nodes use theirs), measures the model's
+own compute rate (every rank's forward and backward of a micro-batch, no communication: the
+planner's "achievable TFLOP/s" here) and what one collective call costs between busy ranks
+(the planner's ``collective_overhead_s``: milliseconds here, where four ranks share two cores). Then, for each model (``gpt_tiny``, ``moe_tiny``), it
 trains every layout overlapkit-train can run on 4 ranks with overlapkit-train's own wrapping
 (``overlapkit.train.parallel.apply_parallel`` on ``overlapkit.train.mesh.build_layout``):
 
@@ -141,14 +142,14 @@ def compute_rate(name: str, args: argparse.Namespace) -> float:
     return flops / tensor.item()
 
 
-def arrival_skew(topology: ok.Topology, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds a tiny blocking all-reduce between two ranks that come from computing takes.
+def collective_overhead(topology: ok.Topology, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds a tiny all-reduce between two ranks that come from computing takes.
 
-    On this shared machine a collective on the critical path waits for its peer to be
-    scheduled: with every rank busy that costs milliseconds, not the microseconds an idle
-    calibration measures, and a layout with many blocking collectives (tp's per layer, ep's
-    per MoE layer) pays it each time. Measured per tier: a node's two ranks, and one rank of
-    each node (across the link). The planner's ``StepOptions.skew_s``.
+    On this shared machine a collective waits for its peers to be scheduled: with every rank
+    busy that costs milliseconds, not the microseconds an idle calibration measures, and a
+    layout with many collectives (tp's per layer, FSDP's per block, ep's per MoE layer) pays
+    it each time. Measured per tier: a node's two ranks, and one rank of each node (across the
+    link). The planner's ``StepOptions.collective_overhead_s``.
     """
     nodes = topology.nodes()
     # new_group is collective: every rank creates every group, in the same order.
@@ -175,7 +176,7 @@ def arrival_skew(topology: ok.Topology, args: argparse.Namespace) -> dict[str, f
 
 
 def predictions(
-    name: str, predictor: ok.Topology, rate: float, skew_s: float, args
+    name: str, predictor: ok.Topology, rate: float, overhead_s: float, args
 ) -> dict[str, float]:
     """The planner's predicted step time of every layout, seconds."""
     spec = planner_spec(name)
@@ -186,7 +187,7 @@ def predictions(
         achievable=1.0,  # the rate is the model's own, measured above
         overlap_efficiency=overlap_efficiency(str(topology.library)),
         precision=FP32,
-        skew_s=skew_s,
+        collective_overhead_s=overhead_s,
     )
     costs = AxisCosts(topology)
     out = {}
@@ -231,17 +232,17 @@ def worker(args: argparse.Namespace) -> None:
     predictor, calibration = calibrated_topology(
         topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
     )
-    skew = arrival_skew(topology, args)
+    overhead = collective_overhead(topology, args)
     report = {
         "nodes": [list(n) for n in topology.nodes()],
         "calibration": calibration,
-        "blocking_collective_us": {tier: s * 1e6 for tier, s in skew.items()},
+        "collective_overhead_us": {tier: s * 1e6 for tier, s in overhead.items()},
     }
     for name in args.models:
         rate = compute_rate(name, args)
         report[name] = {
             "compute_GFLOPs": rate / 1e9,
-            "predicted_s": predictions(name, predictor, rate, max(skew.values()), args),
+            "predicted_s": predictions(name, predictor, rate, max(overhead.values()), args),
             "measured_s": measure_model(name, topology, args),
         }
     if dist.get_rank() == 0:
@@ -296,8 +297,9 @@ def render(report: dict, args: argparse.Namespace) -> str:
             f"calibrated {tier}: {fit['bandwidth_GBps']:.3g} GB/s, {fit['latency_us']:.3g} us"
         )
     lines.append(
-        "a tiny blocking all-reduce between busy ranks (the predictions' skew_s, the larger): "
-        + ", ".join(f"{t} {us:.0f} us" for t, us in report["blocking_collective_us"].items())
+        "a tiny all-reduce between busy ranks (the predictions' collective_overhead_s, the "
+        "larger): "
+        + ", ".join(f"{t} {us:.0f} us" for t, us in report["collective_overhead_us"].items())
     )
     for name in args.models:
         result = report[name]

@@ -82,10 +82,10 @@ class StepOptions:
     """Share of tp communication hidden (async TP); 0: all on the critical path."""
     ep_overlap: float = 0.0
     """Share of ep all-to-all hidden behind compute (DualPipe-style schedules)."""
-    skew_s: float = 0.0
-    """Seconds each blocking collective (tp, cp, ep, pp: on the critical path) waits for the
-    last of its ranks to arrive; asynchronous ones (gradient buckets, FSDP's prefetched
-    gathers) do not. 0 by default; measured where ranks share cores (bench/planner_ranking)."""
+    collective_overhead_s: float = 0.0
+    """Seconds every collective call costs beyond what the cost model prices: its launch and
+    the wait for the last rank to arrive. 0 by default (NCCL's launch is microseconds); where
+    ranks share CPU cores it is milliseconds (bench/planner_ranking measures it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +238,9 @@ def predict_step(
         del sizes["dp"]
 
     def cost(collective: str, nbytes: float, *axes: str) -> float:
-        return costs.time_s(collective, nbytes, sizes, order, axes)
+        """One collective call over the groups of ``axes``: transfer and call overhead."""
+        seconds = costs.time_s(collective, nbytes, sizes, order, axes)
+        return seconds + o.collective_overhead_s if seconds > 0 else 0.0
 
     def in_chunks(collective: str, nbytes: float, chunks: int, *axes: str) -> float:
         return chunks * cost(collective, nbytes / chunks, *axes)
@@ -249,20 +251,13 @@ def predict_step(
     # Tensor parallel, sequence parallel: 2 all-gathers + 2 reduce-scatters per layer pass.
     tp_bytes = tokens / cp * model.hidden * act
     passes = 2 + recomputed
-    skew = {axis: o.skew_s if sizes.get(axis, 1) > 1 else 0.0 for axis in ("tp", "cp", "ep", "pp")}
-    tp_layer = 2 * (
-        cost("all_gather", tp_bytes, "tp") + cost("reduce_scatter", tp_bytes, "tp") + 2 * skew["tp"]
-    )
+    tp_layer = 2 * (cost("all_gather", tp_bytes, "tp") + cost("reduce_scatter", tp_bytes, "tp"))
     tp_total = n_layers * passes * tp_layer
     tp_exposed = (1 - o.tp_overlap) * tp_total
 
     # Context parallel (ring attention), hidden behind each layer's attention.
     kv_bytes = tokens * (model.kv_dim + model.v_dim) * act / tp
-    cp_layer = (
-        2 * cost("all_gather", kv_bytes, "cp")
-        + cost("reduce_scatter", kv_bytes, "cp")
-        + 3 * skew["cp"]
-    )
+    cp_layer = 2 * cost("all_gather", kv_bytes, "cp") + cost("reduce_scatter", kv_bytes, "cp")
     attn_layer = 3 * attn_fwd
     cp_total = n_layers * cp_layer
     cp_exposed = n_layers * max(0.0, cp_layer - o.overlap_efficiency * attn_layer)
@@ -270,12 +265,12 @@ def predict_step(
     # Expert parallel: dispatch + combine, forward and backward (and recomputed forward).
     ep_bytes = tokens / (cp * tp) * model.hidden * model.dispatch_copies * act
     ep_passes = 4 + 2 * recomputed
-    ep_total = moe_per_stage * ep_passes * (cost("all_to_all", ep_bytes, "ep") + skew["ep"])
+    ep_total = moe_per_stage * ep_passes * cost("all_to_all", ep_bytes, "ep")
     ep_exposed = (1 - o.ep_overlap) * ep_total
 
     # Pipeline: one activation forward and one gradient back per model chunk boundary.
     pp_bytes = tokens / cp * model.hidden * act / tp
-    pp_total = 2 * v * (cost("send_recv", pp_bytes, "pp") + skew["pp"]) if pp > 1 else 0.0
+    pp_total = 2 * v * cost("send_recv", pp_bytes, "pp") if pp > 1 else 0.0
 
     # Data-parallel traffic of the heaviest stage's parameters.
     stage = stage_params(model, lay, stage=0)
