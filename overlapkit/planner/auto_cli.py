@@ -78,6 +78,13 @@ def add_auto_arguments(
         "--precision", choices=tuple(PRECISIONS), default="bf16", help="bf16 (default) or fp8"
     )
     auto.add_argument("--candidates", type=int, default=5, metavar="K", help="layouts to list (5)")
+    auto.add_argument(
+        "--achievable",
+        type=float,
+        metavar="F",
+        help="fraction of the dense peak a layer's FLOPs run at (default: the GPU family's, "
+        "planner.compute), e.g. from a measured step",
+    )
     source.add_argument(
         "--validate",
         action="store_true",
@@ -128,15 +135,17 @@ def run_auto(args: argparse.Namespace, topology: Topology) -> int:
         raise ValueError(f"plan --auto needs {', '.join(missing)}")
     start = time.perf_counter()
     fixed = fixed_from_args(args)
+    if args.achievable is not None and not 0 < args.achievable <= 1:
+        raise ValueError(f"--achievable must be in (0, 1], got {args.achievable}")
     answer = auto_plan(
         topology,
         args.model,
         global_batch=args.global_batch,
         seq_len=args.seq_len,
         fixed=fixed,
-        precision=args.precision,
         gpu_memory_gb=args.gpu_memory_gb,
         candidates=args.candidates,
+        settings=SearchSettings(precision=PRECISIONS[args.precision], achievable=args.achievable),
     )
     warnings = layout_warnings(answer.topology, answer.model, answer.best, fixed, args.precision)
     elapsed = time.perf_counter() - start

@@ -8,9 +8,11 @@ Matmul FLOPS" table, ml-engineering ``compute/accelerator/README.md``: A100 SXM 
 TFLOPS = 85.9 %, H100 SXM 792.1 of 989 = 80.1 %, B200 1745 of 2250 = 77.6 %) times
 ``LAYER_OVER_MATMUL``, the share of that a whole layer keeps (norms, activations, softmax,
 launch gaps: kernels that are not large matmuls). ``LAYER_OVER_MATMUL`` is the one number
-fitted to the published runs (``planner/data/published_runs.tsv``); ``overlapkit plan --auto
---validate`` prints every run's error with it, and ``--achievable`` overrides the product.
-``calibrate_matmul`` measures a device's matmul here instead (what a CPU run uses).
+fitted to the published runs (``planner/data/published_runs.tsv``): it minimises the squared
+log error of the 25 rows whose GPUs the presets describe (the power-capped H100 rows left out);
+``overlapkit plan --auto --validate`` prints every run's error with it, and ``--achievable``
+overrides the product (from a measured matmul or step of your own: ``measured_accelerator``
+takes a measured rate as the peak, as ``bench/planner_ranking.py`` does on CPU).
 
 **Overlap efficiency.** The share of a compute window that data-parallel (and FSDP)
 communication can hide in: ``OVERLAP_EFFICIENCY`` per collective library. NCCL runs on its own
@@ -20,8 +22,6 @@ overlapkit's benchmarks measured 0.09-0.46 on this project's two-core machine (R
 """
 
 from __future__ import annotations
-
-import time
 
 from overlapkit.topology.accelerator import Accelerator
 
@@ -33,7 +33,7 @@ MATMUL_FRACTION = {
     "B200": 1745.0 / 2250,
     "B300": 1745.0 / 2250,  # not measured in the table: B200's
     "GB200": 1745.0 / 2250,  # not measured in the table: B200's
-    "measured": 1.0,  # calibrate_matmul: the rate is the measured matmul itself
+    "measured": 1.0,  # measured_accelerator: the peak is a measured rate already
 }
 FP8_MATMUL_FRACTION = {
     # The same table's FP8 rows: H200 SXM 1453.4 of 1979 (73.4 %), B200 3432.5 of 4500 (76.3 %).
@@ -61,29 +61,6 @@ def achievable_fraction(accelerator: Accelerator, dtype: str = "bf16") -> float:
 def overlap_efficiency(library: str) -> float:
     """Share of a compute window that data-parallel communication hides in (see module doc)."""
     return OVERLAP_EFFICIENCY.get(str(library), OVERLAP_EFFICIENCY["nccl"])
-
-
-def calibrate_matmul(
-    m: int = 1024, n: int = 1024, k: int = 1024, *, dtype: str = "float32", budget_s: float = 0.5
-) -> float:
-    """Measure this process's matmul rate on an ``m x k`` by ``k x n`` product, TFLOP/s.
-
-    Runs on the default torch device (CPU here); the median of repeated products over about
-    ``budget_s`` seconds.
-    """
-    import torch
-
-    a = torch.randn(m, k, dtype=getattr(torch, dtype))
-    b = torch.randn(k, n, dtype=getattr(torch, dtype))
-    torch.mm(a, b)  # warm-up
-    times = []
-    deadline = time.perf_counter() + budget_s
-    while time.perf_counter() < deadline or len(times) < 3:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return 2.0 * m * n * k / times[len(times) // 2] / 1e12
 
 
 def measured_accelerator(tflops: float, *, memory_GB: float, name: str = "measured") -> Accelerator:

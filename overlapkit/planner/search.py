@@ -81,7 +81,7 @@ class SearchSettings:
             raise PlanSearchError(
                 f"topology {topology.name!r} has no accelerator section (GPU memory, peak "
                 "TFLOP/s): add one to the topology file (see overlapkit/topology/accelerator.py)"
-                ", or pass accelerator= (a measured matmul: planner.compute.calibrate_matmul)"
+                ", or pass accelerator= (a measured rate: planner.compute.measured_accelerator)"
             )
         dtype = self.precision.matmul_dtype
         accelerator.peak_tflops(dtype)  # refuses fp8 where there is none
