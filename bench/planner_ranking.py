@@ -6,7 +6,8 @@ topology (2 nodes x 2 ranks), fits the cost model to this machine (``placement.c
 topology``: the link, and the in-node path while both nodes use theirs), measures the model's
 own compute rate (every rank's forward and backward of a micro-batch, no communication: the
 planner's "achievable TFLOP/s" here) and what one collective call costs between busy ranks
-(the planner's ``collective_overhead_s``: milliseconds here, where four ranks share two cores). Then, for each model (``gpt_tiny``, ``moe_tiny``), it
+(the planner's ``collective_overhead_s``: milliseconds here, where four ranks share two
+cores). Then, for each model (``gpt_tiny``, ``moe_tiny``), it
 trains every layout overlapkit-train can run on 4 ranks with overlapkit-train's own wrapping
 (``overlapkit.train.parallel.apply_parallel`` on ``overlapkit.train.mesh.build_layout``):
 
