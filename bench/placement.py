@@ -166,21 +166,41 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def measure(topology: ok.Topology, args: argparse.Namespace) -> dict:
-    sizes = sizes_between(args.calibrate_min, args.calibrate_max)
-    calibration = calibrate_collective(sizes, budget_s=args.calibrate_budget, progress=False)
+def calibrated_topology(
+    topology: ok.Topology, min_bytes: int, max_bytes: int, budget_s: float
+) -> tuple[ok.Topology, dict]:
+    """The topology with the cost model fitted here (a collective: every rank calls it).
+
+    Scale-out from ``overlapkit calibrate``'s one-rank-per-node fit; scale-up from in-node
+    all-reduces measured while every node runs one (the emulated nodes share this machine's
+    cores). Returns the predictor topology and the fitted figures.
+    """
+    sizes = sizes_between(min_bytes, max_bytes)
+    calibration = calibrate_collective(sizes, budget_s=budget_s, progress=False)
     if calibration.topology.nodes() != topology.nodes():
         raise RuntimeError(
             f"calibrated nodes {calibration.topology.nodes()} differ from the detected "
             f"{topology.nodes()}"
         )
-    busy_latency_us, busy_GBps = _scale_up_with_all_nodes_busy(topology, sizes, args)
+    busy_latency_us, busy_GBps = _scale_up_with_all_nodes_busy(topology, sizes, budget_s)
     predictor = dataclasses.replace(
         calibration.topology,
         domains=tuple(
             dataclasses.replace(d, bandwidth_GBps=busy_GBps, latency_us=busy_latency_us)
             for d in calibration.topology.domains
         ),
+    )
+    fits = {
+        f.tier: {"latency_us": f.latency_us, "bandwidth_GBps": f.bandwidth_GBps}
+        for f in calibration.fits
+    }
+    fits["scale_up_all_nodes_busy"] = {"latency_us": busy_latency_us, "bandwidth_GBps": busy_GBps}
+    return predictor, fits
+
+
+def measure(topology: ok.Topology, args: argparse.Namespace) -> dict:
+    predictor, calibration = calibrated_topology(
+        topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
     )
     layouts = placements(predictor)
     runs = {}
@@ -222,15 +242,8 @@ def measure(topology: ok.Topology, args: argparse.Namespace) -> dict:
         (a - b).abs().max().item()
         for a, b in zip(full_parameters(runs["planned"]["model"]), initial, strict=True)
     )
-    fits = {f.tier: f for f in calibration.fits}
     return {
-        "calibration": {
-            **{
-                tier: {"latency_us": fit.latency_us, "bandwidth_GBps": fit.bandwidth_GBps}
-                for tier, fit in fits.items()
-            },
-            "scale_up_all_nodes_busy": {"latency_us": busy_latency_us, "bandwidth_GBps": busy_GBps},
-        },
+        "calibration": calibration,
         "layouts": {
             name: {
                 "tp_groups": [list(g) for g in layouts[name].groups("tp")],
@@ -251,15 +264,13 @@ def measure(topology: ok.Topology, args: argparse.Namespace) -> dict:
 
 
 def _scale_up_with_all_nodes_busy(
-    topology: ok.Topology, sizes: list[int], args: argparse.Namespace
+    topology: ok.Topology, sizes: list[int], budget_s: float
 ) -> tuple[float, float]:
     """Fitted (latency us, GB/s) of in-node all-reduces while every node runs one."""
     # new_group is collective: every rank creates every node's group.
     groups = [dist.new_group(list(ranks)) for ranks in topology.nodes()]
     node = topology.devices[dist.get_rank()].node
-    measured = measure_all_reduce(
-        sizes, group=groups[node], budget_s=args.calibrate_budget, progress=False
-    )
+    measured = measure_all_reduce(sizes, group=groups[node], budget_s=budget_s, progress=False)
     fit = torch.tensor(fit_ring_all_reduce(measured), dtype=torch.float64)
     fits = [torch.zeros_like(fit) for _ in range(dist.get_world_size())]
     dist.all_gather(fits, fit)
@@ -426,6 +437,20 @@ def to_benchmark_json(report: dict) -> dict:
     }
 
 
+def add_two_node_arguments(parser: argparse.ArgumentParser, *, timeout_s: float) -> None:
+    """The options every two-emulated-node benchmark takes: calibration, timeouts, output."""
+    parser.add_argument("--calibrate-min", type=int, default=256 * 1024, help=argparse.SUPPRESS)
+    parser.add_argument("--calibrate-max", type=int, default=16 * 2**20, help=argparse.SUPPRESS)
+    parser.add_argument("--calibrate-budget", type=float, default=0.2, help=argparse.SUPPRESS)
+    parser.add_argument("--collective-timeout", type=float, default=120, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--timeout", type=float, default=timeout_s, help=f"whole run, seconds ({timeout_s:g})"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="4gbit", help="link rate per direction (tc spelling)")
@@ -434,17 +459,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8192, help="rows per dp rank (8192)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per layout (20)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per layout (2)")
-    parser.add_argument("--calibrate-min", type=int, default=256 * 1024, help=argparse.SUPPRESS)
-    parser.add_argument("--calibrate-max", type=int, default=16 * 2**20, help=argparse.SUPPRESS)
-    parser.add_argument("--calibrate-budget", type=float, default=0.2, help=argparse.SUPPRESS)
-    parser.add_argument("--collective-timeout", type=float, default=120, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=600, help="whole run, seconds (600)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    add_two_node_arguments(parser, timeout_s=600)
     parser.add_argument(
         "--detect-only", action="store_true", help="only detect and plan (no training)"
     )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.layers < 2 or args.layers % 2:
         parser.error(f"--layers must be even and >= 2 (Colwise/Rowwise pairs), got {args.layers}")

@@ -9,6 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from overlapkit.planner.auto_cli import (
+    add_auto_arguments,
+    manual_warnings,
+    run_auto,
+    run_validation,
+)
 from overlapkit.planner.calibrate import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MIN_BYTES,
@@ -23,6 +29,7 @@ from overlapkit.planner.explain import (
     rank_grid_picture,
     same_layout,
 )
+from overlapkit.planner.model_spec import load_model
 from overlapkit.planner.placement import Placement, naive_placement, plan
 from overlapkit.planner.published import render_checks, validate
 from overlapkit.planner.traffic import MIXTRAL_EXPERT_FRACTION, Workload
@@ -100,9 +107,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         ("cp", "context"),
         ("pp", "pipeline"),
     ):
-        sizes.add_argument(f"--{name}", type=int, default=1, help=f"{what}-parallel size (1)")
+        sizes.add_argument(
+            f"--{name}", type=int, help=f"{what}-parallel size (1; free under --auto)"
+        )
     sizes.add_argument(
-        "--dp", type=int, default=-1, help="data-parallel size (-1: whatever is left)"
+        "--dp",
+        type=int,
+        help="data-parallel size (-1, the default: whatever is left; free under --auto)",
     )
     sizes.add_argument(
         "--dp-shard",
@@ -117,16 +128,21 @@ def placement_from_args(
 ) -> Placement:
     return plan(
         topology,
-        tp=args.tp,
-        ep=args.ep,
-        cp=args.cp,
-        pp=args.pp,
-        dp=args.dp,
+        tp=_size(args.tp),
+        ep=_size(args.ep),
+        cp=_size(args.cp),
+        pp=_size(args.pp),
+        dp=-1 if args.dp is None else args.dp,
         dp_shard=args.dp_shard,
         order=getattr(args, "order", None),
         allow_split=getattr(args, "allow_split", False),
         workload=workload,
     )
+
+
+def _size(value: int | None) -> int:
+    """A size flag left unset means 1 (outside --auto, where it would be free)."""
+    return 1 if value is None else value
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
@@ -137,7 +153,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         "innermost, groups inside scale-up domains, dp/pp peers on one rail), and predict each "
         "dimension's communication per step for a model of --params parameters.",
     )
-    add_topology_arguments(parser, allow_link=False)
+    source = add_topology_arguments(parser, allow_link=False)
     add_plan_arguments(parser)
     parser.add_argument(
         "--order",
@@ -155,8 +171,10 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8 (bf16)")
     model.add_argument("--layers", type=int, help="layers (default: from --params)")
     model.add_argument("--hidden", type=int, help="hidden size (default: from --params)")
-    model.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (4096)")
-    model.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (1)")
+    model.add_argument("--seq-len", type=int, help="tokens per sequence (4096)")
+    model.add_argument(
+        "--micro-batch", type=int, help="sequences per micro-batch (1; free under --auto)"
+    )
     model.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (8)")
     model.add_argument("--topk", type=int, default=2, help="experts per token, ep > 1 (2)")
     model.add_argument(
@@ -176,30 +194,55 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         help="show the naive arange layout (init_device_mesh) beside the plan",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_auto_arguments(parser, source)
     parser.set_defaults(func=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.validate:
+        if not args.auto:
+            raise ValueError("--validate goes with --auto (overlapkit plan --auto --validate)")
+        return run_validation(args)
+    topology = topology_from_args(args, group_size=None)
+    if args.auto:
+        return run_auto(args, topology)
+    if args.model is not None:
+        model = load_model(args.model)
+        shape = {
+            "params": float(model.params),
+            "layers": model.layers,
+            "hidden": model.hidden,
+            "topk": max(1, model.topk),
+            "expert_fraction": model.expert_params / model.params if model.is_moe else 0.0,
+        }
+    else:
+        shape = {
+            "params": parse_size(args.params, what="--params"),
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "topk": args.topk,
+            "expert_fraction": args.expert_fraction,
+        }
     workload = Workload(
-        params=parse_size(args.params, what="--params"),
         dtype=args.dtype,
-        layers=args.layers,
-        hidden=args.hidden,
-        seq_len=args.seq_len,
-        micro_batch=args.micro_batch,
+        seq_len=4096 if args.seq_len is None else args.seq_len,
+        micro_batch=_size(args.micro_batch),
         microbatches=args.microbatches,
-        topk=args.topk,
-        expert_fraction=args.expert_fraction,
+        **shape,
     )
-    placement = placement_from_args(args, topology_from_args(args, group_size=None), workload)
+    placement = placement_from_args(args, topology, workload)
+    warnings = manual_warnings(args, placement)
     naive = naive_placement(placement) if args.compare else None
     if args.json:
         doc = placement.to_dict(args.algorithm)
+        doc["warnings"] = warnings
         if naive is not None:
             doc["naive"] = naive.to_dict(args.algorithm)
         print(json.dumps(doc, indent=2))
         return 0
     print(placement.explain(args.algorithm))
+    for warning in warnings:
+        print(f"warning: {warning}")
     if naive is not None:
         lines = ["", *compare_table(placement, naive, algorithm=args.algorithm)]
         if naive.world_size <= PICTURE_MAX_RANKS and not same_layout(naive, placement):
@@ -263,7 +306,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.group is not None and args.group_size is not None:
         raise ValueError("pass either --group (a placement axis) or --group-size, not both")
     sizes = (args.tp, args.ep, args.cp, args.pp, args.dp, args.dp_shard)
-    if args.group is None and sizes != (1, 1, 1, 1, -1, None):
+    if args.group is None and any(s not in (None, 1, -1) for s in sizes):
         raise ValueError("--tp/--ep/--cp/--pp/--dp/--dp-shard make a placement for --group AXIS")
     if args.group is not None and args.bandwidth is not None:
         raise ValueError("--group needs --topology (a placement is made on a topology)")

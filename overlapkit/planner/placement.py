@@ -51,6 +51,7 @@ from overlapkit.planner.axes import (
     resolve_sizes,
     search,
 )
+from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.explain import explain as render_explanation
 from overlapkit.planner.explain import placement_dict
 from overlapkit.planner.grid import BlockViolation, axis_groups, physical_order, rank_grid
@@ -112,6 +113,8 @@ class Placement:
     """Why the order differs from the traffic order, for ``explain``."""
     violations: tuple[BlockViolation, ...] = ()
     """Domain-integrity breaks that ``allow_split=True`` let through."""
+    training: TrainingLayout | None = None
+    """The auto-planner's whole choice (micro-batching, recomputation, sharding), if it chose."""
     _meshes: _MeshCache = field(default_factory=_MeshCache, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

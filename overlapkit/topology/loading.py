@@ -21,6 +21,13 @@ A topology file describes identical nodes (see ``presets/*.yaml`` for commented 
       nics_per_node: 8
       nic_bandwidth: 400Gbit/s
       latency: 14us
+    accelerator:                  # optional: what the auto-planner needs (topology.accelerator)
+      name: H100-SXM
+      memory: 80GB
+      peak_bf16_tflops: 989
+      peak_fp8_tflops: 1979
+      memory_bandwidth: 3.35TB/s
+      sms: 132
 
 Every error names the file, the line and the key (``dgx.yaml:12: scale_up.links: ...``).
 """
@@ -37,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from overlapkit.topology.accelerator import Accelerator
 from overlapkit.topology.model import (
     DeviceKind,
     DomainKind,
@@ -48,7 +56,7 @@ from overlapkit.topology.model import (
     Transport,
     uniform_topology,
 )
-from overlapkit.topology.units import parse_bandwidth, parse_duration
+from overlapkit.topology.units import parse_bandwidth, parse_duration, parse_size
 
 PRESET_DIR = Path(__file__).parent / "presets"
 MAX_RANKS = 2**18
@@ -66,6 +74,15 @@ _KEYS = {
         "device_kind",
         "scale_up",
         "scale_out",
+        "accelerator",
+    },
+    "accelerator": {
+        "name",
+        "memory",
+        "peak_bf16_tflops",
+        "peak_fp8_tflops",
+        "memory_bandwidth",
+        "sms",
     },
     "scale_up": {
         "kind",
@@ -230,7 +247,27 @@ def parse_topology_yaml(
         fabric=out,
         library=reader.value("library", _choice(Library), default=Library.NCCL),
         source=source,
+        accelerator=_accelerator(reader),
     )
+
+
+def _accelerator(reader: _Reader) -> Accelerator | None:
+    if "accelerator" not in reader.data:
+        return None
+    reader.section("accelerator")
+    try:
+        return Accelerator(
+            name=reader.value("accelerator.name", _string),
+            memory_GB=reader.value("accelerator.memory", _gigabytes),
+            peak_bf16_tflops=reader.value("accelerator.peak_bf16_tflops", _real(0.0)),
+            peak_fp8_tflops=reader.value("accelerator.peak_fp8_tflops", _real(0.0), default=None),
+            memory_bandwidth_GBps=reader.value(
+                "accelerator.memory_bandwidth", _bandwidth, default=None
+            ),
+            sms=reader.value("accelerator.sms", _integer(1), default=None),
+        )
+    except ValueError as err:
+        raise ValueError(f"{reader.where('accelerator')}: {err}") from None
 
 
 def _domain_bandwidth(reader: _Reader, scale_up: dict, links: int) -> float:
@@ -450,6 +487,12 @@ def _choice(enum: type) -> Callable[[Any], Any]:
 
 def _bandwidth(value: Any) -> float:
     return parse_bandwidth(value, what="")
+
+
+def _gigabytes(value: Any) -> float:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size with a unit like 80GB or 141GB, got {value!r}")
+    return parse_size(value, what="") / 1e9
 
 
 def _microseconds(value: Any) -> float:

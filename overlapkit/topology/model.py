@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from overlapkit.topology.accelerator import Accelerator
+
 
 class _Choice(str, Enum):
     def __str__(self) -> str:
@@ -161,6 +163,8 @@ class Topology:
     fabric: ScaleOutFabric
     library: Library = Library.NCCL
     source: str = "<python>"
+    accelerator: Accelerator | None = None
+    """Memory and peak TFLOP/s of every device (the planner's memory and compute model)."""
     _domain_of: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -284,6 +288,10 @@ class Topology:
     def _same_block(node_a: int, node_b: int, block: int | None) -> bool:
         return block is None or node_a // block == node_b // block
 
+    def with_accelerator(self, accelerator: Accelerator) -> Topology:
+        """This topology with every device an ``accelerator``."""
+        return dataclasses.replace(self, accelerator=accelerator)
+
     def with_fabric(self, kind: FabricKind | str) -> Topology:
         """This topology with the scale-out fabric switched as ``kind``."""
         fabric_kind = FabricKind.parse(kind, what="fabric")
@@ -328,6 +336,7 @@ class Topology:
                 "in_network_reduction": fabric.in_network_reduction,
                 "rails": [list(r) for r in self.rails()],
             },
+            "accelerator": None if self.accelerator is None else self.accelerator.to_dict(),
         }
 
 
@@ -400,6 +409,7 @@ def uniform_topology(
     fabric: ScaleOutFabric,
     library: Library,
     source: str,
+    accelerator: Accelerator | None = None,
 ) -> Topology:
     """A topology of ``nodes`` identical nodes; domains cover ``nodes_per_domain`` nodes each.
 
@@ -433,7 +443,13 @@ def uniform_topology(
         for start in range(0, len(devices), per_domain)
     )
     return Topology(
-        name=name, devices=devices, domains=domains, fabric=fabric, library=library, source=source
+        name=name,
+        devices=devices,
+        domains=domains,
+        fabric=fabric,
+        library=library,
+        source=source,
+        accelerator=accelerator,
     )
 
 

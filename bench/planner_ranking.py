@@ -1,0 +1,412 @@
+"""Does the auto-planner rank layouts the way they run? 4 gloo ranks on two emulated nodes.
+
+Two emulated nodes (``bench/two_nodes.py``: network namespaces joined by a veth pair limited to
+``--rate``) run two gloo ranks each, as ``bench/placement.py`` does. Every rank detects the
+topology (2 nodes x 2 ranks), fits the cost model to this machine (``placement.calibrated_
+topology``: the link, and the in-node path while both nodes use theirs), measures the model's
+own compute rate (every rank's forward and backward of a micro-batch, no communication: the
+planner's "achievable TFLOP/s" here) and what one collective call costs between busy ranks
+(the planner's ``collective_overhead_s``: milliseconds here, where four ranks share two
+cores). Then, for each model (``gpt_tiny``, ``moe_tiny``), it
+trains every layout overlapkit-train can run on 4 ranks with overlapkit-train's own wrapping
+(``overlapkit.train.parallel.apply_parallel`` on ``overlapkit.train.mesh.build_layout``):
+
+- ``ddp``: ``ok.ddp`` over dp = 4 (``parallel=ddp``; the MoE model: ``ok.GradBucketer``)
+- ``fsdp``: ``ok.fsdp`` over dp = 4 (``parallel=fsdp``)
+- ``hsdp``: ``ok.fsdp`` sharded over dp_shard = 2 ranks, replicated over 2 (``parallel=hsdp``)
+- ``tp2``: tensor parallel inside each node, ``ok.GradBucketer`` over dp = 2 (gpt_tiny)
+- ``ep2``: experts over 2 ranks inside each node, dp = 2 (moe_tiny, ``parallel=ep_dp``)
+
+Rounds run every layout once, in a rotating order, so noise on a shared machine hits all alike;
+a step's time is the slowest rank's. Per pair of layouts: the median over rounds of their
+time ratio, the noise (half the interquartile range of that ratio), and whether the planner's
+predicted step times order them the same way. The planner's top choice must be the measured
+fastest or within the noise of it.
+
+Example::
+
+    python -m bench.planner_ranking --json bench/results/planner_ranking.json
+    python -m bench.planner_ranking --rate 1gbit --rounds 9    # compute-bound: CPU costs decide
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import overlapkit as ok
+from bench.harness.two_nodes import TwoNodes, unavailable_reason
+from bench.placement import REPO, add_two_node_arguments, calibrated_topology
+from overlapkit.planner.candidate import TrainingLayout
+from overlapkit.planner.compute import measured_accelerator, overlap_efficiency
+from overlapkit.planner.group_costs import AxisCosts
+from overlapkit.planner.memory import FP32
+from overlapkit.planner.model_spec import ModelSpec, gpt_spec
+from overlapkit.planner.step_time import StepOptions, predict_step
+from overlapkit.train.mesh import PlanConfig, build_layout
+from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
+from overlapkit.train.parallel import apply_parallel
+
+SHAPE = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+MOE = dict(n_expert=4, top_k=2, expert_hidden=256)
+BUCKETER = functools.partial(ok.GradBucketer, bucket_mb=25)
+FSDP = functools.partial(ok.fsdp, prefetch=1)
+# name -> (planner layout fields, overlapkit-train plan section, factory); dp = 4 / tp / ep.
+LAYOUTS = {
+    "gpt_tiny": {
+        "ddp": ({"dp": 4}, PlanConfig(), functools.partial(ok.ddp, bucket_mb=25)),
+        "fsdp": ({"dp": 4, "sharding": "fsdp"}, PlanConfig(), FSDP),
+        "hsdp": ({"dp": 4, "sharding": "hsdp", "dp_shard": 2}, PlanConfig(dp_shard=2), FSDP),
+        "tp2": ({"dp": 2, "tp": 2}, PlanConfig(tp=2), BUCKETER),
+    },
+    "moe_tiny": {
+        "ddp": ({"dp": 4}, PlanConfig(), BUCKETER),
+        "fsdp": ({"dp": 4, "sharding": "fsdp"}, PlanConfig(), FSDP),
+        "hsdp": ({"dp": 4, "sharding": "hsdp", "dp_shard": 2}, PlanConfig(dp_shard=2), FSDP),
+        "ep2": ({"dp": 2, "ep": 2}, PlanConfig(ep=2), BUCKETER),
+    },
+}
+
+
+def planner_spec(name: str) -> ModelSpec:
+    """gpt_tiny / moe_tiny as the planner describes them (GPT-2 shapes, tied, no dropout)."""
+    experts = (
+        {"experts": MOE["n_expert"], "topk": MOE["top_k"], "expert_hidden": MOE["expert_hidden"]}
+        if name == "moe_tiny"
+        else {}
+    )
+    return gpt_spec(
+        name=name,
+        layers=SHAPE["n_layer"],
+        hidden=SHAPE["n_embd"],
+        heads=SHAPE["n_head"],
+        vocab_size=SHAPE["vocab_size"],
+        seq_len=SHAPE["block_size"],
+        dropout=False,
+        **experts,
+    )
+
+
+def make_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "moe_tiny":
+        return MoEGPT(MoEConfig(**SHAPE, **MOE))
+    return GPT(GPTConfig(**SHAPE))
+
+
+def batch(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    shape = (args.batch, SHAPE["block_size"] + 1)
+    idx = torch.randint(SHAPE["vocab_size"], shape, generator=generator)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def step(par, optimizer, inputs, targets) -> None:
+    optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
+    logits = par.model(inputs)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    par.finish_backward()
+    optimizer.step()
+
+
+def compute_rate(name: str, args: argparse.Namespace) -> float:
+    """FLOP/s of one rank's forward and backward of a micro-batch, no communication."""
+    model = make_model(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    inputs, targets = batch(dist.get_rank(), args)
+    times = []
+    for i in range(args.calibrate_steps + 2):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    # Every rank computes at once here (the cores are shared), as in the training steps.
+    tensor = torch.tensor(statistics.median(times), dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    spec = planner_spec(name)
+    flops = spec.model_flops_per_token(SHAPE["block_size"]) * args.batch * SHAPE["block_size"]
+    return flops / tensor.item()
+
+
+def collective_overhead(topology: ok.Topology, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds a tiny all-reduce between two ranks that come from computing takes.
+
+    On this shared machine a collective waits for its peers to be scheduled: with every rank
+    busy that costs milliseconds, not the microseconds an idle calibration measures, and a
+    layout with many collectives (tp's per layer, FSDP's per block, ep's per MoE layer) pays
+    it each time. Measured per tier: a node's two ranks, and one rank of each node (across the
+    link). The planner's ``StepOptions.collective_overhead_s``.
+    """
+    nodes = topology.nodes()
+    # new_group is collective: every rank creates every group, in the same order.
+    in_node = [dist.new_group(list(n)) for n in nodes]
+    across = [dist.new_group([nodes[0][i], nodes[1][i]]) for i in range(len(nodes[0]))]
+    rank = dist.get_rank()
+    node = topology.devices[rank].node
+    local = topology.devices[rank].local_index
+    work = torch.randn(256, 256)
+    probe = torch.zeros(1)
+    out = {}
+    for tier, group in (("scale_up", in_node[node]), ("scale_out", across[local])):
+        times = []
+        for _ in range(args.latency_probes):
+            for _ in range(args.probe_work):  # about a layer's compute between collectives
+                work = torch.tanh(work @ work)
+            start = time.perf_counter()
+            dist.all_reduce(probe, group=group)
+            times.append(time.perf_counter() - start)
+        median = torch.tensor(statistics.median(times), dtype=torch.float64)
+        dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        out[tier] = median.item()
+    return out
+
+
+def predictions(
+    name: str, predictor: ok.Topology, rate: float, overhead_s: float, args
+) -> dict[str, float]:
+    """The planner's predicted step time of every layout, seconds."""
+    spec = planner_spec(name)
+    topology = predictor.with_accelerator(measured_accelerator(rate / 1e12, memory_GB=8))
+    options = StepOptions(
+        seq_len=SHAPE["block_size"],
+        accelerator=topology.accelerator,
+        achievable=1.0,  # the rate is the model's own, measured above
+        overlap_efficiency=overlap_efficiency(str(topology.library)),
+        precision=FP32,
+        collective_overhead_s=overhead_s,
+    )
+    costs = AxisCosts(topology)
+    out = {}
+    for layout_name, (fields, _, _) in LAYOUTS[name].items():
+        layout = TrainingLayout(micro_batch=args.batch, num_micro_batches=1, **fields)
+        out[layout_name] = predict_step(spec, layout, options, costs).step_s
+    return out
+
+
+def measure_model(name: str, topology: ok.Topology, args: argparse.Namespace) -> dict:
+    rank = dist.get_rank()
+    runs = {}
+    for layout_name, (_, plan_config, factory) in LAYOUTS[name].items():
+        layout = build_layout(plan_config, topology, torch.device("cpu"))
+        model = make_model(name)
+        par = apply_parallel(model, factory, layout)
+        optimizer = torch.optim.AdamW(par.model.parameters(), lr=1e-4)
+        index, _ = layout.data_shard(rank, dist.get_world_size())
+        runs[layout_name] = (par, optimizer, batch(index, args))
+    names = list(runs)
+    for layout_name in names:  # warm-up: first steps allocate and connect
+        for _ in range(args.warmup):
+            par, optimizer, (x, y) = runs[layout_name]
+            step(par, optimizer, x, y)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for round_index in range(args.rounds):
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
+        for layout_name in order:
+            par, optimizer, (x, y) = runs[layout_name]
+            dist.barrier()
+            start = time.perf_counter()
+            step(par, optimizer, x, y)
+            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[layout_name].append(elapsed.item())
+    return times
+
+
+def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
+    topology = ok.detect_topology()
+    predictor, calibration = calibrated_topology(
+        topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
+    )
+    overhead = collective_overhead(topology, args)
+    report = {
+        "nodes": [list(n) for n in topology.nodes()],
+        "calibration": calibration,
+        "collective_overhead_us": {tier: s * 1e6 for tier, s in overhead.items()},
+    }
+    for name in args.models:
+        rate = compute_rate(name, args)
+        report[name] = {
+            "compute_GFLOPs": rate / 1e9,
+            "predicted_s": predictions(name, predictor, rate, max(overhead.values()), args),
+            "measured_s": measure_model(name, topology, args),
+        }
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def compare(measured: dict[str, list[float]], predicted: dict[str, float]) -> dict:
+    """Pairs: measured median ratio, noise, predicted ratio, agreement; and the top choice."""
+    pairs = []
+    for a, b in itertools.combinations(measured, 2):
+        ratios = sorted(x / y for x, y in zip(measured[a], measured[b], strict=True))
+        median = statistics.median(ratios)
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else (median,) * 3
+        noise = (q3 - q1) / 2
+        predicted_ratio = predicted[a] / predicted[b]
+        significant = abs(median - 1) > noise
+        agree = (median > 1) == (predicted_ratio > 1)
+        pairs.append(
+            {
+                "pair": [a, b],
+                "measured_ratio": median,
+                "noise": noise,
+                "predicted_ratio": predicted_ratio,
+                "significant": significant,
+                "same_order": agree,
+            }
+        )
+    medians = {name: statistics.median(t) for name, t in measured.items()}
+    fastest = min(medians, key=medians.get)
+    top = min(predicted, key=predicted.get)
+    top_pair = next((p for p in pairs if set(p["pair"]) == {top, fastest}), None)
+    top_ok = top == fastest or (top_pair is not None and not top_pair["significant"])
+    return {
+        "pairs": pairs,
+        "medians_s": medians,
+        "measured_fastest": fastest,
+        "planner_top": top,
+        "top_within_noise": top_ok,
+        "ordered_right": all(p["same_order"] for p in pairs if p["significant"]),
+    }
+
+
+def render(report: dict, args: argparse.Namespace) -> str:
+    lines = [
+        f"planner ranking: 2 emulated nodes x 2 gloo ranks, link {args.rate}, batch {args.batch} "
+        f"x {SHAPE['block_size']} tokens per rank, {args.rounds} rounds; load {report['load']}",
+    ]
+    for tier, fit in report["calibration"].items():
+        lines.append(
+            f"calibrated {tier}: {fit['bandwidth_GBps']:.3g} GB/s, {fit['latency_us']:.3g} us"
+        )
+    lines.append(
+        "a tiny all-reduce between busy ranks (the predictions' collective_overhead_s, the "
+        "larger): "
+        + ", ".join(f"{t} {us:.0f} us" for t, us in report["collective_overhead_us"].items())
+    )
+    for name in args.models:
+        result = report[name]
+        verdict = result["comparison"]
+        lines += [
+            "",
+            f"{name}: measured compute {result['compute_GFLOPs']:.3g} GFLOP/s per rank",
+            f"  {'layout':<6} {'measured (median)':>18} {'predicted':>10}",
+        ]
+        for layout_name, median in verdict["medians_s"].items():
+            lines.append(
+                f"  {layout_name:<6} {median * 1e3:>15.1f} ms "
+                f"{result['predicted_s'][layout_name] * 1e3:>7.1f} ms"
+            )
+        lines.append(f"  {'pair':<12} {'measured':>9} {'noise':>7} {'predicted':>9}  order")
+        for p in verdict["pairs"]:
+            mark = "same" if p["same_order"] else "REVERSED"
+            if not p["significant"]:
+                mark += " (within noise)"
+            lines.append(
+                f"  {p['pair'][0] + '/' + p['pair'][1]:<12} {p['measured_ratio']:>9.3f} "
+                f"{p['noise']:>7.3f} {p['predicted_ratio']:>9.3f}  {mark}"
+            )
+        lines.append(
+            f"  planner's top {verdict['planner_top']}, measured fastest "
+            f"{verdict['measured_fastest']}: "
+            + ("agrees" if verdict["top_within_noise"] else "DISAGREES beyond the noise")
+            + "; pairs beyond the noise "
+            + ("all ordered the same way" if verdict["ordered_right"] else "NOT all ordered")
+        )
+    return "\n".join(lines)
+
+
+def launch(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ovk-planner-ranking-") as scratch:
+        out = Path(scratch) / "report.json"
+        forwarded = [
+            "--worker", "--out", str(out), "--batch", str(args.batch),
+            "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+            "--models", *args.models,
+            "--calibrate-min", str(args.calibrate_min),
+            "--calibrate-max", str(args.calibrate_max),
+            "--calibrate-budget", str(args.calibrate_budget),
+            "--calibrate-steps", str(args.calibrate_steps),
+            "--latency-probes", str(args.latency_probes),
+            "--probe-work", str(args.probe_work),
+            "--collective-timeout", str(args.collective_timeout),
+        ]  # fmt: skip
+        with TwoNodes(rate=args.rate) as nodes:
+            nodes.torchrun(
+                ["-m", "bench.planner_ranking", *forwarded],
+                nproc_per_node=2,
+                timeout_s=args.timeout,
+                env={"OMP_NUM_THREADS": "1"},
+                autogroup_nice=-19,
+                cwd=REPO,
+            )
+        return json.loads(out.read_text())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # At 200 Mbit/s the link carries a gradient all-reduce in about as long as a step computes
+    # here, as a NIC does for a large model; at 1 Gbit/s this CPU's per-call costs dominate.
+    parser.add_argument("--rate", default="200mbit", help="link rate per direction (200mbit)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per rank (16)")
+    parser.add_argument("--rounds", type=int, default=7, help="paired rounds, >= 5 (7)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per layout (2)")
+    parser.add_argument(
+        "--models", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="models"
+    )
+    parser.add_argument("--calibrate-steps", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--latency-probes", type=int, default=30, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-work", type=int, default=2, help=argparse.SUPPRESS)
+    add_two_node_arguments(parser, timeout_s=900)
+    args = parser.parse_args(argv)
+    if args.rounds < 5:
+        parser.error(f"--rounds must be >= 5 (medians of paired rounds), got {args.rounds}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"[planner_ranking] two emulated nodes are unavailable here ({reason}); skipped")
+        return 0
+    load_before = os.getloadavg()[0]
+    report = launch(args)
+    report["load"] = f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after (1-minute)"
+    for name in args.models:
+        result = report[name]
+        result["comparison"] = compare(result["measured_s"], result["predicted_s"])
+    print(render(report, args))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+    ok_all = all(
+        report[n]["comparison"]["top_within_noise"] and report[n]["comparison"]["ordered_right"]
+        for n in args.models
+    )
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

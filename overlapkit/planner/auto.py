@@ -1,0 +1,202 @@
+"""``ok.plan``: place the sizes given, or (``auto=True``) choose them for a model and a batch.
+
+``ok.plan(topo, tp=8, pp=2)`` places the sizes it is given (``planner.placement.plan``).
+``ok.plan(topo, model="llama3-8b", global_batch=512, seq_len=8192, auto=True)`` runs the
+auto-planner (``planner.search``): every layout of the model on the topology, pruned by memory,
+ranked by predicted step time; the best is placed on the topology's rank grid and returned as a
+``Placement`` whose ``training`` holds the whole choice (micro-batching, interleaving,
+recomputation, sharding) and whose ``workload`` the model and micro-batching, so
+``plan.device_mesh()`` and ``plan.explain()`` work as for a manual plan. Under ``auto`` a size
+left unset is free; one that is given constrains the search.
+
+Sizes follow ``ok.plan``'s convention: ``world = pp x dp x ep x cp x tp``; Megatron-LM's and
+torchtitan's data-parallel size is ``dp x ep`` (``planner.candidate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from overlapkit.planner.candidate import TrainingLayout
+from overlapkit.planner.memory import BF16, PRECISIONS, Precision
+from overlapkit.planner.model_spec import ModelSpec, load_model
+from overlapkit.planner.placement import Placement
+from overlapkit.planner.placement import plan as place
+from overlapkit.planner.search import (
+    Candidate,
+    SearchResult,
+    SearchSettings,
+    search,
+    with_memory,
+)
+from overlapkit.planner.traffic import Workload
+from overlapkit.topology.model import Topology
+
+
+@dataclass(frozen=True, slots=True)
+class AutoPlan:
+    """The auto-planner's answer: the ranked candidates and the best one placed."""
+
+    model: ModelSpec
+    topology: Topology
+    result: SearchResult
+    placement: Placement
+    seq_len: int
+    global_batch: int
+
+    @property
+    def best(self) -> Candidate:
+        return self.result.best
+
+
+def workload_of(model: ModelSpec, layout: TrainingLayout, seq_len: int) -> Workload:
+    """The ``Workload`` a placement explains for ``model`` trained as ``layout``."""
+    return Workload(
+        params=float(model.params),
+        layers=model.layers,
+        hidden=model.hidden,
+        seq_len=seq_len,
+        micro_batch=layout.micro_batch,
+        microbatches=layout.num_micro_batches,
+        topk=max(1, model.topk),
+        expert_fraction=model.expert_params / model.params if model.is_moe else 0.0,
+    )
+
+
+def place_layout(
+    topology: Topology, model: ModelSpec, layout: TrainingLayout, seq_len: int
+) -> Placement:
+    """Lay ``layout``'s sizes onto ``topology``'s rank grid (``ok.plan``), carrying it along."""
+    placement = place(
+        topology,
+        tp=layout.tp,
+        ep=layout.ep,
+        cp=layout.cp,
+        pp=layout.pp,
+        dp=layout.dp,
+        dp_shard=layout.dp_shard,
+        allow_split=True,
+        workload=workload_of(model, layout, seq_len),
+    )
+    return dataclasses.replace(placement, training=layout)
+
+
+def auto_plan(
+    topology: Topology,
+    model: str | Path | ModelSpec,
+    *,
+    global_batch: int,
+    seq_len: int,
+    fixed: dict | None = None,
+    precision: str | Precision = BF16,
+    gpu_memory_gb: float | None = None,
+    candidates: int = 5,
+    settings: SearchSettings | None = None,
+) -> AutoPlan:
+    """Search the layouts of ``model`` on ``topology`` and place the best (see module doc).
+
+    Raises:
+        PlanSearchError: no layout fits, the batch divides no layout, fixed sizes that do not
+            divide the world (a ValueError naming the value).
+        ValueError / FileNotFoundError: a bad model name or config.json.
+    """
+    spec = model if isinstance(model, ModelSpec) else load_model(model)
+    if isinstance(precision, str):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+        precision = PRECISIONS[precision]
+    topology = with_memory(topology, gpu_memory_gb)
+    settings = settings or SearchSettings(precision=precision)
+    result = search(
+        topology,
+        spec,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        fixed=fixed,
+        settings=settings,
+        candidates=candidates,
+    )
+    placement = place_layout(topology, spec, result.best.layout, seq_len)
+    return AutoPlan(spec, topology, result, placement, seq_len, global_batch)
+
+
+def plan(
+    topology: Topology,
+    tp: int | None = None,
+    ep: int | None = None,
+    cp: int | None = None,
+    pp: int | None = None,
+    dp: int | None = None,
+    *,
+    dp_shard: int | None = None,
+    order=None,
+    allow_split: bool = False,
+    workload: Workload | None = None,
+    model: str | Path | ModelSpec | None = None,
+    global_batch: int | None = None,
+    seq_len: int | None = None,
+    auto: bool = False,
+    **auto_options,
+) -> Placement:
+    """Place parallel sizes on ``topology``, or choose them for a model (``auto=True``).
+
+    Without ``auto`` this is ``planner.placement.plan`` (unset sizes are 1, ``dp`` what is
+    left). With ``auto``, ``model``, ``global_batch`` (sequences per step) and ``seq_len`` are
+    required; unset sizes are searched, set ones fixed; ``auto_options`` go to ``auto_plan``
+    (``precision``, ``gpu_memory_gb``, ``candidates``, ``recompute`` and ``micro_batch`` to fix).
+
+    Returns:
+        Placement: with ``auto``, the best layout's, ``training`` set to it.
+
+    Raises:
+        ValueError: ``auto`` without model / global_batch / seq_len, or the search's errors.
+
+    Example:
+        >>> plan = ok.plan(topo, model="llama3-8b", global_batch=512, seq_len=8192, auto=True)
+        >>> plan.training.micro_batch, plan.training.num_micro_batches
+        >>> mesh = plan.device_mesh()
+    """
+    sizes = {"tp": tp, "ep": ep, "cp": cp, "pp": pp, "dp": dp}
+    if not auto:
+        if model is not None or global_batch is not None or auto_options:
+            raise ValueError(
+                "model=, global_batch= and the search options go with auto=True "
+                "(ok.plan(topo, model=..., global_batch=..., seq_len=..., auto=True))"
+            )
+        return place(
+            topology,
+            tp=1 if tp is None else tp,
+            ep=1 if ep is None else ep,
+            cp=1 if cp is None else cp,
+            pp=1 if pp is None else pp,
+            dp=-1 if dp is None else dp,
+            dp_shard=dp_shard,
+            order=order,
+            allow_split=allow_split,
+            workload=workload,
+        )
+    missing = [
+        k
+        for k, v in (("model", model), ("global_batch", global_batch), ("seq_len", seq_len))
+        if v is None
+    ]
+    if missing:
+        raise ValueError(f"auto=True needs {', '.join(missing)}")
+    if order is not None or workload is not None:
+        raise ValueError("order= and workload= are chosen by the planner under auto=True")
+    fixed = {k: v for k, v in sizes.items() if v is not None and v != -1}
+    for key in ("recompute", "micro_batch", "sharding", "virtual_stages"):
+        if key in auto_options:
+            fixed[key] = auto_options.pop(key)
+    if dp_shard is not None:
+        fixed |= {"sharding": "hsdp", "dp_shard": dp_shard}
+    return auto_plan(
+        topology,
+        model,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        fixed=fixed,
+        **auto_options,
+    ).placement

@@ -1,0 +1,68 @@
+"""How fast a device runs a transformer's FLOPs, and how much communication hides behind them.
+
+**Achievable fraction of peak.** A training step's matrix multiplies and attention run at a
+fraction of the datasheet's dense peak. ``ACHIEVABLE`` holds one default per GPU family: the
+fraction at which a transformer layer's FLOPs run on one GPU when nothing waits on the network.
+The defaults are the measured best matmul of the family (Stas Bekman's "Maximum Achievable
+Matmul FLOPS" table, ml-engineering ``compute/accelerator/README.md``: A100 SXM 267.9 of 312
+TFLOPS = 85.9 %, H100 SXM 792.1 of 989 = 80.1 %, B200 1745 of 2250 = 77.6 %) times
+``LAYER_OVER_MATMUL``, the share of that a whole layer keeps (norms, activations, softmax,
+launch gaps: kernels that are not large matmuls). ``LAYER_OVER_MATMUL`` is the one number
+fitted to the published runs (``planner/data/published_runs.tsv``): it minimises the squared
+log error of the 25 rows whose GPUs the presets describe (the power-capped H100 rows left out);
+``overlapkit plan --auto --validate`` prints every run's error with it, and ``--achievable``
+overrides the product (from a measured matmul or step of your own: ``measured_accelerator``
+takes a measured rate as the peak, as ``bench/planner_ranking.py`` does on CPU).
+
+**Overlap efficiency.** The share of a compute window that data-parallel (and FSDP)
+communication can hide in: ``OVERLAP_EFFICIENCY`` per collective library. NCCL runs on its own
+SMs beside the compute kernels; gloo's transfers take the same CPU cores as the compute, and
+overlapkit's benchmarks measured 0.09-0.46 on this project's two-core machine (README,
+"Data-parallel overlap").
+"""
+
+from __future__ import annotations
+
+from overlapkit.topology.accelerator import Accelerator
+
+MATMUL_FRACTION = {
+    "A100-SXM": 267.9 / 312,
+    "H100-SXM": 792.1 / 989,
+    "H200-SXM": 792.1 / 989,  # same SMs and clocks as H100 SXM; MAMF lists them together
+    "H800": 792.1 / 989,  # H100 silicon with fewer NVLink lanes
+    "B200": 1745.0 / 2250,
+    "B300": 1745.0 / 2250,  # not measured in the table: B200's
+    "GB200": 1745.0 / 2250,  # not measured in the table: B200's
+    "measured": 1.0,  # measured_accelerator: the peak is a measured rate already
+}
+FP8_MATMUL_FRACTION = {
+    # The same table's FP8 rows: H200 SXM 1453.4 of 1979 (73.4 %), B200 3432.5 of 4500 (76.3 %).
+    "H100-SXM": 1453.4 / 1979,
+    "H200-SXM": 1453.4 / 1979,
+    "H800": 1453.4 / 1979,
+    "B200": 3432.5 / 4500,
+    "B300": 3432.5 / 4500,
+    "GB200": 3432.5 / 4500,
+}
+DEFAULT_MATMUL_FRACTION = 0.8
+"""For a family the table does not list (about H100's)."""
+LAYER_OVER_MATMUL = 0.76
+"""A transformer layer's FLOP rate over the best matmul's (fitted, see module doc)."""
+OVERLAP_EFFICIENCY = {"nccl": 0.9, "gloo": 0.2, "ideal": 1.0}
+
+
+def achievable_fraction(accelerator: Accelerator, dtype: str = "bf16") -> float:
+    """The default fraction of ``dtype``'s dense peak a transformer layer runs at."""
+    table = FP8_MATMUL_FRACTION if dtype == "fp8" else MATMUL_FRACTION
+    default = MATMUL_FRACTION.get(accelerator.name, DEFAULT_MATMUL_FRACTION)
+    return table.get(accelerator.name, default) * LAYER_OVER_MATMUL
+
+
+def overlap_efficiency(library: str) -> float:
+    """Share of a compute window that data-parallel communication hides in (see module doc)."""
+    return OVERLAP_EFFICIENCY.get(str(library), OVERLAP_EFFICIENCY["nccl"])
+
+
+def measured_accelerator(tflops: float, *, memory_GB: float, name: str = "measured") -> Accelerator:
+    """An ``Accelerator`` whose peak is a measured matmul rate (its achievable fraction is 1)."""
+    return Accelerator(name=name, memory_GB=memory_GB, peak_bf16_tflops=tflops)

@@ -1,0 +1,172 @@
+"""Collective times per mesh axis without building the rank grid: what makes the search fast.
+
+``ok.plan`` lays the axes over the topology's physical order (``planner.grid``) in the traffic
+order ``pp, dp, ep, cp, tp`` (HSDP: ``pp, dp_replicate, dp_shard, ep, cp, tp``), innermost
+fastest. When that order keeps every block inside a domain (or a union of whole domains), the
+groups of an axis are the ranks at positions ``base + j x stride`` of the physical order, where
+``stride`` is the product of the sizes inside the axis; on a topology of equal domains and
+nodes every group of an axis then sits alike, so one representative group (``base = 0``) gives
+the axis's cost. ``AxisCosts`` builds that group and asks the cost model (``planner.cost``)
+for it on a grid of sizes (``GRID_STEPS`` per doubling) and interpolates linearly in between:
+the cost model is affine in the size between its protocol and algorithm switch-overs, so the
+interpolation is exact at the grid sizes and between switch-overs; within one grid step of a
+jump in the cost model (NCCL's size-dependent tuning tables) it lies between the two sides.
+The search prices tens of thousands of layouts with a few hundred estimates, and places only
+the few it shows.
+
+Where a node has fewer NICs than ranks, concurrent groups share them (``group_shape``'s
+``node_load``): the groups that share the representative's nodes are passed along with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from overlapkit.planner.cost import estimate, slowest_estimate
+from overlapkit.planner.grid import physical_order
+from overlapkit.topology.model import Topology
+
+GRID_STEPS = 4
+"""Sizes per doubling at which the cost model is asked (interpolated in between)."""
+TRAFFIC_ORDER = ("pp", "dp", "ep", "cp", "tp")
+HSDP_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+
+
+def uniform(topology: Topology) -> bool:
+    """Equal domains and equal nodes: every group of an axis sits alike."""
+    domain_sizes = {len(d.ranks) for d in topology.domains}
+    node_sizes = {len(n) for n in topology.nodes()}
+    return len(domain_sizes) == 1 and len(node_sizes) == 1
+
+
+def domain_size(topology: Topology) -> int:
+    return min(len(d.ranks) for d in topology.domains)
+
+
+def blocks_intact(topology: Topology, sizes: Mapping[str, int], order: Sequence[str]) -> bool:
+    """Whether every block of the innermost axes lies in one domain or covers whole ones.
+
+    The equal-domain form of ``grid.block_violations``: each cumulative product of the sizes
+    above 1, innermost first, divides the domain size or is a multiple of it.
+    """
+    d = domain_size(topology)
+    product = 1
+    for axis in reversed(order):
+        if sizes.get(axis, 1) == 1:
+            continue
+        product *= sizes[axis]
+        if d % product and product % d:
+            return False
+    return True
+
+
+class AxisCosts:
+    """Predicted collective times on the representative group of each axis, cached.
+
+    Args:
+        topology (Topology): a topology of equal domains and nodes (``uniform``).
+        algorithm (str): force an algorithm where it can run (like ``NCCL_ALGO``).
+    """
+
+    def __init__(self, topology: Topology, *, algorithm: str | None = None) -> None:
+        if not uniform(topology):
+            raise ValueError(
+                f"topology {topology.name!r} has unequal domains or nodes; the auto-planner "
+                "prices layouts on equal ones"
+            )
+        self.topology = topology
+        self.algorithm = algorithm
+        self._physical = physical_order(topology)
+        self._ranks_per_node = len(topology.nodes()[0])
+        self._cache: dict[tuple, float] = {}
+        self._shapes: dict[tuple, tuple[int, int]] = {}
+        self.estimates = 0
+        """How many cost-model estimates were made (cache misses)."""
+
+    def time_s(
+        self,
+        collective: str,
+        nbytes: float,
+        sizes: Mapping[str, int],
+        order: Sequence[str],
+        axes: Sequence[str],
+    ) -> float:
+        """Seconds for one ``collective`` of ``nbytes`` over the groups of ``axes`` together.
+
+        ``axes`` must be adjacent in ``order`` (``("dp", "ep")``: the dense replicas). A group
+        of size 1 costs 0. ``send_recv`` costs one pair of neighbours along the axis.
+        """
+        stride, n = self.shape(sizes, order, axes)
+        if n == 1 or nbytes <= 0:
+            return 0.0
+        # Interpolate between the grid sizes around nbytes (the cost model is affine there).
+        position = math.log2(nbytes) * GRID_STEPS
+        low = math.floor(position)
+        below, above = 2 ** (low / GRID_STEPS), 2 ** ((low + 1) / GRID_STEPS)
+        t_below = self._grid(collective, low, below, stride, n)
+        t_above = self._grid(collective, low + 1, above, stride, n)
+        return t_below + (t_above - t_below) * (nbytes - below) / (above - below)
+
+    def shape(
+        self, sizes: Mapping[str, int], order: Sequence[str], axes: Sequence[str]
+    ) -> tuple[int, int]:
+        """(stride in the physical order, group size) of the groups of ``axes``."""
+        key = (tuple(sizes.items()), tuple(order), tuple(axes))
+        cached = self._shapes.get(key)
+        if cached is None:
+            names = [a for a in order if a in axes]
+            n = math.prod(sizes[a] for a in names)
+            inner = order[order.index(names[-1]) + 1 :]
+            cached = (math.prod(sizes[a] for a in inner), n)
+            self._shapes[key] = cached
+        return cached
+
+    def _grid(self, collective: str, index: int, nbytes: float, stride: int, n: int) -> float:
+        key = (collective, index, stride, n)
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = self._estimate(collective, nbytes, stride, n)
+            self._cache[key] = cached
+        return cached
+
+    def group(self, stride: int, n: int, *, base: int = 0) -> list[int]:
+        """The ranks at physical positions ``base + j x stride``, ``j < n`` (one axis group)."""
+        return [self._physical[base + j * stride] for j in range(n)]
+
+    def _estimate(self, collective: str, nbytes: float, stride: int, n: int) -> float:
+        self.estimates += 1
+        if collective == "send_recv":
+            return self._one(collective, nbytes, [self.group(stride, 2)])
+        group = self.group(stride, n)
+        nics = self.topology.fabric.nics_per_node
+        crosses = len({self.topology.domain_index(r) for r in group}) > 1
+        if not crosses or nics >= self._ranks_per_node:
+            return self._one(collective, nbytes, [group])
+        # Fewer NICs than ranks: the groups whose ranks share group 0's nodes load its NICs.
+        neighbours = [
+            self.group(stride, n, base=b) for b in range(min(stride, self._ranks_per_node))
+        ]
+        return self._one(collective, nbytes, neighbours)
+
+    def _one(self, collective: str, nbytes: float, groups: list[list[int]]) -> float:
+        if len(groups) == 1:
+            return estimate(
+                collective,
+                nbytes=nbytes,
+                topology=self.topology,
+                group=groups[0],
+                algorithm=self._algorithm_for(collective),
+            ).time_s
+        return slowest_estimate(
+            collective,
+            nbytes=nbytes,
+            topology=self.topology,
+            groups=groups,
+            algorithm=self._algorithm_for(collective),
+        ).time_s
+
+    def _algorithm_for(self, collective: str) -> str | None:
+        if self.algorithm is None or collective not in ("all_reduce",):
+            return None
+        return self.algorithm

@@ -1,0 +1,244 @@
+"""The auto-planner checked against published training runs (``data/published_runs.tsv``).
+
+Each row is a run a paper or a framework's benchmark page published: the topology it ran on,
+the model, the layout it used and the throughput it measured, with the quoted figures. For each
+``validate`` evaluates the published layout with its sizes fixed (what the source leaves
+unsaid, such as micro-batch size or interleaving, is searched), checks that it is predicted to
+fit, and compares the predicted tokens per second per GPU with the published one (converted
+from the source's own unit: ``metric``). It also runs the free search on the same topology and
+batch and reports how much faster its top choice is predicted to be.
+
+``overlapkit plan --auto --validate`` prints the table; ``tests/test_published_runs.py`` holds
+the model to ``TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from importlib import resources
+
+from overlapkit.planner.memory import PRECISIONS
+from overlapkit.planner.model_spec import ModelSpec, gpt_spec, load_model
+from overlapkit.planner.search import (
+    Candidate,
+    PlanSearchError,
+    SearchSettings,
+    search,
+    with_memory,
+)
+from overlapkit.topology.loading import load_topology
+
+TOLERANCE = 0.15
+FIXED_FIELDS = (
+    "tp",
+    "pp",
+    "dp",
+    "cp",
+    "ep",
+    "micro_batch",
+    "virtual_stages",
+    "recompute",
+    "sharding",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedRun:
+    """One row of ``data/published_runs.tsv``."""
+
+    name: str
+    source: str
+    quote: str
+    topology: str
+    gpu_memory_gb: float
+    model: str
+    seq_len: int
+    global_batch: int
+    fixed: dict
+    precision: str
+    flash_attention: bool
+    ep_overlap: float
+    metric: str
+    published: float
+    expected: str = "within"
+    """``within`` (held to ``TOLERANCE``) or ``miss: ...`` with the evidence for the difference."""
+
+    @property
+    def explained_miss(self) -> bool:
+        return self.expected.startswith("miss")
+
+    def model_spec(self) -> ModelSpec:
+        """The built-in model, or a Megatron GPT given as ``gpt:layers=..,hidden=..,heads=..``."""
+        if self.model.startswith("gpt:"):
+            fields = dict(item.split("=") for item in self.model[4:].split(","))
+            return gpt_spec(
+                name=self.name,
+                layers=int(fields["layers"]),
+                hidden=int(fields["hidden"]),
+                heads=int(fields["heads"]),
+                seq_len=self.seq_len,
+            )
+        return load_model(self.model)
+
+    def published_tokens_per_s_per_gpu(self, model: ModelSpec) -> float:
+        """The published throughput in tokens per second per GPU (see module doc)."""
+        gpus = load_topology(self.topology).world_size
+        s = self.seq_len
+        match self.metric:
+            case "tokens_per_s_per_gpu":
+                return self.published
+            case "iteration_s":
+                return self.global_batch * s / (self.published * gpus)
+            case "model_tflops_per_gpu":
+                return self.published * 1e12 / model.model_flops_per_token(s)
+            case "megatron_hardware_tflops":
+                h, layers, vocab = model.hidden, model.layers, model.vocab_size
+                flops = (
+                    96
+                    * self.global_batch
+                    * s
+                    * layers
+                    * h**2
+                    * (1 + s / (6 * h) + vocab / (16 * layers * h))
+                )
+                iteration = flops / (gpus * self.published * 1e12)
+                return self.global_batch * s / (iteration * gpus)
+        raise ValueError(f"{self.name}: unknown metric {self.metric!r}")
+
+    def settings(self) -> SearchSettings:
+        return SearchSettings(
+            precision=PRECISIONS[self.precision],
+            flash_attention=self.flash_attention,
+            ep_overlap=self.ep_overlap,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RunCheck:
+    """A published run against the planner's prediction for its layout."""
+
+    run: PublishedRun
+    published_tps: float
+    predicted: Candidate
+    free_best: Candidate | None
+
+    @property
+    def error(self) -> float:
+        return self.predicted.tokens_per_s_per_gpu / self.published_tps - 1
+
+    @property
+    def within_tolerance(self) -> bool:
+        return abs(self.error) <= TOLERANCE and self.predicted.fits
+
+    @property
+    def free_gain(self) -> float | None:
+        """How much faster the free search's top choice is predicted to be (a ratio)."""
+        if self.free_best is None:
+            return None
+        return self.free_best.tokens_per_s_per_gpu / self.predicted.tokens_per_s_per_gpu
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.run.name,
+            "source": self.run.source,
+            "quote": self.run.quote,
+            "published_tokens_per_s_per_gpu": self.published_tps,
+            "predicted_tokens_per_s_per_gpu": self.predicted.tokens_per_s_per_gpu,
+            "error": self.error,
+            "fits": self.predicted.fits,
+            "memory_gb_per_gpu": self.predicted.memory.total / 1e9,
+            "layout": self.predicted.layout.describe(),
+            "within_tolerance": self.within_tolerance,
+            "expected": self.run.expected,
+            "free_search_best": None
+            if self.free_best is None
+            else self.free_best.layout.describe(),
+            "free_search_gain": self.free_gain,
+        }
+
+
+def _cell(row: dict, key: str):
+    value = row[key].strip()
+    if value == "":
+        return None
+    return value if key in ("recompute", "sharding") else int(value)
+
+
+def published_runs() -> list[PublishedRun]:
+    """Every row of ``data/published_runs.tsv``."""
+    text = resources.files("overlapkit.planner").joinpath("data/published_runs.tsv").read_text()
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+    out = []
+    for row in csv.DictReader(io.StringIO("\n".join(lines)), delimiter="\t"):
+        fixed = {k: _cell(row, k) for k in FIXED_FIELDS if _cell(row, k) is not None}
+        out.append(
+            PublishedRun(
+                name=row["name"],
+                source=row["source"],
+                quote=row["quote"],
+                topology=row["topology"],
+                gpu_memory_gb=float(row["gpu_memory_gb"]),
+                model=row["model"],
+                seq_len=int(row["seq_len"]),
+                global_batch=int(row["global_batch"]),
+                fixed=fixed,
+                precision=row["precision"],
+                flash_attention=row["attention"] == "flash",
+                ep_overlap=float(row["ep_overlap"]),
+                metric=row["metric"],
+                published=float(row["published"]),
+                expected=row["expected"],
+            )
+        )
+    return out
+
+
+def check_run(run: PublishedRun, *, free_search: bool = True) -> RunCheck:
+    """Evaluate ``run``'s layout (and, with ``free_search``, the planner's own choice)."""
+    topology = with_memory(load_topology(run.topology), run.gpu_memory_gb)
+    model = run.model_spec()
+    settings = run.settings()
+    kwargs = dict(global_batch=run.global_batch, seq_len=run.seq_len, settings=settings)
+    pinned = dict(run.fixed)
+    if pinned.get("recompute") == "full":
+        pinned["recompute_layers"] = model.layers  # the sources recompute every layer
+    fixed = search(topology, model, fixed=pinned, candidates=1, **kwargs).best
+    free = None
+    if free_search:
+        try:
+            free = search(topology, model, candidates=1, **kwargs).best
+        except PlanSearchError:
+            free = None
+    return RunCheck(run, run.published_tokens_per_s_per_gpu(model), fixed, free)
+
+
+def validate(*, free_search: bool = True) -> list[RunCheck]:
+    """Check every published run (see module doc)."""
+    return [check_run(run, free_search=free_search) for run in published_runs()]
+
+
+def render_run_checks(checks: list[RunCheck]) -> str:
+    """The ``overlapkit plan --auto --validate`` table."""
+    header = (
+        f"{'run':<34} {'published':>9} {'predicted':>9} {'error':>7} {'fits':>4} "
+        f"{'GB':>5}  {'free best (gain)':<12}"
+    )
+    lines = ["tokens/s per GPU: published (the source's figure, converted) vs predicted", header]
+    for c in checks:
+        gain = "" if c.free_gain is None else f"{c.free_gain:.2f}x {c.free_best.layout.describe()}"
+        lines.append(
+            f"{c.run.name:<34} {c.published_tps:>9.1f} {c.predicted.tokens_per_s_per_gpu:>9.1f} "
+            f"{c.error * 100:>+6.1f}% {'yes' if c.predicted.fits else 'NO':>4} "
+            f"{c.predicted.memory.total / 1e9:>5.1f}  {gain}"
+        )
+    inside = sum(c.within_tolerance for c in checks)
+    lines.append(f"{inside} of {len(checks)} within ±{TOLERANCE:.0%} and predicted to fit.")
+    lines.append("layouts evaluated (the published sizes; what the source leaves out, searched):")
+    lines += [f"  {c.run.name}: {c.predicted.layout.describe()}" for c in checks]
+    misses = [c for c in checks if not c.within_tolerance]
+    if misses:
+        lines.append("outside ±15 %:")
+        lines += [f"  {c.run.name}: {c.run.expected}" for c in misses]
+    return "\n".join(lines)

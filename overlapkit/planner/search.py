@@ -1,0 +1,558 @@
+"""The auto-planner's search: every valid layout, pruned by memory, ranked by predicted step time.
+
+Enumerated (``TrainingLayout``): tp dividing a scale-up domain; cp dividing the sequence; ep
+dividing the experts (MoE models); pp with ``pp <= layers``; dp what is left of the world
+(``world = pp x dp x ep x cp x tp``, see ``planner.candidate``); every block of the traffic
+order inside a domain or covering whole ones (``group_costs.blocks_intact``); micro-batch sizes
+dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``, the
+micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / selective (only
+where it saves something: without flash attention) / full; sharding ddp, zero1, zero2, fsdp and
+hsdp (every proper ``dp_shard`` of dp). A size the caller fixes constrains the search instead
+of replacing it. Memory is checked first (cheap); only layouts that fit are timed, except with
+a parallel size fixed, where layouts that fit come first and the best that does not is
+reported when none fits.
+
+Candidates are priced analytically per group shape (``planner.group_costs``); the rank grid is
+built (``ok.plan``) only for the ones shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from overlapkit.planner.candidate import RECOMPUTE, SHARDING, TrainingLayout
+from overlapkit.planner.compute import achievable_fraction, overlap_efficiency
+from overlapkit.planner.group_costs import (
+    HSDP_ORDER,
+    TRAFFIC_ORDER,
+    AxisCosts,
+    blocks_intact,
+    domain_size,
+)
+from overlapkit.planner.memory import (
+    BF16,
+    MemoryBreakdown,
+    Precision,
+    layers_per_stage,
+    memory_breakdown,
+)
+from overlapkit.planner.model_spec import ModelSpec
+from overlapkit.planner.step_time import StepOptions, StepTime, predict_step
+from overlapkit.topology.accelerator import Accelerator
+from overlapkit.topology.model import Topology
+
+DIMS = ("tp", "pp", "dp", "cp", "ep")
+MAX_MICRO_BATCH = 64
+MAX_VIRTUAL_STAGES = 8
+MIN_TOKENS_PER_CP_RANK = 2048
+"""Free search: context parallelism keeps at least this many tokens per rank (Megatron-Bridge's
+recipes use cp = 2 at 8,192 tokens; Llama 3 cp = 16 at 131,072: 4,096 and 8,192 per rank)."""
+MAX_HSDP_SHARD_DOMAINS = 8
+"""Free search: an HSDP shard group spans at most this many scale-up domains."""
+
+
+class PlanSearchError(ValueError):
+    """No layout satisfies the request; the message says which constraint failed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchSettings:
+    """What the search assumes about the training run (defaults: bf16, flash attention)."""
+
+    precision: Precision = BF16
+    flash_attention: bool = True
+    achievable: float | None = None
+    """Fraction of dense peak; None: the GPU family's default (``planner.compute``)."""
+    overlap_efficiency: float | None = None
+    """None: the topology library's default."""
+    tp_overlap: float = 0.0
+    ep_overlap: float = 0.0
+    fsdp_prefetch: int = 1
+    accelerator: Accelerator | None = None
+    """Overrides the topology's (a measured CPU, another memory size)."""
+
+    def step_options(self, topology: Topology, seq_len: int) -> StepOptions:
+        accelerator = self.accelerator or topology.accelerator
+        if accelerator is None:
+            raise PlanSearchError(
+                f"topology {topology.name!r} has no accelerator section (GPU memory, peak "
+                "TFLOP/s): add one to the topology file (see overlapkit/topology/accelerator.py)"
+                ", or pass accelerator= (a measured rate: planner.compute.measured_accelerator)"
+            )
+        dtype = self.precision.matmul_dtype
+        accelerator.peak_tflops(dtype)  # refuses fp8 where there is none
+        achievable = self.achievable
+        return StepOptions(
+            seq_len=seq_len,
+            accelerator=accelerator,
+            achievable=achievable_fraction(accelerator) if achievable is None else achievable,
+            matmul_achievable=(
+                achievable_fraction(accelerator, dtype) if achievable is None else achievable
+            ),
+            overlap_efficiency=(
+                overlap_efficiency(str(topology.library))
+                if self.overlap_efficiency is None
+                else self.overlap_efficiency
+            ),
+            precision=self.precision,
+            flash_attention=self.flash_attention,
+            tp_overlap=self.tp_overlap,
+            ep_overlap=self.ep_overlap,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A priced layout: its predicted step and memory."""
+
+    layout: TrainingLayout
+    step: StepTime
+    memory: MemoryBreakdown
+    memory_limit: float
+    """The GPU's memory, bytes."""
+    seq_len: int
+    peak_tflops: float
+    """The precision's dense peak, TFLOP/s (what MFU divides by)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory_limit
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.layout.global_batch * self.seq_len / (self.step.step_s * self.layout.world_size)
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.step.model_flops / (self.step.step_s * self.layout.world_size) / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.step.hardware_flops / (self.step.step_s * self.layout.world_size) / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_tflops_per_gpu / self.peak_tflops
+
+    def to_dict(self) -> dict:
+        """One entry of ``overlapkit plan --auto --json``'s ``candidates`` (keys fixed)."""
+        lay = self.layout
+        return {
+            "dims": lay.dims,
+            "micro_batch": lay.micro_batch,
+            "num_micro_batches": lay.num_micro_batches,
+            "virtual_stages": lay.virtual_stages,
+            "recompute": lay.recompute,
+            "sharding": lay.sharding,
+            "dp_shard": lay.dp_shard,
+            "step_time_s": self.step.step_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.mfu,
+            "memory_gb_per_gpu": self.memory.total / 1e9,
+            "fits": self.fits,
+            "breakdown": {"time": self.step.to_dict(), "memory": self.memory.to_dict()},
+        }
+
+
+@dataclass(slots=True)
+class SearchResult:
+    """The ranked candidates (best first) and what the search did."""
+
+    candidates: list[Candidate]
+    searched: int
+    """Layouts considered (memory checked)."""
+    timed: int
+    """Layouts whose step time was predicted."""
+    search_s: float
+    estimates: int
+    """Cost-model estimates made (the rest came from the per-shape cache)."""
+    fixed: dict = field(default_factory=dict)
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _check_fixed(fixed: Mapping[str, object]) -> dict:
+    allowed = {
+        *DIMS,
+        "micro_batch",
+        "virtual_stages",
+        "recompute",
+        "recompute_layers",
+        "sharding",
+        "dp_shard",
+    }
+    out = {}
+    for key, value in fixed.items():
+        if value is None:
+            continue
+        if key not in allowed:
+            raise ValueError(f"cannot fix {key!r}; valid: {', '.join(sorted(allowed))}")
+        if key == "recompute" and value not in RECOMPUTE:
+            raise ValueError(f"recompute {value!r}; valid: {', '.join(RECOMPUTE)}")
+        if key == "sharding" and value not in SHARDING:
+            raise ValueError(f"sharding {value!r}; valid: {', '.join(SHARDING)}")
+        if key not in ("recompute", "sharding") and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"--{key.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        out[key] = value
+    return out
+
+
+def _parallel_sizes(
+    topology: Topology, model: ModelSpec, seq_len: int, fixed: dict
+) -> list[dict[str, int]]:
+    """Every (tp, cp, ep, pp, dp) the request allows, before batch and memory."""
+    world = topology.world_size
+    d = domain_size(topology)
+    fixed_product = math.prod(fixed.get(k, 1) for k in DIMS)
+    if world % fixed_product:
+        named = " x ".join(f"{k}={fixed[k]}" for k in DIMS if k in fixed)
+        raise PlanSearchError(
+            f"{named} = {fixed_product} does not divide the {world} GPUs of {topology.name!r}"
+        )
+
+    def options(name: str, free: list[int]) -> list[int]:
+        return [fixed[name]] if name in fixed else free
+
+    sizes = []
+    for tp in options("tp", [t for t in divisors(world) if t <= d and d % t == 0]):
+        if world % tp:
+            continue
+        cp_free = [
+            c
+            for c in divisors(world // tp)
+            if seq_len % c == 0 and (c == 1 or seq_len // c >= MIN_TOKENS_PER_CP_RANK)
+        ]
+        for cp in options("cp", cp_free):
+            if (world // tp) % cp:
+                continue
+            rest = world // (tp * cp)
+            ep_free = [e for e in divisors(rest) if model.experts % e == 0] if model.is_moe else [1]
+            for ep in options("ep", ep_free):
+                if rest % ep:
+                    continue
+                for pp in options("pp", [p for p in divisors(rest // ep) if p <= model.layers]):
+                    if (rest // ep) % pp:
+                        continue
+                    dp = rest // (ep * pp)
+                    if "dp" in fixed and fixed["dp"] != dp:
+                        continue
+                    dims = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+                    if any(fixed.get(k, v) != v for k, v in dims.items()):
+                        continue
+                    if "tp" not in fixed and not blocks_intact(topology, dims, TRAFFIC_ORDER):
+                        continue
+                    sizes.append(dims)
+    return sizes
+
+
+def _variants(
+    dims: dict[str, int], model: ModelSpec, global_batch: int, fixed: dict, domain: int
+) -> list[TrainingLayout]:
+    replicas = dims["dp"] * dims["ep"]
+    if global_batch % replicas:
+        return []  # the caller reports indivisible batches
+    per_replica = global_batch // replicas
+    micro = [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
+    if "micro_batch" in fixed:
+        micro = [fixed["micro_batch"]] if per_replica % fixed["micro_batch"] == 0 else []
+    recompute = list(RECOMPUTE)
+    if "recompute" in fixed:
+        recompute = [fixed["recompute"]]
+    sharding = list(SHARDING) if dims["dp"] * dims["ep"] * dims["cp"] > 1 else ["ddp"]
+    if "sharding" in fixed:
+        sharding = [fixed["sharding"]]
+    pp = dims["pp"]
+    out = []
+    for b in micro:
+        m = per_replica // b
+        stages = [1]
+        if pp > 1 and m % pp == 0:
+            stages += [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= model.layers]
+        if "virtual_stages" in fixed:
+            stages = [fixed["virtual_stages"]]
+        stages = [v for v in stages if every_stage_has_layers(model.layers, pp * v, pp)]
+        for v in stages:
+            for r in recompute:
+                for s in sharding:
+                    shards: list[int | None] = [None]
+                    if s == "hsdp":
+                        inner = dims["ep"] * dims["cp"] * dims["tp"]
+                        shards = [
+                            z
+                            for z in divisors(dims["dp"])
+                            if 1 < z < dims["dp"]
+                            and (
+                                "dp_shard" in fixed or z * inner <= MAX_HSDP_SHARD_DOMAINS * domain
+                            )
+                        ]
+                        if "dp_shard" in fixed:
+                            shards = [fixed["dp_shard"]] if fixed["dp_shard"] in shards else []
+                    for z in shards:
+                        out.append(
+                            TrainingLayout(
+                                **dims,
+                                micro_batch=b,
+                                num_micro_batches=m,
+                                virtual_stages=v,
+                                recompute=r,
+                                sharding=s,
+                                dp_shard=z,
+                            )
+                        )
+    return out
+
+
+def every_stage_has_layers(layers: int, chunks: int, stages: int) -> bool:
+    """Whether ``ceil(layers / chunks)`` layers per model chunk leave every stage some layers.
+
+    Chunks at the end may be short or empty (Megatron-LM fills them with the embedding, the loss
+    or multi-token-prediction layers: ``--pipeline-model-parallel-layout``); the fullest stage
+    sets the step time either way.
+    """
+    per_chunk = math.ceil(layers / chunks)
+    return (stages - 1) * per_chunk < layers
+
+
+def search(
+    topology: Topology,
+    model: ModelSpec,
+    *,
+    global_batch: int,
+    seq_len: int,
+    fixed: Mapping[str, object] | None = None,
+    settings: SearchSettings | None = None,
+    candidates: int = 5,
+    costs: AxisCosts | None = None,
+) -> SearchResult:
+    """Rank the layouts of ``model`` on ``topology`` by predicted step time (see module doc).
+
+    Args:
+        topology (Topology): with an accelerator section (or ``settings.accelerator``).
+        model (ModelSpec): ``planner.model_spec.load_model(...)``.
+        global_batch (int): sequences per step.
+        seq_len (int): tokens per sequence.
+        fixed (Mapping): sizes and choices the caller fixes (``{"tp": 8}``,
+            ``{"recompute": "full"}``); the rest is searched.
+        settings (SearchSettings): precision, attention kernel, efficiencies.
+        candidates (int): how many to return. Defaults to 5.
+
+    Returns:
+        SearchResult: best first; only layouts that fit, unless a parallel size is fixed.
+
+    Raises:
+        PlanSearchError: (a ValueError) fixed sizes that do not divide the world, a global
+            batch no layout divides, a model that fits nowhere (with the smallest need).
+        ValueError: a bad argument, naming it.
+    """
+    start = time.perf_counter()
+    for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+    if candidates < 1:
+        raise ValueError(f"--candidates must be >= 1, got {candidates}")
+    fixed = _check_fixed(fixed or {})
+    settings = settings or SearchSettings()
+    options = settings.step_options(topology, seq_len)
+    limit = options.accelerator.memory_GB * 1e9
+    peak = options.accelerator.peak_tflops(settings.precision.matmul_dtype)
+    costs = costs or AxisCosts(topology)
+    # With a parallel size fixed the user asks about a layout: report it even if it does not fit.
+    dims_fixed = any(k in fixed for k in DIMS)
+    sizes = _parallel_sizes(topology, model, seq_len, fixed)
+
+    def measure(layout: TrainingLayout) -> MemoryBreakdown:
+        return memory_breakdown(
+            model,
+            layout,
+            seq_len=seq_len,
+            precision=settings.precision,
+            flash_attention=settings.flash_attention,
+            fsdp_prefetch=settings.fsdp_prefetch,
+        )
+
+    if not sizes:
+        raise PlanSearchError(_no_sizes_message(topology, model, seq_len, fixed))
+    searched = timed = 0
+    fitting: list[Candidate] = []
+    smallest: tuple[float, TrainingLayout, MemoryBreakdown] | None = None
+    divisible = False
+    for dims in sizes:
+        layouts = _variants(dims, model, global_batch, fixed, domain_size(topology))
+        divisible = divisible or global_batch % (dims["dp"] * dims["ep"]) == 0
+        for layout in layouts:
+            searched += 1
+            memory = measure(layout)
+            if layout.recompute == "full" and "recompute_layers" not in fixed:
+                layout, memory = _fewest_recomputed(layout, memory, measure, limit, model)
+            if smallest is None or memory.total < smallest[0]:
+                smallest = (memory.total, layout, memory)
+            if memory.total > limit and not dims_fixed:
+                continue
+            timed += 1
+            step = predict_step(model, layout, options, costs)
+            fitting.append(Candidate(layout, step, memory, limit, seq_len, peak))
+    if not divisible:
+        raise PlanSearchError(_batch_message(global_batch, sizes))
+    if smallest is None:
+        raise PlanSearchError(
+            f"no variant of the fixed layout exists: {_fixed_text(fixed)} (micro-batch sizes "
+            f"dividing the {global_batch} sequences, interleaving that leaves every pipeline "
+            f"stage some of the {model.layers} layers)"
+        )
+    if not fitting:
+        assert smallest is not None
+        total, layout, memory = smallest
+        raise PlanSearchError(
+            f"{model.name} ({model.params / 1e9:.4g}B parameters) fits nowhere on "
+            f"{topology.name} ({topology.world_size} GPUs of {limit / 1e9:.4g} GB): the "
+            f"smallest layout ({layout.describe()}) needs {total / 1e9:.4g} GB per GPU "
+            f"({memory_text(memory)}). Use more GPUs, a shorter --seq-len, or a larger "
+            "--gpu-memory-gb"
+        )
+    fitting.sort(key=_rank_key)
+    return SearchResult(
+        candidates=_distinct(fitting, candidates),
+        searched=searched,
+        timed=timed,
+        search_s=time.perf_counter() - start,
+        estimates=costs.estimates,
+        fixed=fixed,
+    )
+
+
+def _fewest_recomputed(
+    layout: TrainingLayout,
+    full: MemoryBreakdown,
+    measure,
+    limit: float,
+    model: ModelSpec,
+) -> tuple[TrainingLayout, MemoryBreakdown]:
+    """Full recomputation of only as many layers per stage as it takes to fit.
+
+    Memory is affine in the number of recomputed layers, so the count comes from the memory
+    without recomputation and with all of it, then is checked.
+    """
+    if full.total > limit:
+        return layout, full
+    stage_layers = layers_per_stage(model, layout)
+    none = measure(dataclasses.replace(layout, recompute="none"))
+    if none.total <= limit or none.total <= full.total:
+        return layout, full  # recomputation is not needed: the none variant is searched too
+    k = max(1, math.ceil(stage_layers * (none.total - limit) / (none.total - full.total)))
+    while k < stage_layers:
+        partial = dataclasses.replace(layout, recompute_layers=k)
+        memory = measure(partial)
+        if memory.total <= limit:
+            return partial, memory
+        k += 1
+    return layout, full
+
+
+TIE = 1e-3
+"""Step times within this fraction count as a tie, broken by the simpler layout."""
+
+
+def _rank_key(candidate: Candidate) -> tuple:
+    # Equal predictions (cp = 2 with twice the micro-batch computes the same as cp = 1) go
+    # to the layout with fewer parallel dimensions, then to the less sharded one.
+    lay = candidate.layout
+    dims = sum(size > 1 for name, size in lay.dims.items() if name != "dp")
+    return (
+        not candidate.fits,
+        round(math.log(candidate.step.step_s) / math.log1p(TIE)),
+        dims,
+        SHARDING.index(lay.sharding),
+        candidate.step.step_s,
+    )
+
+
+def _distinct(ranked: list[Candidate], count: int) -> list[Candidate]:
+    """The best ``count`` that differ: at most two per parallel-size tuple, and none that ties
+    with a listed one of the same tp, pp, ep, recomputation and sharding (cp traded for
+    micro-batch size computes the same)."""
+    out: list[Candidate] = []
+    per_dims: dict[tuple, int] = {}
+    for candidate in ranked:
+        lay = candidate.layout
+        key = tuple(lay.dims.values())
+        kind = (lay.tp, lay.pp, lay.ep, lay.recompute, lay.sharding)
+        if per_dims.get(key, 0) >= 2:
+            continue
+        if any(
+            (o.layout.tp, o.layout.pp, o.layout.ep, o.layout.recompute, o.layout.sharding) == kind
+            and candidate.step.step_s <= o.step.step_s * (1 + TIE)
+            for o in out
+        ):
+            continue
+        per_dims[key] = per_dims.get(key, 0) + 1
+        out.append(candidate)
+        if len(out) == count:
+            break
+    return out
+
+
+def memory_text(memory: MemoryBreakdown) -> str:
+    """``weights 16.1, grads 1, ... GB``: the parts above 5 MB."""
+    parts = [
+        f"{name.removesuffix('_gb')} {value:.3g}"
+        for name, value in memory.to_dict().items()
+        if name != "total_gb" and value > 0.005
+    ]
+    return ", ".join(parts) + " GB"
+
+
+def _fixed_text(fixed: dict) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items()) or "none fixed"
+
+
+def _batch_message(global_batch: int, sizes: list[dict[str, int]]) -> str:
+    replicas = sorted({s["dp"] * s["ep"] for s in sizes})
+    shown = ", ".join(map(str, replicas[:8])) + (", ..." if len(replicas) > 8 else "")
+    return (
+        f"--global-batch {global_batch} is not divisible by the data-parallel replicas "
+        f"(dp x ep) of any layout here ({shown}); use a multiple of one of them"
+    )
+
+
+def _no_sizes_message(topology: Topology, model: ModelSpec, seq_len: int, fixed: dict) -> str:
+    given = " ".join(f"--{k} {v}" for k, v in fixed.items() if k in DIMS) or "no fixed sizes"
+    return (
+        f"no parallel layout of {model.name} on {topology.name} ({topology.world_size} GPUs, "
+        f"scale-up domains of {domain_size(topology)}) satisfies {given}: tp must divide a "
+        f"domain, cp divide --seq-len {seq_len}, ep divide the {model.experts} experts, "
+        f"pp be at most the {model.layers} layers"
+    )
+
+
+def order_for(layout: TrainingLayout) -> tuple[str, ...]:
+    """The mesh axis order the placement of ``layout`` uses."""
+    return HSDP_ORDER if layout.sharding == "hsdp" else TRAFFIC_ORDER
+
+
+def with_memory(topology: Topology, gpu_memory_gb: float | None) -> Topology:
+    """``topology`` with its GPUs' memory set (``--gpu-memory-gb``)."""
+    if gpu_memory_gb is None:
+        return topology
+    if not gpu_memory_gb > 0:
+        raise ValueError(f"--gpu-memory-gb must be > 0, got {gpu_memory_gb!r}")
+    if topology.accelerator is None:
+        raise PlanSearchError(
+            f"--gpu-memory-gb: topology {topology.name!r} has no accelerator section to set the "
+            "memory of (peak TFLOP/s are needed too); add one to the topology file"
+        )
+    return topology.with_accelerator(topology.accelerator.with_memory(gpu_memory_gb))

@@ -1,0 +1,389 @@
+"""Predicted time of one training step of a layout: compute, exposed communication, bubble.
+
+Per micro-batch, on the slowest pipeline stage (``ceil(layers / (pp x v)) x v`` layers, plus
+the output layer on the last stage):
+
+- **compute**: forward FLOPs of its layers (``2 x`` active matmul parameters per token, and
+  attention's ``2 x seq x heads x (qk_dim + v_dim)`` per token), backward twice that,
+  recomputation's extra forward (full: the whole layer; selective: the attention core), all
+  divided by ``tp x cp`` and run at the achievable fraction of the device's dense peak
+  (``planner.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's.
+- **tp** (sequence parallel): all-gather before and reduce-scatter after attention and the
+  MLP, in forward and backward (and in the recomputed forward), of the micro-batch's
+  activations: on the critical path (``tp_overlap`` hides a share, as async TP does).
+- **cp** (ring attention): K and V gathered in forward, again in backward with their gradients
+  reduce-scattered, per layer; hidden behind that layer's attention compute.
+- **ep**: all-to-all dispatch and combine of each token's ``topk`` copies, forward and backward,
+  per MoE layer: exposed (``ep_overlap`` hides a share, as DeepSeek's DualPipe does).
+- **pp**: the activation sent forward and its gradient sent back, per model chunk.
+- **fsdp / hsdp shard axis**: each block's parameters all-gathered for forward and for
+  backward and its gradients reduce-scattered, per micro-batch, hidden behind its compute (the
+  first block's gather is not).
+
+Then ``step = (m + (pp - 1) / v) x t_micro_batch`` (1F1B, interleaved: Narayanan et al.,
+SC'21), plus the data-parallel gradient traffic that does not hide behind the last
+micro-batch's backward (ddp all-reduce; zero1 reduce-scatter, then the parameter all-gather
+behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica all-reduce; in
+Megatron-LM's buckets, or per block for hsdp),
+plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter).
+Hidden communication uses ``overlap_efficiency`` of the window. Every collective is the cost
+model's estimate on the group the layout's placement gives (``planner.group_costs``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from overlapkit.planner.candidate import TrainingLayout
+from overlapkit.planner.gemm import (
+    layer_matmul_seconds,
+    unfused_attention_seconds,
+    wave_efficiency,
+)
+from overlapkit.planner.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
+from overlapkit.planner.memory import (
+    BF16,
+    Precision,
+    layer_activation_bytes,
+    layers_per_stage,
+    recomputed_activation_bytes,
+    stage_params,
+)
+from overlapkit.planner.model_spec import ModelSpec
+from overlapkit.topology.accelerator import Accelerator
+
+BUCKET_PARAMS = 40_000_000
+BUCKET_PARAMS_PER_RANK = 1_000_000
+"""Gradients are reduced in buckets of ``max(40M, 1M x data-parallel ranks)`` parameters,
+Megatron-LM's rule (``DistributedDataParallelConfig.bucket_size``); each bucket is one
+collective, with its latency."""
+TRAFFIC_PASSES = 3
+"""Times a layer's saved activations cross device memory in a step (see predict_step)."""
+OPTIMIZER_BYTES_PER_PARAM = 30
+"""Adam step per local parameter: read grad, master, m, v (16), write master, m, v (12) and
+the bf16 weight (2)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepOptions:
+    """What the step-time model needs besides the model and the layout."""
+
+    seq_len: int
+    accelerator: Accelerator
+    achievable: float
+    """Fraction of the BF16 dense peak the layers' FLOPs run at (``planner.compute``)."""
+    matmul_achievable: float | None = None
+    """Fraction of the matmul precision's peak (FP8 runs); None: ``achievable``."""
+    overlap_efficiency: float
+    precision: Precision = BF16
+    flash_attention: bool = True
+    tp_overlap: float = 0.0
+    """Share of tp communication hidden (async TP); 0: all on the critical path."""
+    ep_overlap: float = 0.0
+    """Share of ep all-to-all hidden behind compute (DualPipe-style schedules)."""
+    collective_overhead_s: float = 0.0
+    """Seconds every collective call costs beyond what the cost model prices: its launch and
+    the wait for the last rank to arrive. 0 by default (NCCL's launch is microseconds); where
+    ranks share CPU cores it is milliseconds (bench/planner_ranking measures it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """One step's predicted time and its parts, seconds (per GPU)."""
+
+    step_s: float
+    compute_s: float
+    """All micro-batches' compute on the slowest stage, recomputation included."""
+    tp_s: float
+    cp_s: float
+    ep_s: float
+    pp_s: float
+    fsdp_s: float
+    """Exposed FSDP / HSDP-shard traffic per step."""
+    dp_s: float
+    """Exposed data-parallel gradient traffic (after the last backward)."""
+    bubble_s: float
+    optimizer_s: float
+    comm_total_s: float
+    """Every collective's time, hidden or not."""
+    model_flops: float
+    """Per step, all GPUs: 6N + attention per token, no recomputation."""
+    hardware_flops: float
+    """Per step, all GPUs, recomputation counted."""
+
+    def to_dict(self) -> dict:
+        return {
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "exposed_s": {
+                "tp": self.tp_s,
+                "cp": self.cp_s,
+                "ep": self.ep_s,
+                "pp": self.pp_s,
+                "fsdp": self.fsdp_s,
+                "dp": self.dp_s,
+            },
+            "bubble_s": self.bubble_s,
+            "optimizer_s": self.optimizer_s,
+            "comm_total_s": self.comm_total_s,
+        }
+
+
+def _attention_flops(model: ModelSpec, tokens: float, seq_len: int) -> float:
+    """Forward FLOPs of ``softmax(QK^T)V`` for ``tokens`` tokens of ``seq_len`` sequences."""
+    return 2.0 * tokens * seq_len * model.heads * (model.qk_head_dim + model.attention_v_dim)
+
+
+def _layer_matmul_s(
+    model: ModelSpec,
+    layout: TrainingLayout,
+    tokens: float,
+    flops_per_s: float,
+    sms: int | None,
+    bytes_per_s: float | None,
+) -> tuple[float, float]:
+    """(forward, backward) GEMM seconds of one layer, averaged over dense and MoE layers."""
+    kwargs = dict(
+        tp=layout.tp,
+        ep=layout.ep,
+        cp=layout.cp,
+        flops_per_s=flops_per_s,
+        sms=sms,
+        bytes_per_s=bytes_per_s,
+    )
+    dense = layer_matmul_seconds(model, tokens, moe_layer=False, **kwargs)
+    if not model.is_moe:
+        return dense
+    moe = layer_matmul_seconds(model, tokens, moe_layer=True, **kwargs)
+    share = model.moe_layers / model.layers
+    return tuple((1 - share) * d + share * e for d, e in zip(dense, moe, strict=True))
+
+
+def predict_step(
+    model: ModelSpec, layout: TrainingLayout, options: StepOptions, costs: AxisCosts
+) -> StepTime:
+    """Predict one step of ``layout`` (see module doc)."""
+    o, lay = options, layout
+    s, b = o.seq_len, lay.micro_batch
+    m, pp, v, tp, cp = lay.num_micro_batches, lay.pp, lay.virtual_stages, lay.tp, lay.cp
+    act = o.precision.activation_bytes
+    tokens = b * s  # one micro-batch of one replica; its tp x cp group shares the work
+    matmul_fraction = o.achievable if o.matmul_achievable is None else o.matmul_achievable
+    matmul_peak = o.accelerator.peak_tflops(o.precision.matmul_dtype) * 1e12 * matmul_fraction
+    attn_peak = o.accelerator.peak_tflops("bf16") * 1e12 * o.achievable
+    n_layers = layers_per_stage(model, lay)
+    moe_per_stage = n_layers * (model.moe_layers / model.layers) if model.is_moe else 0.0
+
+    sms = o.accelerator.sms
+    bandwidth = o.accelerator.memory_bandwidth_GBps
+    hbm = bandwidth * 1e9 if bandwidth else None
+    split = tp * cp
+    mm_fwd, mm_bwd = _layer_matmul_s(model, lay, tokens, matmul_peak, sms, hbm)
+    if o.flash_attention:
+        attn_fwd = _attention_flops(model, tokens, s) / attn_peak / split
+    else:
+        attn_fwd = unfused_attention_seconds(
+            model,
+            b,
+            s,
+            tp=tp,
+            cp=cp,
+            flops_per_s=attn_peak,
+            bytes_per_s=hbm,
+            element_bytes=act,
+            sms=sms,
+        )
+    fwd = n_layers * (mm_fwd + attn_fwd)
+    bwd = n_layers * (mm_bwd + 2 * attn_fwd)
+    recomputed = lay.recomputed_share(n_layers)
+    extra = recomputed * fwd
+    if lay.recompute == "selective" and not o.flash_attention:
+        extra = n_layers * attn_fwd  # the attention core's forward again (flash does it anyway)
+    # The output layer runs on the last stage (all of them with pp = 1): it is the slowest.
+    head_rows = max(1, round(tokens / cp))
+    head_flops = 2.0 * head_rows * model.hidden * model.vocab_size / tp
+    head_fwd = head_flops / (matmul_peak * wave_efficiency(head_rows, model.vocab_size // tp, sms))
+    # Kernels that are not matmuls (norms, activations, softmax, dropout) stream the layer's
+    # saved activations: written in forward, read in backward, their gradients written.
+    memory_bound = 0.0
+    if bandwidth:
+        saved = layer_activation_bytes(
+            model,
+            lay,
+            o.precision,
+            seq_len=s,
+            flash_attention=o.flash_attention,
+            moe_layer=model.is_moe and model.dense_layers == 0,
+            recompute="none",
+        )
+        passes = TRAFFIC_PASSES + recomputed
+        memory_bound = n_layers * passes * saved / (bandwidth * 1e9)
+        if lay.recompute == "selective":
+            # Rebuilding the activation functions' outputs: read their input, write them.
+            rebuilt = recomputed_activation_bytes(
+                model, o.precision, moe_layer=model.is_moe and model.dense_layers == 0
+            )
+            memory_bound += n_layers * 2 * tokens / cp * rebuilt / tp / (bandwidth * 1e9)
+    fwd += memory_bound / TRAFFIC_PASSES
+    bwd += memory_bound * (TRAFFIC_PASSES - 1) / TRAFFIC_PASSES
+    t_compute = fwd + bwd + extra + 3 * head_fwd
+    t_bwd = bwd + extra + 2 * head_fwd
+
+    hsdp = lay.sharding == "hsdp"
+    order = HSDP_ORDER if hsdp else TRAFFIC_ORDER
+    sizes = dict(lay.dims)
+    if hsdp:
+        sizes |= {"dp_replicate": lay.dp // lay.dp_shard, "dp_shard": lay.dp_shard}
+        del sizes["dp"]
+
+    def cost(collective: str, nbytes: float, *axes: str) -> float:
+        """One collective call over the groups of ``axes``: transfer and call overhead."""
+        seconds = costs.time_s(collective, nbytes, sizes, order, axes)
+        return seconds + o.collective_overhead_s if seconds > 0 else 0.0
+
+    def in_chunks(collective: str, nbytes: float, chunks: int, *axes: str) -> float:
+        return chunks * cost(collective, nbytes / chunks, *axes)
+
+    def buckets(count: float, replicas: int) -> int:
+        return max(1, math.ceil(count / max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * replicas)))
+
+    # Tensor parallel, sequence parallel: 2 all-gathers + 2 reduce-scatters per layer pass.
+    tp_bytes = tokens / cp * model.hidden * act
+    passes = 2 + recomputed
+    tp_layer = 2 * (cost("all_gather", tp_bytes, "tp") + cost("reduce_scatter", tp_bytes, "tp"))
+    tp_total = n_layers * passes * tp_layer
+    tp_exposed = (1 - o.tp_overlap) * tp_total
+
+    # Context parallel (ring attention), hidden behind each layer's attention.
+    kv_bytes = tokens * (model.kv_dim + model.v_dim) * act / tp
+    cp_layer = 2 * cost("all_gather", kv_bytes, "cp") + cost("reduce_scatter", kv_bytes, "cp")
+    attn_layer = 3 * attn_fwd
+    cp_total = n_layers * cp_layer
+    cp_exposed = n_layers * max(0.0, cp_layer - o.overlap_efficiency * attn_layer)
+
+    # Expert parallel: dispatch + combine, forward and backward (and recomputed forward).
+    ep_bytes = tokens / (cp * tp) * model.hidden * model.dispatch_copies * act
+    ep_passes = 4 + 2 * recomputed
+    ep_total = moe_per_stage * ep_passes * cost("all_to_all", ep_bytes, "ep")
+    ep_exposed = (1 - o.ep_overlap) * ep_total
+
+    # Pipeline: one activation forward and one gradient back per model chunk boundary.
+    pp_bytes = tokens / cp * model.hidden * act / tp
+    pp_total = 2 * v * cost("send_recv", pp_bytes, "pp") if pp > 1 else 0.0
+
+    # Data-parallel traffic of the heaviest stage's parameters.
+    stage = stage_params(model, lay, stage=0)
+    last = stage_params(model, lay, stage=pp - 1)
+    dense_params = max(stage.dense, last.dense)
+    expert_params = max(stage.expert, last.expert)
+    dense_axes, expert_axes = ("dp", "ep", "cp"), ("dp", "cp")
+    p = o.precision
+    fsdp_mb = 0.0
+    dp_total = 0.0
+    dp_exposed = 0.0
+    window_last_bwd = o.overlap_efficiency * t_bwd
+    window_first_fwd = o.overlap_efficiency * fwd
+    if lay.sharding in ("fsdp", "hsdp"):
+        # One all-gather (forward), one again (backward) and one reduce-scatter per block: the
+        # stage's layers and the root (embedding, head).
+        blocks = stage.layers + 1
+        shard_axes = ("dp_shard",) if hsdp else dense_axes
+        expert_shard = ("dp_shard",) if hsdp else expert_axes
+        gather = in_chunks("all_gather", dense_params * act, blocks, *shard_axes) + in_chunks(
+            "all_gather", expert_params * act, max(1, stage.layers), *expert_shard
+        )
+        scatter = in_chunks(
+            "reduce_scatter", dense_params * p.fsdp_reduce_bytes, blocks, *shard_axes
+        ) + in_chunks(
+            "reduce_scatter",
+            expert_params * p.fsdp_reduce_bytes,
+            max(1, stage.layers),
+            *expert_shard,
+        )
+        per_mb = 2 * gather + scatter
+        first_block = gather / blocks
+        fsdp_mb = max(0.0, per_mb - o.overlap_efficiency * t_compute) + first_block
+        dp_total += m * per_mb
+        if hsdp:
+            z = lay.dp_shard
+            dense_shard = dense_params * p.fsdp_reduce_bytes / z
+            expert_shard_bytes = expert_params * p.fsdp_reduce_bytes / z
+            replica = in_chunks(
+                "all_reduce", dense_shard, blocks, "dp_replicate", "ep", "cp"
+            ) + in_chunks(
+                "all_reduce", expert_shard_bytes, max(1, stage.layers), "dp_replicate", "cp"
+            )
+            dp_total += replica
+            dp_exposed += max(0.0, replica - window_last_bwd)
+    else:
+        g = p.grad_reduce_bytes
+        grads = (dense_params * g, expert_params * g)
+        z_dense, z_expert = lay.dp * lay.ep * cp, lay.dp * cp
+        chunks = (buckets(dense_params, z_dense), buckets(expert_params, z_expert))
+        if lay.sharding == "ddp":
+            reduce = in_chunks("all_reduce", grads[0], chunks[0], *dense_axes) + in_chunks(
+                "all_reduce", grads[1], chunks[1], *expert_axes
+            )
+            dp_total += reduce
+            dp_exposed += max(0.0, reduce - window_last_bwd)
+        else:
+            scatter = in_chunks("reduce_scatter", grads[0], chunks[0], *dense_axes) + in_chunks(
+                "reduce_scatter", grads[1], chunks[1], *expert_axes
+            )
+            weights = (dense_params * p.weight_bytes, expert_params * p.weight_bytes)
+            gather = in_chunks("all_gather", weights[0], chunks[0], *dense_axes) + in_chunks(
+                "all_gather", weights[1], chunks[1], *expert_axes
+            )
+            if lay.sharding == "zero1":
+                dp_total += scatter + gather
+                dp_exposed += max(0.0, scatter - window_last_bwd)
+            else:  # zero2: gradients reduce-scattered every micro-batch, behind its backward
+                dp_total += m * scatter + gather
+                fsdp_mb = max(0.0, scatter - o.overlap_efficiency * t_bwd)
+            dp_exposed += max(0.0, gather - window_first_fwd)
+
+    t_mb = t_compute + tp_exposed + cp_exposed + ep_exposed + pp_total + fsdp_mb
+    bubble = (pp - 1) / v * t_mb
+    pipeline = m * t_mb + bubble
+
+    optimizer = 0.0
+    if bandwidth:
+        z_dense, z_expert = (
+            (1, 1)
+            if lay.sharding == "ddp"
+            else (lay.dp_shard, lay.dp_shard)
+            if hsdp
+            else (lay.dp * lay.ep * cp, lay.dp * cp)
+        )
+        local = dense_params / z_dense + expert_params / z_expert
+        optimizer = local * OPTIMIZER_BYTES_PER_PARAM / (bandwidth * 1e9)
+
+    step = pipeline + dp_exposed + optimizer
+    global_tokens = lay.global_batch * s
+    model_flops = model.model_flops_per_token(s) * global_tokens
+    recompute_flops = {
+        "none": 0.0,
+        "selective": model.attention_flops_per_token(s),
+        "full": recomputed
+        * (model.model_flops_per_token(s) / 3 - 2.0 * model.hidden * model.vocab_size),
+    }[lay.recompute] * global_tokens
+    return StepTime(
+        step_s=step,
+        compute_s=m * t_compute,
+        tp_s=m * tp_exposed,
+        cp_s=m * cp_exposed,
+        ep_s=m * ep_exposed,
+        pp_s=m * pp_total,
+        fsdp_s=m * fsdp_mb,
+        dp_s=dp_exposed,
+        bubble_s=bubble,
+        optimizer_s=optimizer,
+        comm_total_s=m * (tp_total + cp_total + ep_total + pp_total) + dp_total,
+        model_flops=model_flops,
+        hardware_flops=model_flops + recompute_flops,
+    )
+
+
+def tokens_per_s_per_gpu(layout: TrainingLayout, seq_len: int, step: StepTime) -> float:
+    return layout.global_batch * seq_len / (step.step_s * layout.world_size)

@@ -1,0 +1,181 @@
+"""``overlapkit plan --auto`` and ``ok.plan(..., auto=True)``: the contract, warnings, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch.distributed as dist
+from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
+
+import overlapkit as ok
+from overlapkit.cli import main
+from overlapkit.planner.auto import auto_plan
+from overlapkit.planner.compute import measured_accelerator
+from overlapkit.planner.run_config import train_lacks, train_overrides
+from overlapkit.planner.search import SearchSettings
+from overlapkit.topology import load_topology
+from overlapkit.train.cli import check_job
+from overlapkit.train.launch import LauncherConfig
+from tests.multiproc import run_on_ranks
+from tests.test_memory_validation import tiny_spec
+
+CANDIDATE_KEYS = {
+    "dims",
+    "micro_batch",
+    "num_micro_batches",
+    "virtual_stages",
+    "recompute",
+    "sharding",
+    "step_time_s",
+    "tokens_per_s_per_gpu",
+    "model_tflops_per_gpu",
+    "hardware_tflops_per_gpu",
+    "mfu",
+    "memory_gb_per_gpu",
+    "fits",
+    "breakdown",
+}
+AUTO = ["plan", "--auto", "--topology", "dgx-h100x2", "--model", "llama3-8b"]
+
+
+def _json(capsys, argv):
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_auto_json_has_the_contract_keys_best_first(capsys):
+    doc = _json(capsys, [*AUTO, "--global-batch", "64", "--seq-len", "4096", "--candidates", "3"])
+    assert {"candidates", "search_s", "searched", "warnings"} <= doc.keys()
+    assert isinstance(doc["searched"], int) and doc["searched"] >= len(doc["candidates"]) == 3
+    for candidate in doc["candidates"]:
+        assert candidate.keys() >= CANDIDATE_KEYS
+        assert set(candidate["dims"]) == {"tp", "pp", "dp", "cp", "ep"}
+        assert candidate["fits"] and 0 < candidate["mfu"] < 1
+        assert candidate["hardware_tflops_per_gpu"] >= candidate["model_tflops_per_gpu"]
+    times = [c["step_time_s"] for c in doc["candidates"]]
+    assert times == sorted(times)
+
+
+def test_a_fixed_size_constrains_the_auto_search(capsys):
+    doc = _json(capsys, [*AUTO, "--global-batch", "64", "--seq-len", "4096", "--tp", "4"])
+    assert {c["dims"]["tp"] for c in doc["candidates"]} == {4}
+
+
+def test_auto_table_explains_the_winner_and_how_to_run_it(capsys):
+    assert main([*AUTO, "--global-batch", "64", "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "why #1:" in out and "#1's step:" in out and "placed:" in out
+    assert "overlapkit-train" in out or "torchtitan" in out
+
+
+def test_fixed_layout_that_does_not_fit_is_listed_with_its_breakdown(capsys):
+    argv = [*AUTO, "--global-batch", "16", "--seq-len", "8192", "--tp", "1", "--pp", "1"]
+    doc = _json(capsys, [*argv, "--cp", "1", "--gpu-memory-gb", "24", "--recompute", "none"])
+    best = doc["candidates"][0]
+    assert not best["fits"] and best["breakdown"]["memory"]["total_gb"] > 24
+    assert any("not to fit" in w for w in doc["warnings"])
+
+
+def test_manual_tp_across_nodes_warns_with_its_cost(capsys):
+    assert main(["plan", "--topology", "dgx-h100x2", "--tp", "16"]) == 0
+    assert "warning: tp=16 spans 2 scale-up domains" in capsys.readouterr().out
+    doc = _json(capsys, ["plan", "--topology", "dgx-h100x2", "--tp", "16"])
+    assert doc["warnings"] and "better: tp=8" in doc["warnings"][0]
+
+
+def test_manual_plan_with_a_model_is_compared_with_the_best(capsys):
+    argv = ["plan", "--topology", "dgx-h100x2", "--tp", "16", "--model", "llama3-8b"]
+    doc = _json(capsys, [*argv, "--global-batch", "64", "--seq-len", "8192"])
+    assert any("slower than the best layout" in w for w in doc["warnings"])
+
+
+def test_a_manual_plan_within_a_node_gets_no_warning(capsys):
+    assert _json(capsys, ["plan", "--topology", "dgx-h100x2", "--tp", "8"])["warnings"] == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model", "llama3-405b", "--global-batch", "8"], "fits nowhere"),
+        (["--model", "llama3-8b", "--global-batch", "7", "--dp", "2"], "--global-batch 7"),
+        (["--model", "nope-7b", "--global-batch", "8"], "unknown model 'nope-7b'"),
+        (["--model", "llama3-8b"], "needs --global-batch"),
+    ],
+)
+def test_bad_auto_input_is_one_line_naming_it(capsys, extra, message):
+    argv = ["plan", "--auto", "--topology", "dgx-h100", "--seq-len", "8192", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_config_json_missing_a_field_is_named(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    argv = ["plan", "--auto", "--topology", "dgx-h100", "--model", str(path)]
+    assert main([*argv, "--global-batch", "8", "--seq-len", "128"]) == 2
+    assert "config.json: missing 'num_attention_heads'" in capsys.readouterr().err
+
+
+def test_ok_plan_auto_returns_a_placement_with_the_micro_batching():
+    topology = load_topology("dgx-h100x2")
+    placement = ok.plan(topology, model="llama3-8b", global_batch=64, seq_len=4096, auto=True)
+    training = placement.training
+    assert training is not None and placement.dims == {**training.dims, **placement.dims}
+    assert placement.workload.micro_batch == training.micro_batch
+    assert placement.workload.microbatches == training.num_micro_batches
+    assert training.global_batch == 64
+
+
+def test_ok_plan_without_auto_still_places_the_sizes_given():
+    placement = ok.plan(load_topology("dgx-h100x4"), tp=8, pp=2)
+    assert placement.dims["dp"] == 2 and placement.training is None
+    with pytest.raises(ValueError, match="go with auto=True"):
+        ok.plan(load_topology("dgx-h100"), model="llama3-8b")
+
+
+def _cpu_topology():
+    return load_topology("cpu-gloox2").with_accelerator(measured_accelerator(0.05, memory_GB=16))
+
+
+def test_overrides_for_a_layout_overlapkit_train_runs_compose_and_pass_its_checks():
+    answer = auto_plan(_cpu_topology(), tiny_spec(), global_batch=8, seq_len=64)
+    best = answer.best.layout
+    assert train_lacks(best) == []
+    overrides = train_overrides(
+        best, topology="cpu-gloox2", nodes=1, ranks_per_node=4, model="gpt_tiny"
+    )
+    overrides = [o for o in overrides if not o.startswith("launcher")]
+    with initialize_config_module("overlapkit.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    launcher = LauncherConfig(nnodes=1, nproc_per_node=4, node_rank=0)
+    check_job(cfg, launcher)  # what overlapkit-train checks before starting workers
+    assert instantiate(cfg.train).grad_accum == best.num_micro_batches
+
+
+def test_layouts_overlapkit_train_lacks_say_what():
+    answer = auto_plan(load_topology("dgx-h100x4"), "llama3-70b", global_batch=64, seq_len=8192)
+    layout = dataclasses.replace(answer.best.layout, pp=2, dp=answer.best.layout.dp // 2)
+    assert "pipeline parallelism (pp=2)" in train_lacks(layout)
+    with pytest.raises(ValueError, match="lacks pipeline parallelism"):
+        train_overrides(layout, topology="dgx-h100x4", nodes=4, ranks_per_node=8, model=None)
+
+
+def _mesh_of_auto_plan(rank: int, world_size: int) -> tuple:
+    topology = load_topology("cpu-gloo").with_accelerator(measured_accelerator(0.05, memory_GB=8))
+    settings = SearchSettings(accelerator=topology.accelerator)
+    placement = ok.plan(
+        topology, model=tiny_spec(), global_batch=4, seq_len=64, auto=True, settings=settings
+    )
+    mesh = placement.device_mesh("cpu")
+    assert dist.get_world_size() == 2
+    return mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist())
+
+
+@pytest.mark.slow
+def test_auto_placement_builds_its_device_mesh_on_real_ranks():
+    names, ranks = run_on_ranks(_mesh_of_auto_plan, 2)[0]
+    assert names == ("pp", "dp", "ep", "cp", "tp") and sorted(ranks) == [0, 1]

@@ -1,0 +1,76 @@
+"""planner.search: the auto-planner's search, its constraints and its refusals."""
+
+import pytest
+
+from overlapkit.planner.model_spec import load_model
+from overlapkit.planner.search import PlanSearchError, search, with_memory
+from overlapkit.topology import load_topology
+
+H100x4 = load_topology("dgx-h100x4")
+LLAMA8B = load_model("llama3-8b")
+
+
+def test_free_search_ranks_fitting_layouts_by_step_time():
+    result = search(H100x4, LLAMA8B, global_batch=64, seq_len=8192, candidates=5)
+    times = [c.step.step_s for c in result.candidates]
+    assert times == sorted(times) and all(c.fits for c in result.candidates)
+    assert result.searched >= result.timed >= len(result.candidates)
+
+
+def test_free_search_keeps_tensor_parallel_inside_a_node():
+    result = search(H100x4, load_model("llama3-70b"), global_batch=64, seq_len=8192)
+    assert all(c.layout.tp <= 8 for c in result.candidates)
+
+
+def test_fixed_sizes_constrain_the_search_and_leave_the_rest_free():
+    result = search(H100x4, LLAMA8B, global_batch=64, seq_len=8192, fixed={"tp": 2})
+    assert {c.layout.tp for c in result.candidates} == {2}
+    assert len({(c.layout.pp, c.layout.sharding) for c in result.candidates}) > 1
+
+
+def test_all_sizes_fixed_reports_the_best_variant_even_when_it_does_not_fit():
+    small = with_memory(load_topology("dgx-h100"), 16)
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    result = search(small, LLAMA8B, global_batch=8, seq_len=8192, fixed=fixed, candidates=1)
+    assert not result.best.fits and result.best.memory.total > 16e9
+
+
+def test_a_model_that_fits_nowhere_is_refused_with_the_smallest_need():
+    with pytest.raises(PlanSearchError, match=r"llama3-405b .* fits nowhere on dgx-h100 .*needs"):
+        search(load_topology("dgx-h100"), load_model("llama3-405b"), global_batch=8, seq_len=8192)
+
+
+def test_a_batch_no_layout_divides_is_refused_naming_it():
+    with pytest.raises(PlanSearchError, match=r"--global-batch 7 is not divisible"):
+        search(H100x4, LLAMA8B, global_batch=7, seq_len=8192, fixed={"dp": 2})
+
+
+def test_fixed_sizes_that_do_not_divide_the_world_are_refused():
+    with pytest.raises(PlanSearchError, match=r"tp=3 = 3 does not divide the 32 GPUs"):
+        search(H100x4, LLAMA8B, global_batch=64, seq_len=8192, fixed={"tp": 3})
+
+
+def test_expert_parallel_is_searched_for_moe_models_only():
+    dense = search(H100x4, LLAMA8B, global_batch=64, seq_len=4096, candidates=20)
+    assert {c.layout.ep for c in dense.candidates} == {1}
+    moe = search(H100x4, load_model("mixtral-8x7b"), global_batch=64, seq_len=4096, candidates=20)
+    assert all(8 % c.layout.ep == 0 for c in moe.candidates)
+
+
+def test_a_topology_without_accelerator_figures_is_refused_with_advice():
+    with pytest.raises(PlanSearchError, match="has no accelerator section"):
+        search(load_topology("cpu-gloo"), LLAMA8B, global_batch=8, seq_len=1024)
+
+
+def test_fp8_on_a_gpu_without_fp8_is_refused():
+    from overlapkit.planner.memory import FP8
+    from overlapkit.planner.search import SearchSettings
+
+    with pytest.raises(ValueError, match="no FP8 peak"):
+        search(
+            load_topology("dgx-a100x4"),
+            LLAMA8B,
+            global_batch=64,
+            seq_len=4096,
+            settings=SearchSettings(precision=FP8),
+        )

@@ -1,0 +1,112 @@
+"""planner.step_time, group_costs, gemm: the step-time model's parts on real cost-model groups."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from overlapkit.planner import plan
+from overlapkit.planner.candidate import TrainingLayout
+from overlapkit.planner.cost import estimate
+from overlapkit.planner.gemm import wave_efficiency
+from overlapkit.planner.group_costs import GRID_STEPS, TRAFFIC_ORDER, AxisCosts
+from overlapkit.planner.model_spec import load_model
+from overlapkit.planner.step_time import StepOptions, predict_step
+from overlapkit.topology import bare_link, load_topology
+from overlapkit.topology.accelerator import Accelerator
+
+GPU = Accelerator(name="test", memory_GB=80, peak_bf16_tflops=1000, sms=None)
+MODEL = load_model("llama3-8b")
+
+
+def _options(**kw):
+    return StepOptions(seq_len=4096, accelerator=GPU, achievable=0.5, overlap_efficiency=0.9, **kw)
+
+
+def _free_comm(world):
+    """Links so fast that communication costs nothing measurable."""
+    return bare_link(1e9, 0.0, world).with_accelerator(GPU)
+
+
+def test_pipeline_step_is_m_plus_bubble_micro_batches():
+    topo = _free_comm(8)
+    costs = AxisCosts(topo)
+    for v in (1, 2):
+        layout = TrainingLayout(pp=8, dp=1, num_micro_batches=16, virtual_stages=v)
+        step = predict_step(MODEL, layout, _options(), costs)
+        per_micro_batch = step.compute_s / 16
+        # Narayanan et al.: the bubble is (p - 1) / v micro-batches.
+        assert step.bubble_s == pytest.approx(7 / v * per_micro_batch, rel=1e-6)
+
+
+def test_full_recompute_adds_one_forward():
+    costs = AxisCosts(_free_comm(1))
+    none, full = (
+        predict_step(MODEL, TrainingLayout(recompute=r), _options(), costs)
+        for r in ("none", "full")
+    )
+    # Forward is a third of forward + backward, but for the output layer (not recomputed).
+    assert 1.25 < full.compute_s / none.compute_s < 1.34
+    assert full.hardware_flops > full.model_flops == none.model_flops == none.hardware_flops
+
+
+def test_tensor_parallel_across_nodes_costs_more_than_inside_one():
+    topo = load_topology("dgx-h100x2").with_accelerator(GPU)
+    costs = AxisCosts(topo)
+    inside = predict_step(MODEL, TrainingLayout(tp=8, dp=2), _options(), costs)
+    across = predict_step(MODEL, TrainingLayout(tp=16, dp=1), _options(), costs)
+    assert across.tp_s > inside.tp_s
+
+
+def test_data_parallel_gradients_hide_behind_the_last_backward():
+    topo = load_topology("dgx-h100x4").with_accelerator(GPU)
+    costs = AxisCosts(topo)
+    layout = TrainingLayout(tp=8, dp=4, num_micro_batches=4)
+    hidden = predict_step(MODEL, layout, _options(), costs)
+    exposed = predict_step(
+        MODEL, layout, dataclasses.replace(_options(), overlap_efficiency=0.0), costs
+    )
+    # Without overlap the whole all-reduce is exposed; tp's is exposed either way.
+    assert hidden.dp_s < exposed.dp_s
+    assert exposed.dp_s == pytest.approx(exposed.comm_total_s - exposed.tp_s)
+
+
+def test_representative_group_is_a_group_of_the_placement():
+    topo = load_topology("dgx-h100x4")
+    sizes = {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 8}
+    placement = plan(topo, tp=8, pp=2, dp=2)
+    costs = AxisCosts(topo)
+    for axis in ("tp", "dp", "pp"):
+        stride, n = costs.shape(sizes, TRAFFIC_ORDER, (axis,))
+        group = tuple(costs.group(stride, n))
+        assert group in set(placement.groups(axis))
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "all_to_all"])
+def test_costs_equal_the_cost_model_at_the_grid_sizes(collective):
+    topo = load_topology("dgx-h100x4")
+    sizes = {"pp": 1, "dp": 4, "ep": 1, "cp": 1, "tp": 8}
+    costs = AxisCosts(topo)
+    group = next(r for r in plan(topo, tp=8, dp=4).groups("dp") if 0 in r)
+    for exponent in np.arange(20, 34) * GRID_STEPS:
+        nbytes = 2 ** (exponent / GRID_STEPS)
+        exact = estimate(collective, nbytes=nbytes, topology=topo, group=list(group)).time_s
+        assert costs.time_s(collective, nbytes, sizes, TRAFFIC_ORDER, ("dp",)) == pytest.approx(
+            exact, rel=1e-9
+        )
+
+
+def test_fewer_nics_than_ranks_share_them_between_concurrent_groups():
+    topo = load_topology("cpu-gloox2")  # one NIC per two-rank node
+    sizes = {"pp": 1, "dp": 2, "ep": 1, "cp": 1, "tp": 2}
+    costs = AxisCosts(topo)
+    alone = estimate("all_reduce", nbytes=64e6, topology=topo, group=[0, 2]).time_s
+    shared = costs.time_s("all_reduce", 64e6, sizes, TRAFFIC_ORDER, ("dp",))
+    assert shared > 1.5 * alone
+
+
+def test_wave_quantization_penalises_a_last_wave_that_is_mostly_empty():
+    # 109 tiles on 108 SMs take two waves: about half of them idle.
+    assert wave_efficiency(128, 256 * 109, 108) == pytest.approx(109 / 216)
+    assert wave_efficiency(128 * 108, 256, 108) == pytest.approx(1.0)
+    assert wave_efficiency(100, 100, None) == 1.0
