@@ -244,10 +244,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    cfg = workload_config(args, sweep=[float(s) for s in args.sweep.split(",") if s])
     if current_link() is None:
         print(f"[cpu priority] {prioritize()}", flush=True)
     enter_emulated_link(args.rate, args.delay_ms)
-    cfg = workload_config(args, sweep=[float(s) for s in args.sweep.split(",") if s])
     cfg["optimizer"] = None if args.optimizer == "none" else args.optimizer
     cfg["device"] = args.device
     cfg["tails"] = [int(t) for t in args.tails.split(",") if t]

@@ -238,7 +238,22 @@ def summarize(per_rank: list[dict[str, list[float]]], combine) -> dict[str, floa
 
 
 def workload_config(args: argparse.Namespace, *, sweep: list[float]) -> dict:
-    """The per-rank workload (``rank_main``'s ``cfg``) from the command line's model options."""
+    """The per-rank workload (``rank_main``'s ``cfg``) from the command line's model options.
+
+    Raises:
+        SystemExit: ``--steps``, ``--rounds`` and ``--warmup`` would time no step of a case.
+    """
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
+        raise SystemExit(
+            f"--steps {args.steps}, --rounds {args.rounds}, --warmup {args.warmup}: each case "
+            "needs --steps >= 1 and --rounds >= 1, and --warmup >= 0"
+        )
+    if args.rounds == 1 and args.steps <= args.warmup:
+        # Only the first round has warm-up steps; with no other round nothing would be timed.
+        raise SystemExit(
+            f"--rounds 1 with --steps {args.steps} <= --warmup {args.warmup} times no step: "
+            f"pass --steps > {args.warmup}, fewer --warmup steps, or --rounds 2 or more"
+        )
     defaults = DEFAULT_SIZES[args.model]
     return {
         "model": args.model,
