@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -115,7 +116,9 @@ def run_recipe_sweep(directory: Path) -> tuple[Path, str]:
     sweep = directory / "sweep"
     profiled = ["profiler=on", "profiler.wait=1", "profiler.warmup=1", "profiler.active=2"]
     output = _train(
-        ["-m", *RECIPE_SWEEP, *profiled, f"hydra.sweep.dir={sweep}"], directory, timeout_s=560
+        ["-m", *RECIPE_SWEEP, *profiled, "train.progress=true", f"hydra.sweep.dir={sweep}"],
+        directory,
+        timeout_s=560,
     )
     return sweep, output
 
@@ -149,6 +152,12 @@ def test_each_parallel_recipe_trains_in_its_own_multirun_directory(recipe_sweep)
         tolerance = 2e-2 if parallel == "ddp_bf16" else 1e-3
         assert losses_of[parallel] == pytest.approx(losses_of["ddp"], abs=tolerance), parallel
     assert output.count("exposed comm:") == len(PARALLEL)
+    # What the screen shows: no Kineto "USDT: ... profiler_start" lines in the progress bar, and
+    # exposed comm only as the profiled steps' (3-4), never as a figure of a later step.
+    assert "USDT" not in output and "profiler_st" not in output
+    shown = re.findall(r"exposed_comm=[0-9.]+ms[^,\]]*", output)
+    assert len(shown) >= len(PARALLEL)  # at least each run's final bar
+    assert all(s.endswith("ms (median of steps 3-4)") for s in shown), set(shown)
 
 
 def _free_port() -> int:

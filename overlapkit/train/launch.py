@@ -182,6 +182,12 @@ def worker_main(
         parent.adopt()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _setup_worker_logging(rank)
+    # Kineto prints "USDT: ... profiler_start" (and _stop) to stderr whenever a profiling cycle
+    # starts or ends, on every rank, into the progress bar's line. KINETO_LOG_LEVEL, read when
+    # the profiler first starts, is torch's only switch; USDT is Kineto's highest level, so 6
+    # also hides its ERROR lines (a rank that saved no trace is still reported by ok.profile).
+    # A level the user set wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     install_kill_from_env(rank)  # test-only, and only when OVERLAPKIT_TEST_KILL is set
     torch.set_num_threads(threads)
     device = resolve_device(job["train"]["device"], local_rank)
