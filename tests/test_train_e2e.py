@@ -15,9 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 SMALL = [
@@ -160,10 +163,30 @@ def test_each_parallel_recipe_trains_in_its_own_multirun_directory(recipe_sweep)
     assert all(s.endswith("ms (median of steps 3-4)") for s in shown), set(shown)
 
 
-def _free_port() -> int:
+@contextlib.contextmanager
+def _reserved_port() -> Iterator[int]:
+    """A free port of 127.0.0.1, kept bound (never listening) by this process until exit.
+
+    Binding a port, closing it and passing the number on lets another process take it in
+    between. Held here, the port is refused to every other bind and skipped by the kernel's
+    choice of ephemeral ports, but the rendezvous store can still listen on it: torch's
+    TCPStore sets SO_REUSEADDR, as this socket does, which Linux allows beside a socket that
+    does not listen.
+    """
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        yield sock.getsockname()[1]
+
+
+def test_a_reserved_port_is_refused_to_others_but_a_tcp_store_listens_on_it():
+    with _reserved_port() as port:
+        with socket.socket() as other, pytest.raises(OSError, match="Address already in use"):
+            other.bind(("127.0.0.1", port))
+        timeout = timedelta(seconds=10)
+        server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout)
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout).set("up", "1")
+        assert server.get("up") == b"1"
 
 
 @pytest.mark.slow
@@ -173,18 +196,21 @@ def test_two_launches_with_nnodes_2_form_one_job_of_two_nodes(tmp_path):
     scratch = tmp_path / "tmp"
     for path in (*node_dirs, scratch):
         path.mkdir()
-    args = [
-        "launcher=multinode",
-        f"launcher.rdzv_endpoint=127.0.0.1:{_free_port()}",
-        "train.steps=3",
-        "train.checkpoint_every=3",
-        "name=two_nodes",
-    ]
-    procs = [
-        _start([*args, f"launcher.node_rank={node}"], node_dirs[node], env={"TMPDIR": str(scratch)})
-        for node in (0, 1)
-    ]
-    outputs = [_finish(proc) for proc in procs]
+    with _reserved_port() as port:
+        args = [
+            "launcher=multinode",
+            f"launcher.rdzv_endpoint=127.0.0.1:{port}",
+            "train.steps=3",
+            "train.checkpoint_every=3",
+            "name=two_nodes",
+        ]
+        procs = [
+            _start(
+                [*args, f"launcher.node_rank={node}"], node_dirs[node], env={"TMPDIR": str(scratch)}
+            )
+            for node in (0, 1)
+        ]
+        outputs = [_finish(proc) for proc in procs]
     run_dir = node_dirs[0] / "runs" / "two_nodes"
     topology = json.loads((run_dir / "topology.json").read_text())
     assert topology["world_size"] == 2
