@@ -342,11 +342,12 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
     with tempfile.TemporaryDirectory(prefix="overlapkit-elastic-") as log_dir:
         config = launcher.launch_config(log_dir=log_dir)
         logger.info(
-            "launching %d worker(s) on node %d of %d (%s rendezvous)",
+            "launching %d worker(s) on node %d of %d (%s rendezvous at %s)",
             launcher.nproc_per_node,
             launcher.node_rank,
             launcher.nnodes,
             config.rdzv_backend,
+            launcher.rdzv_endpoint or "a free local port",
         )
         context()  # the forkserver torch elastic starts the workers from preloads overlapkit
         with _hold_store_until_nodes_leave(launcher), _fresh_store_per_restart(launcher):
