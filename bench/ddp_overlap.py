@@ -13,14 +13,16 @@ Cases:
     bucketer         ok.GradBucketer(model) with its default bucket size
     ok_ddp_bf16      ok.ddp(model, compress="bf16")
 
-With ``--optimizer sgd|adamw`` (default adamw; ``none`` leaves them out), three cases that include
+With ``--optimizer sgd|adamw`` (default adamw; ``none`` leaves them out), four cases that include
 the optimizer step, each timed as ``--steps`` consecutive steps with no barrier in between (the
 per-bucket updates of one step overlap the next step's forward, so a barrier per step would hide
 their cost); the block ends when every update is applied:
-    ddp_opt          DDP default, optimizer.step(), zero_grad()
+    ddp_opt          DDP with the bucketer's bucket size and gradient_as_bucket_view=True,
+                     optimizer.step(), zero_grad()
     bucketer_opt     ok.GradBucketer: wait(), optimizer.step(), zero_grad()
     bucketer_overlap ok.GradBucketer(optimizer=opt): step() (per-bucket updates, the next forward
                      waits per module), same default bucket size
+    ddp_opt_default  as ddp_opt, with DDP's defaults (25 MiB buckets, gradients copied in and out)
 ``--profile-dir DIR`` then profiles bucketer_opt and bucketer_overlap with ``ok.profile`` and
 reports their exposed communication per step (``overlapkit report DIR/<case>`` for detail).
 
@@ -214,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--optimizer",
         choices=[*OPTIMIZERS, "none"],
         default="adamw",
-        help="optimizer of the ddp_opt / bucketer_opt / bucketer_overlap cases",
+        help="optimizer of the cases with an optimizer step (--only optimizer)",
     )
     parser.add_argument(
         "--only",
@@ -244,10 +246,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    cfg = workload_config(args, sweep=[float(s) for s in args.sweep.split(",") if s])
     if current_link() is None:
         print(f"[cpu priority] {prioritize()}", flush=True)
     enter_emulated_link(args.rate, args.delay_ms)
-    cfg = workload_config(args, sweep=[float(s) for s in args.sweep.split(",") if s])
     cfg["optimizer"] = None if args.optimizer == "none" else args.optimizer
     cfg["device"] = args.device
     cfg["tails"] = [int(t) for t in args.tails.split(",") if t]

@@ -2,6 +2,10 @@
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +13,9 @@ import torch
 from overlapkit.planner import cli as planner_cli
 from overlapkit.topology import cli as topology_cli
 from overlapkit.topology import load_topology
+
+REPO = Path(__file__).resolve().parent.parent
+GLOO_PRINT_STANDIN = REPO / "tests" / "gloo_print_standin"
 
 
 def _run(argv, capsys):
@@ -165,11 +172,16 @@ def test_estimate_requires_a_topology_or_a_bandwidth(capsys):
 
 
 @pytest.mark.slow
-def test_calibrate_measures_small_sizes_and_writes_a_usable_topology(tmp_path, capsys):
+def test_calibrate_measures_small_sizes_and_writes_a_usable_topology(tmp_path):
     # Up to 4 MiB: small enough to stay quick, large enough that bandwidth shows over the noise.
+    # Through the real command, with a stand-in for torch 2.9's gloo writing to file descriptor
+    # 1 from C++ in every rank: stdout must hold the JSON only.
     output = tmp_path / "calibrated.yaml"
-    code, out = _run(
+    done = subprocess.run(
         [
+            sys.executable,
+            "-m",
+            "overlapkit.cli",
             "calibrate",
             "--min-bytes",
             "4KiB",
@@ -184,10 +196,16 @@ def test_calibrate_measures_small_sizes_and_writes_a_usable_topology(tmp_path, c
             "--no-progress",
             "--json",
         ],
-        capsys,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "PYTHONPATH": f"{GLOO_PRINT_STANDIN}{os.pathsep}{REPO}"},
     )
-    doc = json.loads(out)
-    assert code == 0 and doc["backend"] == "gloo"
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The stand-in printed in both ranks, and it went to stderr.
+    assert done.stderr.count("[Gloo] Rank 0 is connected") == 2, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    assert doc["backend"] == "gloo"
     tier = doc["tiers"][0]
     assert tier["tier"] == "scale_up" and tier["ranks"] == [0, 1]
     assert [s["bytes"] for s in tier["sizes"]] == [4096 * 2**i for i in range(11)]

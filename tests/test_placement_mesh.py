@@ -85,6 +85,43 @@ def test_device_mesh_needs_a_process_group_of_the_placements_size():
         placement.device_mesh("cpu")
 
 
+@contextlib.contextmanager
+def one_rank_gloo():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mesh_over_gloo_is_a_cpu_mesh_even_where_cuda_is_available(monkeypatch):
+    placement = plan(merge_views([_single_view()]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with one_rank_gloo():
+        mesh = placement.device_mesh()
+        assert mesh.device_type == "cpu"
+        total = torch.ones(1)
+        dist.all_reduce(total, group=mesh.get_group("dp"))
+        assert total.item() == 1.0
+
+
+def test_a_device_type_the_groups_backend_is_not_for_is_refused_naming_both():
+    placement = plan(merge_views([_single_view()]))
+    with (
+        one_rank_gloo(),
+        pytest.raises(
+            ValueError,
+            match=r"device_type='cuda' does not match the process group's backend "
+            r"\(cpu:gloo,cuda:gloo\), which is for cpu tensors: pass device_type='cpu'",
+        ),
+    ):
+        placement.device_mesh("cuda")
+
+
+def _single_view():
+    return {"rank": 0, "hostname": "h", "group_rank": 0, "local_rank": 0, "gpu": None, "nics": []}
+
+
 def _gloo_body(rank, world_size):
     from overlapkit.planner import plan as plan_
 

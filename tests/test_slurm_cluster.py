@@ -101,14 +101,19 @@ def test_expand_hostlist_agrees_with_scontrol_show_hostnames(cluster):
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_two_node_job_rendezvous_across_the_nodes(cluster, tmp_path, job_env):
-    # One task per node: on each, torch elastic starts launcher.nproc_per_node workers.
-    args = ["--nodes=2", "--ntasks-per-node=1", "--job-name=two", *NO_GPUS, str(RECIPE)]
+    # One task per node: on each, torch elastic starts launcher.nproc_per_node workers. The job
+    # name holds what Hydra's override grammar reads (=, parentheses, a comma: a sweep), and
+    # the rendezvous is given by address (launcher.host), as where node names do not resolve.
+    name = "two=(a,b)"
+    args = ["--nodes=2", "--ntasks-per-node=1", f"--job-name={name}", *NO_GPUS, str(RECIPE)]
     overrides = [*SMALL, "train.steps=3", "train.checkpoint_every=3", "launcher.nproc_per_node=1"]
+    overrides.append(f"launcher.host={cluster.addresses[0]}")
     job, state = _run_job(cluster, [*args, *overrides], tmp_path, job_env)
-    output = _output(tmp_path, "two", job)
+    output = _output(tmp_path, name, job)
     assert state == "COMPLETED", f"{output[-5000:]}\n{cluster.logs()}"
-    assert f"job {job} (two) on n[1-2], restart 0" in output
-    run_dir = tmp_path / "runs" / "two"  # name=$SLURM_JOB_NAME
+    assert f"job {job} ({name}) on n[1-2], restart 0" in output
+    assert f"(static rendezvous at {cluster.addresses[0]}:" in output
+    run_dir = tmp_path / "runs" / name  # the job's name, verbatim
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["world_size"], summary["nodes"], summary["final_step"]) == (2, 2, 3)
     topology = json.loads((run_dir / "topology.json").read_text())
@@ -116,7 +121,7 @@ def test_two_node_job_rendezvous_across_the_nodes(cluster, tmp_path, job_env):
     shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_00000003").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     # The second node ran Hydra in a scratch directory and removed it; only n1 kept outputs.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "tmp", f"two-{job}.out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "tmp", f"{name}-{job}.out"]
     assert list(Path(job_env["TMPDIR"]).glob("overlapkit-node*")) == []
     assert "Failed to recv" not in output
 

@@ -158,6 +158,30 @@ def test_one_task_per_node_lets_torch_elastic_start_a_worker_per_gpu():
     assert slurm_launcher(env=no_gpus, port=29500).rdzv_endpoint == "gpu07:29500"
 
 
+def test_launcher_host_replaces_the_first_nodes_name_in_the_rendezvous():
+    env = TWO_NODES_ONE_TASK_EACH
+    assert slurm_launcher(env=env, host="10.0.0.7").rdzv_endpoint == "10.0.0.7:23456"
+    assert slurm_launcher(env=env, host="{node}-ib0").rdzv_endpoint == "gpu07-ib0:23456"
+    assert slurm_launcher(env=ONE_NODE_TWO_TASKS, host="{node}.cluster").rdzv_endpoint == (
+        f"n1.cluster:{rendezvous_port(17)}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        ("", r"launcher.host='' gives '': expected an address or a host name"),
+        ("head:29500", r"gives 'head:29500': .* \(set the port with launcher.port\)"),
+        ("{host}-ib0", r"launcher.host='{host}-ib0': only {node} \(the first node's Slurm name, "),
+        ("{node", r"launcher.host='{node': only {node}"),
+        ("my node", r"gives 'my node': expected an address"),
+    ],
+)
+def test_bad_launcher_host_is_refused_naming_it(host, message):
+    with pytest.raises(ValueError, match=message):
+        slurm_launcher(env=TWO_NODES_ONE_TASK_EACH, host=host)
+
+
 def test_rendezvous_port_stays_below_the_ephemeral_range():
     ports = {rendezvous_port(job) for job in range(0, 50_000, 7)}
     assert min(ports) >= 20000 and max(ports) < 32768

@@ -10,13 +10,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 SMALL = [
@@ -115,7 +119,9 @@ def run_recipe_sweep(directory: Path) -> tuple[Path, str]:
     sweep = directory / "sweep"
     profiled = ["profiler=on", "profiler.wait=1", "profiler.warmup=1", "profiler.active=2"]
     output = _train(
-        ["-m", *RECIPE_SWEEP, *profiled, f"hydra.sweep.dir={sweep}"], directory, timeout_s=560
+        ["-m", *RECIPE_SWEEP, *profiled, "train.progress=true", f"hydra.sweep.dir={sweep}"],
+        directory,
+        timeout_s=560,
     )
     return sweep, output
 
@@ -149,12 +155,38 @@ def test_each_parallel_recipe_trains_in_its_own_multirun_directory(recipe_sweep)
         tolerance = 2e-2 if parallel == "ddp_bf16" else 1e-3
         assert losses_of[parallel] == pytest.approx(losses_of["ddp"], abs=tolerance), parallel
     assert output.count("exposed comm:") == len(PARALLEL)
+    # What the screen shows: no Kineto "USDT: ... profiler_start" lines in the progress bar, and
+    # exposed comm only as the profiled steps' (3-4), never as a figure of a later step.
+    assert "USDT" not in output and "profiler_st" not in output
+    shown = re.findall(r"exposed_comm=[0-9.]+ms[^,\]]*", output)
+    assert len(shown) >= len(PARALLEL)  # at least each run's final bar
+    assert all(s.endswith("ms (median of steps 3-4)") for s in shown), set(shown)
 
 
-def _free_port() -> int:
+@contextlib.contextmanager
+def _reserved_port() -> Iterator[int]:
+    """A free port of 127.0.0.1, kept bound (never listening) by this process until exit.
+
+    Binding a port, closing it and passing the number on lets another process take it in
+    between. Held here, the port is refused to every other bind and skipped by the kernel's
+    choice of ephemeral ports, but the rendezvous store can still listen on it: torch's
+    TCPStore sets SO_REUSEADDR, as this socket does, which Linux allows beside a socket that
+    does not listen.
+    """
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        yield sock.getsockname()[1]
+
+
+def test_a_reserved_port_is_refused_to_others_but_a_tcp_store_listens_on_it():
+    with _reserved_port() as port:
+        with socket.socket() as other, pytest.raises(OSError, match="Address already in use"):
+            other.bind(("127.0.0.1", port))
+        timeout = timedelta(seconds=10)
+        server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout)
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout).set("up", "1")
+        assert server.get("up") == b"1"
 
 
 @pytest.mark.slow
@@ -164,18 +196,21 @@ def test_two_launches_with_nnodes_2_form_one_job_of_two_nodes(tmp_path):
     scratch = tmp_path / "tmp"
     for path in (*node_dirs, scratch):
         path.mkdir()
-    args = [
-        "launcher=multinode",
-        f"launcher.rdzv_endpoint=127.0.0.1:{_free_port()}",
-        "train.steps=3",
-        "train.checkpoint_every=3",
-        "name=two_nodes",
-    ]
-    procs = [
-        _start([*args, f"launcher.node_rank={node}"], node_dirs[node], env={"TMPDIR": str(scratch)})
-        for node in (0, 1)
-    ]
-    outputs = [_finish(proc) for proc in procs]
+    with _reserved_port() as port:
+        args = [
+            "launcher=multinode",
+            f"launcher.rdzv_endpoint=127.0.0.1:{port}",
+            "train.steps=3",
+            "train.checkpoint_every=3",
+            "name=two_nodes",
+        ]
+        procs = [
+            _start(
+                [*args, f"launcher.node_rank={node}"], node_dirs[node], env={"TMPDIR": str(scratch)}
+            )
+            for node in (0, 1)
+        ]
+        outputs = [_finish(proc) for proc in procs]
     run_dir = node_dirs[0] / "runs" / "two_nodes"
     topology = json.loads((run_dir / "topology.json").read_text())
     assert topology["world_size"] == 2

@@ -6,7 +6,10 @@ The checkpoint round trip runs on 2 gloo ranks (DCP is collective) and compares 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
+import sys
+import time
 
 import pytest
 import torch
@@ -30,7 +33,7 @@ from overlapkit.train.data import (
 )
 from overlapkit.train.loop import TrainConfig, resolve_device
 from overlapkit.train.models import GPT, GPTConfig, MLPConfig
-from overlapkit.train.monitor import RunSummary
+from overlapkit.train.monitor import Monitor, RunSummary
 from overlapkit.train.parallel import apply_parallel
 from overlapkit.train.schedule import warmup_cosine, warmup_cosine_factor
 from tests.multiproc import run_on_ranks
@@ -220,6 +223,42 @@ def test_summary_reads_as_a_report():
         "tensorboard --logdir runs/demo/tb",
     ):
         assert part in text, part
+
+
+def test_progress_bar_labels_exposed_comm_as_the_profiled_steps_median(tmp_path, capsys):
+    console = logging.StreamHandler(sys.stderr)  # as the training workers log
+    root = logging.getLogger()
+    root.addHandler(console)
+    monitor = Monitor(
+        enabled=True,
+        tb_dir=tmp_path,
+        start_step=0,
+        end_step=8,
+        items_per_step=64,
+        unit="tok",
+        progress=True,
+    )
+    try:
+        for step in range(1, 9):
+            if step == 5:
+                time.sleep(0.15)  # past tqdm's mininterval: the bar is drawn at step 5
+            monitor.step(step, loss=1.0, lr=0.1, grad_norm=None, step_s=0.01)
+            if step == 6:  # what the loop does when the profiler has saved steps 4-6
+                logging.getLogger("overlapkit.profiling.profile").warning("wrote rank0.json")
+                monitor.set_exposed_comm(7.04, range(4, 7))
+    finally:
+        monitor.close()
+        root.removeHandler(console)
+    err = capsys.readouterr().err
+    bars = [line.strip() for line in err.replace("\n", "\r").split("\r")]
+    shown = {int(b.split("|")[2].split("/")[0]): b for b in bars if b.startswith("train:")}
+    assert {5, 8} <= set(shown), bars
+    label = "exposed_comm=7.0ms (median of steps 4-6)"
+    for step, bar in shown.items():
+        assert (label in bar) == (step > 6), bar
+        assert "exposed_comm" not in bar.replace(label, ""), bar
+    # The log line is printed above the bar, on a line of its own, not after the bar's text.
+    assert "wrote rank0.json" in bars
 
 
 def _state(seed: int, parallel: str):

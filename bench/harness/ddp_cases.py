@@ -21,13 +21,14 @@ from torch.nn.parallel import DistributedDataParallel
 import overlapkit as ok
 from bench.harness.device import enter_device, settle
 from bench.harness.workloads import workload_of
+from overlapkit.ddp.bucket_size import default_bucket_mb
 from overlapkit.train.models.workload import DEFAULT_SIZES
 
 BASELINE = "ddp_default"
 OPTIMIZER_BASELINE = "ddp_opt"
 # Cases the report needs whatever ``--only`` says (T_compute, T_comm, T_no_overlap, the baseline).
 REFERENCE_CASES = ("compute_only", "comm_only", "no_overlap", BASELINE)
-OPTIMIZER_CASES = (OPTIMIZER_BASELINE, "bucketer_opt", "bucketer_overlap")
+OPTIMIZER_CASES = (OPTIMIZER_BASELINE, "bucketer_opt", "bucketer_overlap", "ddp_opt_default")
 TAIL_CASE = "bucketer_overlap@tail"  # + forward_order_tail, with --tails
 
 
@@ -52,8 +53,18 @@ def optimizer_cases(
 ) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]]]:
     """The cases with an optimizer step (``OPTIMIZER_CASES``) and what ends a block of steps."""
     make_optimizer = OPTIMIZERS[cfg["optimizer"]]
-    ddp = DistributedDataParallel(new_model())
-    ddp_opt = make_optimizer(ddp.parameters())
+
+    def ddp_step(**ddp_kwargs) -> Callable[[], None]:
+        ddp = DistributedDataParallel(new_model(), **ddp_kwargs)
+        ddp_opt = make_optimizer(ddp.parameters())
+
+        def step() -> None:
+            loss(ddp).backward()
+            ddp_opt.step()
+            ddp_opt.zero_grad()
+
+        return step
+
     sync_model = new_model()
     sync = ok.GradBucketer(sync_model)
     sync_opt = make_optimizer(sync_model.parameters())
@@ -66,11 +77,6 @@ def optimizer_cases(
             model, optimizer=make_optimizer(model.parameters()), forward_order_tail=tail
         )
         tails[f"{TAIL_CASE}{tail}"] = (model, bucketer)
-
-    def ddp_step() -> None:
-        loss(ddp).backward()
-        ddp_opt.step()
-        ddp_opt.zero_grad()
 
     def sync_step() -> None:
         loss(sync_model).backward()
@@ -89,7 +95,16 @@ def optimizer_cases(
 
         return step
 
-    steps = dict(zip(OPTIMIZER_CASES, (ddp_step, sync_step, overlap_step), strict=True))
+    # ddp_opt is DDP set up as the bucketers are: the same bucket size, and gradients kept as
+    # views of the buckets (otherwise DDP copies each into its bucket and back, every step).
+    # ddp_opt_default keeps DDP's defaults (25 MiB buckets, copies): ~1.16x slower here, which
+    # measures those two settings, not the bucketer (docs/ddp.md).
+    matched = ddp_step(
+        bucket_cap_mb=default_bucket_mb(list(sync_model.parameters())),
+        gradient_as_bucket_view=True,
+    )
+    cases = (matched, sync_step, overlap_step, ddp_step())
+    steps = dict(zip(OPTIMIZER_CASES, cases, strict=True))
     steps |= {name: tail_step(*pair) for name, pair in tails.items()}
     finish = {"bucketer_overlap": overlap.synchronize}
     finish |= {name: bucketer.synchronize for name, (_, bucketer) in tails.items()}
@@ -238,7 +253,22 @@ def summarize(per_rank: list[dict[str, list[float]]], combine) -> dict[str, floa
 
 
 def workload_config(args: argparse.Namespace, *, sweep: list[float]) -> dict:
-    """The per-rank workload (``rank_main``'s ``cfg``) from the command line's model options."""
+    """The per-rank workload (``rank_main``'s ``cfg``) from the command line's model options.
+
+    Raises:
+        SystemExit: ``--steps``, ``--rounds`` and ``--warmup`` would time no step of a case.
+    """
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
+        raise SystemExit(
+            f"--steps {args.steps}, --rounds {args.rounds}, --warmup {args.warmup}: each case "
+            "needs --steps >= 1 and --rounds >= 1, and --warmup >= 0"
+        )
+    if args.rounds == 1 and args.steps <= args.warmup:
+        # Only the first round has warm-up steps; with no other round nothing would be timed.
+        raise SystemExit(
+            f"--rounds 1 with --steps {args.steps} <= --warmup {args.warmup} times no step: "
+            f"pass --steps > {args.warmup}, fewer --warmup steps, or --rounds 2 or more"
+        )
     defaults = DEFAULT_SIZES[args.model]
     return {
         "model": args.model,

@@ -7,12 +7,8 @@ Without torchrun it starts ``--nproc`` local ranks itself; under torchrun every 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
-import sys
-from collections.abc import Iterator
 
 from overlapkit.doctor.check import CHECK_NAMES, exit_code, parse_only
 from overlapkit.doctor.render import render, to_json
@@ -75,28 +71,9 @@ def options_from_args(args: argparse.Namespace) -> DoctorOptions:
     )
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Point file descriptor 1 at stderr meanwhile, for this process and the ranks it starts.
-
-    With ``--json``, stdout must hold the JSON only; torch 2.9's gloo prints
-    "[Gloo] Rank 0 is connected to 1 peer ranks" from C++ straight to file descriptor 1.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
-        checks, facts = run_doctor(options_from_args(args), nproc=args.nproc)
+    checks, facts = run_doctor(options_from_args(args), nproc=args.nproc)
     if facts["rank"] == 0:
         print(json.dumps(to_json(checks, facts), indent=2) if args.json else render(checks, facts))
     return exit_code(checks)

@@ -94,6 +94,35 @@ class _MeshCache:
         return mesh
 
 
+def _backend_device_type(requested: str | None) -> str:
+    """The mesh device type for the default group's backend; ``requested`` if the backend is for it.
+
+    gloo registers for CUDA tensors as well (``cpu:gloo,cuda:gloo``), but it is torch's CPU
+    backend: a gloo group's mesh is a CPU mesh. Other backends are for every device they
+    register (``cuda:nccl``; ``cpu:gloo,cuda:nccl`` is for both).
+    """
+    config = dist.get_backend_config()
+    served = [
+        device
+        for device, backend in (entry.split(":") for entry in config.split(","))
+        if backend != "gloo" or device == "cpu"
+    ]
+    if "cuda" in served and torch.cuda.is_available():
+        default = "cuda"
+    else:
+        default = "cpu" if "cpu" in served else served[0]
+    if requested is None:
+        return default
+    if requested not in served:
+        raise ValueError(
+            f"device_type={requested!r} does not match the process group's backend ({config}), "
+            f"which is for {', '.join(served)} tensors: pass device_type={default!r} (or none), "
+            f"or initialise the group with a backend for {requested} (torch's default: "
+            f"{dist.Backend.default_device_backend_map.get(requested)!r})"
+        )
+    return requested
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Parallel axes on a topology: the rank grid, its groups, their predicted communication.
@@ -192,12 +221,14 @@ class Placement:
         30 minutes for new groups: a dead or stuck rank is reported within that timeout.
 
         Args:
-            device_type (str): ``"cuda"``, ``"cpu"``, ... Defaults to ``"cuda"`` when CUDA is
-                available, else ``"cpu"``.
+            device_type (str): ``"cuda"``, ``"cpu"``, ... Defaults to the device of the default
+                group's backend: ``"cpu"`` for gloo (also where CUDA is available), ``"cuda"``
+                for NCCL or ``cpu:gloo,cuda:nccl``.
 
         Raises:
             RuntimeError: torch.distributed is not initialised.
-            ValueError: the process group's world size is not the placement's.
+            ValueError: the process group's world size is not the placement's, or
+                ``device_type`` is not a device its backend is for (``"cuda"`` on gloo).
         """
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -209,9 +240,7 @@ class Placement:
                 f"the process group has {dist.get_world_size()} ranks but the placement on "
                 f"{self.topology.name!r} has {self.world_size}"
             )
-        if device_type is None:
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        return self._meshes.get(self, device_type)
+        return self._meshes.get(self, _backend_device_type(device_type))
 
     def collectives(self, algorithm: str | None = None) -> list[CollectiveCost]:
         """Every collective of a training step of ``workload``, with the predicted time.

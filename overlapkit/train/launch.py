@@ -182,6 +182,12 @@ def worker_main(
         parent.adopt()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _setup_worker_logging(rank)
+    # Kineto prints "USDT: ... profiler_start" (and _stop) to stderr whenever a profiling cycle
+    # starts or ends, on every rank, into the progress bar's line. KINETO_LOG_LEVEL, read when
+    # the profiler first starts, is torch's only switch; USDT is Kineto's highest level, so 6
+    # also hides its ERROR lines (a rank that saved no trace is still reported by ok.profile).
+    # A level the user set wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     install_kill_from_env(rank)  # test-only, and only when OVERLAPKIT_TEST_KILL is set
     torch.set_num_threads(threads)
     device = resolve_device(job["train"]["device"], local_rank)
@@ -336,11 +342,12 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
     with tempfile.TemporaryDirectory(prefix="overlapkit-elastic-") as log_dir:
         config = launcher.launch_config(log_dir=log_dir)
         logger.info(
-            "launching %d worker(s) on node %d of %d (%s rendezvous)",
+            "launching %d worker(s) on node %d of %d (%s rendezvous at %s)",
             launcher.nproc_per_node,
             launcher.node_rank,
             launcher.nnodes,
             config.rdzv_backend,
+            launcher.rdzv_endpoint or "a free local port",
         )
         context()  # the forkserver torch elastic starts the workers from preloads overlapkit
         with _hold_store_until_nodes_leave(launcher), _fresh_store_per_restart(launcher):

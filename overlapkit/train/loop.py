@@ -354,11 +354,16 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
                 step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0
             )
             if profiler is not None:
-                had_trace = bool(profiler.files)
+                traces = len(profiler.files)
                 profiler.step()
-                if rank == 0 and profiler.files and not had_trace:
+                if rank == 0 and len(profiler.files) > traces:
+                    # A cycle was saved: its active steps are the ones that just ran.
+                    cycle = {path.name for path in profiler.files[traces:]}
                     monitor.set_exposed_comm(
-                        statistics.median(m.exposed_comm_ms for m in profiler.summary())
+                        statistics.median(
+                            m.exposed_comm_ms for m in profiler.summary() if m.file in cycle
+                        ),
+                        range(step - profiler.active + 1, step + 1),
                     )
             every = cfg.checkpoint_every
             if every and (step % every == 0 or step == end_step):

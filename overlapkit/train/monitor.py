@@ -2,7 +2,9 @@
 
 The progress bar shows the loss (rank 0's micro-batches: reading the others' would add a
 collective to every step), the throughput of the whole job, and, once the profiler has saved a
-cycle, the median exposed communication of its profiled steps. TensorBoard gets one point per
+cycle, the median exposed communication of that cycle's steps, labelled with them
+(``exposed_comm=7.0ms (median of steps 4-6)``): the steps after the profiled window are not
+measured, so a bare figure beside each of them would pass for theirs. TensorBoard gets one point per
 step under ``train/`` and ``perf/``; ``ok.profile`` writes its ``overlap/`` scalars itself.
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -151,13 +154,17 @@ class Monitor:
         self.unit = unit
         self.step_s: list[float] = []
         self.losses: list[float] = []
-        self.exposed_ms: float | None = None
+        self.exposed_comm: str | None = None
         self._writer = SummaryWriter(str(tb_dir)) if enabled else None
         self._bar = (
             tqdm(total=end_step, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
             if enabled and progress
             else None
         )
+        # Log lines (the profiler's "wrote <trace>") are printed above the bar, not into its line.
+        self._logs_above_bar = logging_redirect_tqdm() if self._bar is not None else None
+        if self._logs_above_bar is not None:
+            self._logs_above_bar.__enter__()
 
     def step(
         self, step: int, *, loss: float, lr: float, grad_norm: float | None, step_s: float
@@ -177,16 +184,18 @@ class Monitor:
         writer.add_scalar(f"perf/{self.unit}_per_s", items_per_s, step)
         if self._bar is not None:
             postfix = {"loss": f"{loss:.4f}", f"{self.unit}/s": f"{items_per_s:,.0f}"}
-            if self.exposed_ms is not None:
-                postfix["exposed_comm"] = f"{self.exposed_ms:.1f}ms"
+            if self.exposed_comm is not None:
+                postfix["exposed_comm"] = self.exposed_comm
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1)
 
-    def set_exposed_comm(self, exposed_ms: float) -> None:
-        """The median exposed comm per profiled step (ms), shown from now on."""
-        self.exposed_ms = exposed_ms
+    def set_exposed_comm(self, exposed_ms: float, steps: range) -> None:
+        """The median exposed comm (ms) of the profiled ``steps``, shown from now on as theirs."""
+        self.exposed_comm = f"{exposed_ms:.1f}ms (median of steps {steps.start}-{steps.stop - 1})"
 
     def close(self) -> None:
+        if self._logs_above_bar is not None:
+            self._logs_above_bar.__exit__(None, None, None)
         if self._bar is not None:
             self._bar.close()
         if self._writer is not None:

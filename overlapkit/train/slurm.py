@@ -273,6 +273,7 @@ def _int(env: Mapping[str, str], name: str, minimum: int) -> int:
 def slurm_launcher(
     *,
     nproc_per_node: int | None = None,
+    host: str | None = None,
     port: int | None = None,
     rdzv_timeout_s: int = 300,
     max_restarts: int = 0,
@@ -286,6 +287,10 @@ def slurm_launcher(
         nproc_per_node (int): workers torch elastic starts per task with one task per node.
             Defaults to ``SLURM_GPUS_ON_NODE``, else 1. With several tasks per node each task is
             one rank; a value other than the tasks per node is then refused.
+        host (str): the address the other nodes reach the first node at, for clusters whose
+            node names do not resolve from the compute nodes: an IP address, or a name in which
+            ``{node}`` stands for the first node's Slurm name (``{node}-ib0``,
+            ``{node}.cluster.internal``). Defaults to the first node's name.
         port (int): TCP port of the rendezvous on the first node. Defaults to
             ``rendezvous_port(SLURM_JOB_ID)``.
         threads_per_rank (int): torch threads per worker. Defaults, with one task per rank, to
@@ -328,7 +333,7 @@ def slurm_launcher(
         nproc_per_node=nproc_per_node,
         nnodes=len(step.nodes),
         node_rank=step.node_id,
-        rdzv_endpoint=f"{step.nodes[0]}:{port}",
+        rdzv_endpoint=f"{rendezvous_host(host, step.nodes[0])}:{port}",
         rdzv_id=f"slurm-{step.job_id}",
         rdzv_timeout_s=rdzv_timeout_s,
         max_restarts=max_restarts,
@@ -336,6 +341,31 @@ def slurm_launcher(
         threads_per_rank=threads_per_rank,
         local_rank=local_rank,
     )
+
+
+def rendezvous_host(host: str | None, first_node: str) -> str:
+    """``launcher.host`` with ``{node}`` replaced by ``first_node``; ``first_node`` when None.
+
+    Raises:
+        ValueError: an empty value, whitespace, a ``:`` (the port is ``launcher.port``) or a
+            ``{...}`` other than ``{node}``.
+    """
+    if host is None:
+        return first_node
+    text = str(host)
+    try:
+        address = text.format(node=first_node)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(
+            f"launcher.host={text!r}: only {{node}} (the first node's Slurm name, "
+            f"{first_node!r}) may stand in braces ({err})"
+        ) from None
+    if not address or any(c.isspace() or c == ":" for c in address):
+        raise ValueError(
+            f"launcher.host={text!r} gives {address!r}: expected an address or a host name "
+            "without spaces or ':' (set the port with launcher.port)"
+        )
+    return address
 
 
 def task_index(env: Mapping[str, str] | None = None) -> int:
