@@ -22,11 +22,23 @@ from overlapkit.fsdp import step_by_block
 from tests.multiproc import run_on_ranks
 from tests.test_fsdp_blocks import Block
 from tests.test_fsdp_blocks import make_mlp as make_blocks
+from tests.train_steps import train_steps
 
 VOCAB, DIM, HEADS, SEQ = 40, 32, 4, 8
 LOSS_SCALES = (1.0, 1e-3, 1.0, 1e-3, 1.0)
 MAX_NORM = 0.05  # between the norms of the two loss scales
 NONFINITE_STEP = 1
+TRAIN_SMALL = [  # overlapkit-train's MLP; grad_accum=2 runs FSDP's no-sync micro-step too
+    "model=mlp",
+    "model.config.width=32",
+    "model.config.n_layer=3",
+    "train.batch_size=8",
+    "train.grad_accum=2",
+    "train.steps=4",
+    "optim.optimizer.lr=1e-2",
+    "optim.scheduler.warmup_steps=1",
+]
+TRAIN_MAX_NORM = 0.055  # its gradient norms are 0.053-0.075: clipped on some steps only
 
 
 class _Net(nn.Module):
@@ -164,6 +176,12 @@ def _fsdp_scenarios(rank, world_size):
         out["max_norm=0.0", mode] = _train(mode, max_norm=0.0, steps=2)
         out["error_if_nonfinite", mode] = _train(mode, steps=3, inf_at=(NONFINITE_STEP, 1))
     out["event_order"] = _event_order(rank, world_size)
+    for clip in ("default", TRAIN_MAX_NORM):
+        for option in ("fsdp", "fsdp_overlap"):
+            overrides = [] if clip == "default" else [f"train.clip_grad_norm={clip}"]
+            out["train", clip, option] = train_steps(
+                rank, f"parallel={option}", *TRAIN_SMALL, *overrides
+            )
     out["refusals"] = _refusals()
     return out
 
@@ -316,3 +334,20 @@ def test_bad_clip_options_are_refused_naming_the_value_before_any_update(fsdp_re
         assert found is not None, f"{name} was accepted"
         assert found[0] is error_type and found[1].startswith("step_by_block: "), found
         assert re.search(pattern, found[1]), found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", ["default", TRAIN_MAX_NORM])
+def test_train_fsdp_overlap_with_folded_clip_follows_parallel_fsdp_bitwise(fsdp_results, clip):
+    for result in fsdp_results:
+        sync, folded = result["train", clip, "fsdp"], result["train", clip, "fsdp_overlap"]
+        assert "optimizer step by block" in folded["description"]
+        assert folded["losses"] == sync["losses"]
+        assert folded["grad_norms"] == sync["grad_norms"]  # what the trainer logs
+        assert all(isinstance(n, float) for n in folded["grad_norms"]), folded["grad_norms"]
+        for name, before in folded["initial"].items():  # every parameter was updated
+            assert not torch.equal(folded["params"][name], before), name
+        _assert_bitwise(folded["params"], sync["params"], f"train clip={clip} params")
+    norms = fsdp_results[0]["train", clip, "fsdp"]["grad_norms"]
+    if clip != "default":
+        assert any(n > clip for n in norms) and any(n < clip for n in norms), norms
