@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 
 import overlapkit as ok
 from overlapkit.fsdp import step_by_block
+from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 from tests.test_fsdp_blocks import Block
 from tests.test_fsdp_blocks import make_mlp as make_blocks
-from tests.train_steps import train_steps
 
 VOCAB, DIM, HEADS, SEQ = 40, 32, 4, 8
 LOSS_SCALES = (1.0, 1e-3, 1.0, 1e-3, 1.0)
@@ -176,6 +176,8 @@ def _fsdp_scenarios(rank, world_size):
         out["max_norm=0.0", mode] = _train(mode, max_norm=0.0, steps=2)
         out["error_if_nonfinite", mode] = _train(mode, steps=3, inf_at=(NONFINITE_STEP, 1))
     out["event_order"] = _event_order(rank, world_size)
+    from tests.train_steps import train_steps  # hydra: imported where it is used
+
     for clip in ("default", TRAIN_MAX_NORM):
         for option in ("fsdp", "fsdp_overlap"):
             overrides = [] if clip == "default" else [f"train.clip_grad_norm={clip}"]
@@ -351,3 +353,56 @@ def test_train_fsdp_overlap_with_folded_clip_follows_parallel_fsdp_bitwise(fsdp_
     norms = fsdp_results[0]["train", clip, "fsdp"]["grad_norms"]
     if clip != "default":
         assert any(n > clip for n in norms) and any(n < clip for n in norms), norms
+
+
+def _cuda_run(mode, optimizer, mixed):
+    """5 clipped steps on one GPU, "sync" (clip_grad_norm_ + step) or "folded"."""
+    mesh = init_device_mesh("cuda", (1,))
+    model = ok.fsdp(
+        _Net(bf16_block=mixed).cuda(),
+        prefetch=1,
+        mesh=mesh,
+        mixed_precision="bf16" if mixed else None,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **{optimizer: True})
+    norms = []
+    for step in range(5):
+        tokens, targets = (t.cuda() for t in _batch(0, step))
+        loss = nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+        (loss * LOSS_SCALES[step]).backward()
+        if mode == "sync":
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).full_tensor())
+            opt.step()
+        else:
+            torch.cuda.set_sync_debug_mode("error")  # no host sync inside the clipped step
+            try:
+                norms.append(step_by_block(model, opt, clip_grad_norm=MAX_NORM))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad()
+    state = {
+        f"{k}.{sk}": _local(sv)
+        for k, v in opt.state_dict()["state"].items()
+        for sk, sv in v.items()
+    }
+    return norms, {n: _local(p) for n, p in model.named_parameters()}, state
+
+
+@requires_cuda
+@pytest.mark.parametrize("optimizer", ["foreach", "fused"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-block"])
+def test_cuda_folded_clip_equals_clip_grad_norm_then_step_bitwise(optimizer, mixed):
+    torch.distributed.init_process_group(
+        "nccl", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        sync = _cuda_run("sync", optimizer, mixed)
+        folded = _cuda_run("folded", optimizer, mixed)
+    finally:
+        torch.distributed.destroy_process_group()
+    norms = [n.item() for n in sync[0]]
+    assert any(n > MAX_NORM for n in norms) and any(n < MAX_NORM for n in norms), norms
+    for a, e in zip(folded[0], sync[0], strict=True):
+        assert a.is_cuda and torch.equal(a, e), (a, e)
+    _assert_bitwise(folded[1], sync[1], "params")
+    _assert_bitwise(folded[2], sync[2], "optimizer state")

@@ -27,7 +27,6 @@ from overlapkit.optim.per_bucket import OverlapConflict
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
 from tests.test_dead_rank import ENV, FAULT_STEP, TIMEOUT_S, _train_until_failure
-from tests.train_steps import compose_config, train_steps
 
 STEPS = 6
 CHECKPOINT_AFTER = 3
@@ -279,6 +278,8 @@ TRAIN_SMALL = [
 
 def _train_loop(rank, world_size):
     """overlapkit-train's step (``_train_step``) with parallel=bucketer and =bucketer_overlap."""
+    from tests.train_steps import train_steps  # hydra: imported where it is used
+
     return {
         option: train_steps(rank, f"parallel={option}", *TRAIN_SMALL)
         for option in ("bucketer", "bucketer_overlap", "fsdp", "fsdp_overlap")
@@ -526,6 +527,7 @@ def test_train_refuses_bucketer_overlap_with_clip_grad_norm_naming_the_key():
     from hydra.utils import instantiate
 
     from overlapkit.train.cli import check_job
+    from tests.train_steps import compose_config
 
     cfg = compose_config("parallel=bucketer_overlap")
     with pytest.raises(
