@@ -23,21 +23,12 @@ from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 from tests.test_fsdp_blocks import Block
 from tests.test_fsdp_blocks import make_mlp as make_blocks
+from tests.train_steps import TRAIN_SMALL, train_steps
 
 VOCAB, DIM, HEADS, SEQ = 40, 32, 4, 8
 LOSS_SCALES = (1.0, 1e-3, 1.0, 1e-3, 1.0)
 MAX_NORM = 0.05  # between the norms of the two loss scales
 NONFINITE_STEP = 1
-TRAIN_SMALL = [  # overlapkit-train's MLP; grad_accum=2 runs FSDP's no-sync micro-step too
-    "model=mlp",
-    "model.config.width=32",
-    "model.config.n_layer=3",
-    "train.batch_size=8",
-    "train.grad_accum=2",
-    "train.steps=4",
-    "optim.optimizer.lr=1e-2",
-    "optim.scheduler.warmup_steps=1",
-]
 TRAIN_MAX_NORM = 0.055  # its gradient norms are 0.053-0.075: clipped on some steps only
 
 
@@ -176,8 +167,6 @@ def _fsdp_scenarios(rank, world_size):
         out["max_norm=0.0", mode] = _train(mode, max_norm=0.0, steps=2)
         out["error_if_nonfinite", mode] = _train(mode, steps=3, inf_at=(NONFINITE_STEP, 1))
     out["event_order"] = _event_order(rank, world_size)
-    from tests.train_steps import train_steps  # hydra: imported where it is used
-
     for clip in ("default", TRAIN_MAX_NORM):
         for option in ("fsdp", "fsdp_overlap"):
             overrides = [] if clip == "default" else [f"train.clip_grad_norm={clip}"]

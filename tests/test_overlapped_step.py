@@ -27,6 +27,7 @@ from overlapkit.optim.per_bucket import OverlapConflict
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
 from tests.test_dead_rank import ENV, FAULT_STEP, TIMEOUT_S, _train_until_failure
+from tests.train_steps import TRAIN_SMALL, compose_config, train_steps
 
 STEPS = 6
 CHECKPOINT_AFTER = 3
@@ -263,25 +264,13 @@ def _refusals(rank, world_size):
     return found
 
 
-TRAIN_SMALL = [
-    "model=mlp",
-    "model.config.width=32",
-    "model.config.n_layer=3",
-    "train.batch_size=8",
-    "train.grad_accum=2",
-    "train.steps=4",
-    "train.clip_grad_norm=null",
-    "optim.optimizer.lr=1e-2",
-    "optim.scheduler.warmup_steps=1",
-]
+TRAIN_NO_CLIP = [*TRAIN_SMALL, "train.clip_grad_norm=null"]
 
 
 def _train_loop(rank, world_size):
     """overlapkit-train's step (``_train_step``) with parallel=bucketer and =bucketer_overlap."""
-    from tests.train_steps import train_steps  # hydra: imported where it is used
-
     return {
-        option: train_steps(rank, f"parallel={option}", *TRAIN_SMALL)
+        option: train_steps(rank, f"parallel={option}", *TRAIN_NO_CLIP)
         for option in ("bucketer", "bucketer_overlap", "fsdp", "fsdp_overlap")
     }
 
@@ -527,7 +516,6 @@ def test_train_refuses_bucketer_overlap_with_clip_grad_norm_naming_the_key():
     from hydra.utils import instantiate
 
     from overlapkit.train.cli import check_job
-    from tests.train_steps import compose_config
 
     cfg = compose_config("parallel=bucketer_overlap")
     with pytest.raises(

@@ -7,17 +7,25 @@ config, a few steps each, inside a ``run_on_ranks`` child (no launcher, no check
 from __future__ import annotations
 
 import torch
-from hydra import compose, initialize_config_module
-from hydra.utils import instantiate
 
-from overlapkit.train.data import BatchStream
-from overlapkit.train.loop import _train_step
-from overlapkit.train.mesh import split_parallel
-from overlapkit.train.parallel import apply_parallel, check_run_optimizer
+TRAIN_SMALL = [  # overlapkit-train's MLP; grad_accum=2 runs the no-sync micro-step too
+    "model=mlp",
+    "model.config.width=32",
+    "model.config.n_layer=3",
+    "train.batch_size=8",
+    "train.grad_accum=2",
+    "train.steps=4",
+    "optim.optimizer.lr=1e-2",
+    "optim.scheduler.warmup_steps=1",
+]
+"""A few-second run's overrides (the train group's ``clip_grad_norm`` left as it is)."""
 
 
 def compose_config(*overrides: str):
     """The trainer's config (``overlapkit.conf``) with ``overrides``."""
+    # Hydra is imported where it is used: the CUDA tests' GPU host has none.
+    from hydra import compose, initialize_config_module
+
     with initialize_config_module("overlapkit.conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
@@ -29,6 +37,13 @@ def train_steps(rank: int, *overrides: str) -> dict:
         dict: per step ``losses`` and ``grad_norms`` (as the trainer logs them), the final
         ``params`` (full tensors), the ``initial`` ones, the wrapper's ``description``.
     """
+    from hydra.utils import instantiate
+
+    from overlapkit.train.data import BatchStream
+    from overlapkit.train.loop import _train_step
+    from overlapkit.train.mesh import split_parallel
+    from overlapkit.train.parallel import apply_parallel, check_run_optimizer
+
     cfg = compose_config(*overrides)
     train_cfg = instantiate(cfg.train)
     torch.manual_seed(0)
