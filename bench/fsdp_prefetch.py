@@ -23,6 +23,13 @@ between them: the next step's all-gathers start inside the optimizer step):
     adamw_by_block        step_by_block(model, optimizer): the root's and block 0's gathers
                           issued right after their own update, while the other blocks update
 
+and with global-norm clipping (max norm 1.0; the ``speedup_vs_adamw_clip`` column compares them):
+    adamw_clip            clip_grad_norm_(model.parameters(), 1.0), then optimizer.step()
+    adamw_clip_by_block   clip_grad_norm_, then step_by_block (parallel=fsdp_overlap before the
+                          clip was folded in)
+    adamw_by_block_clip   step_by_block(model, optimizer, clip_grad_norm=1.0): the norm first,
+                          then each block clipped right before its update
+
 The two ``fsdp2_*`` cases are built with ``ok.fsdp(prefetch=0)`` (which is exactly ``fully_shard``
 per block, then the root) so that ``ok.fsdp_stats`` can count their unsharded blocks; its
 all-gather comm passes FSDP2's ``async_op`` through unchanged.
@@ -82,8 +89,13 @@ CASES = (
     "adamw",
     "adamw_overlap_step",
     "adamw_by_block",
+    "adamw_clip",
+    "adamw_clip_by_block",
+    "adamw_by_block_clip",
 )
-OPTIMIZER_CASES = ("adamw", "adamw_overlap_step", "adamw_by_block")
+CLIP_CASES = ("adamw_clip", "adamw_clip_by_block", "adamw_by_block_clip")
+OPTIMIZER_CASES = ("adamw", "adamw_overlap_step", "adamw_by_block", *CLIP_CASES)
+MAX_NORM = 1.0
 PROFILED_RANGES = ("FSDP::forward_prefetch", "FSDP::backward_prefetch", "FSDP::all_gather_copy_out")
 TARGET_RATIO = 0.8
 
@@ -117,8 +129,12 @@ def _stepper(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> C
 
     def step() -> None:
         (model(x) - y).pow(2).mean().backward()
-        if name == "adamw_by_block":
+        if name in ("adamw_clip", "adamw_clip_by_block"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if name in ("adamw_by_block", "adamw_clip_by_block"):
             step_by_block(model, optimizer)
+        elif name == "adamw_by_block_clip":
+            step_by_block(model, optimizer, clip_grad_norm=MAX_NORM)
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -251,6 +267,8 @@ def build_report(medians: dict[str, float], per_rank: list[dict], cfg: dict) -> 
         }
         if name in OPTIMIZER_CASES and "adamw" in medians:
             case["speedup_vs_adamw"] = round(medians["adamw"] / t, 3)
+        if name in CLIP_CASES and "adamw_clip" in medians:
+            case["speedup_vs_adamw_clip"] = round(medians["adamw_clip"] / t, 3)
         cases.append(case)
     ok_times = [medians[n] for n in ("ok_prefetch1", "ok_prefetch2") if n in medians]
     best = min(ok_times) / t_default if ok_times else None
@@ -294,6 +312,8 @@ def print_table(report: dict) -> None:
     with_adamw = [c for c in report["cases"] if "speedup_vs_adamw" in c]
     for case in with_adamw:
         print(f"  {case['name']:<20} {case['speedup_vs_adamw']:.2f}x adamw (blocks of steps)")
+    for case in (c for c in report["cases"] if "speedup_vs_adamw_clip" in c):
+        print(f"  {case['name']:<20} {case['speedup_vs_adamw_clip']:.2f}x adamw_clip")
     target = report["target"]
     if target["met"] is not None:
         print(

@@ -27,6 +27,7 @@ from overlapkit.optim.per_bucket import OverlapConflict
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
 from tests.test_dead_rank import ENV, FAULT_STEP, TIMEOUT_S, _train_until_failure
+from tests.train_steps import TRAIN_SMALL, compose_config, train_steps
 
 STEPS = 6
 CHECKPOINT_AFTER = 3
@@ -263,67 +264,15 @@ def _refusals(rank, world_size):
     return found
 
 
-def _compose(*overrides: str):
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module("overlapkit.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
-TRAIN_SMALL = [
-    "model=mlp",
-    "model.config.width=32",
-    "model.config.n_layer=3",
-    "train.batch_size=8",
-    "train.grad_accum=2",
-    "train.steps=4",
-    "train.clip_grad_norm=null",
-    "optim.optimizer.lr=1e-2",
-    "optim.scheduler.warmup_steps=1",
-]
+TRAIN_NO_CLIP = [*TRAIN_SMALL, "train.clip_grad_norm=null"]
 
 
 def _train_loop(rank, world_size):
     """overlapkit-train's step (``_train_step``) with parallel=bucketer and =bucketer_overlap."""
-    from hydra.utils import instantiate
-
-    from overlapkit.train.data import BatchStream
-    from overlapkit.train.loop import _train_step
-    from overlapkit.train.mesh import split_parallel
-    from overlapkit.train.parallel import apply_parallel, check_run_optimizer
-
-    out = {}
-    for option in ("bucketer", "bucketer_overlap", "fsdp", "fsdp_overlap"):
-        cfg = _compose(f"parallel={option}", *TRAIN_SMALL)
-        train_cfg = instantiate(cfg.train)
-        torch.manual_seed(0)
-        model = instantiate(cfg.model)
-        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-        source = instantiate(cfg.data)
-        plan, factory = split_parallel(cfg.parallel)
-        check_run_optimizer(factory, clip_grad_norm=train_cfg.clip_grad_norm, plan=plan)
-        make_optimizer = instantiate(cfg.optim.optimizer)
-        par = apply_parallel(model, instantiate(factory), make_optimizer=make_optimizer)
-        optimizer = par.optimizer or make_optimizer(par.model.parameters())
-        scheduler = instantiate(cfg.optim.scheduler)(optimizer, total_steps=train_cfg.steps)
-        stream = BatchStream(source, rank=rank, batch_size=train_cfg.batch_size)
-        losses = []
-        for _ in range(train_cfg.steps):
-            losses.append(
-                _train_step(par, optimizer, stream, source, train_cfg, torch.device("cpu"))[0]
-            )
-            scheduler.step()
-        par.settle()
-        out[option] = {
-            "losses": losses,
-            "params": {
-                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in par.model.named_parameters()
-            },
-            "description": par.description,
-            "initial": initial,
-        }
-    return out
+    return {
+        option: train_steps(rank, f"parallel={option}", *TRAIN_NO_CLIP)
+        for option in ("bucketer", "bucketer_overlap", "fsdp", "fsdp_overlap")
+    }
 
 
 def _fsdp_by_block(rank, world_size):
@@ -568,7 +517,7 @@ def test_train_refuses_bucketer_overlap_with_clip_grad_norm_naming_the_key():
 
     from overlapkit.train.cli import check_job
 
-    cfg = _compose("parallel=bucketer_overlap")
+    cfg = compose_config("parallel=bucketer_overlap")
     with pytest.raises(
         ValueError, match=r"train\.clip_grad_norm=1\.0 cannot be used with per-bucket"
     ):

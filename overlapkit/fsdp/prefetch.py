@@ -17,7 +17,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from overlapkit.fsdp.state import OverlapState, state_of
-from overlapkit.optim.per_block import step_by_sets
+from overlapkit.optim.clip import validate_clip_options
+from overlapkit.optim.per_block import NormClip, step_by_sets
 
 
 def set_explicit_prefetch(root: FSDPModule, blocks: Sequence[FSDPModule], depth: int) -> None:
@@ -73,42 +74,82 @@ def overlap_optimizer_step(
     return optimizer.register_step_post_hook(issue_next_gathers)
 
 
-def step_by_block(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def step_by_block(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    clip_grad_norm: float | None = None,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor | None:
     """``optimizer.step()`` block by block in forward order; each of the first blocks' next
     all-gather starts as soon as that block is updated (Megatron's
-    ``overlap_param_gather_with_optimizer_step``).
+    ``overlap_param_gather_with_optimizer_step``), with global-norm clipping folded in.
 
-    Call it instead of ``optimizer.step()``. The root's own parameters are updated first, then
-    each block's, with the user's optimizer (``overlapkit.optim.per_block``: bitwise what
-    ``optimizer.step()`` gives). On host devices (gloo) the all-gathers of the root and of the
-    first ``max(prefetch, 1)`` blocks are issued right after their own update, so they run while
-    the rest of the model is updated. On CUDA, FSDP2 gates every all-gather of the next forward
-    on one post-optimizer event (``FSDPModule.set_post_optim_event``, waited in the root's
-    pre-forward), so the event is recorded after the last block; the update itself is the same.
+    Call it instead of ``optimizer.step()`` (and instead of ``clip_grad_norm_`` before it). The
+    root's own parameters are updated first, then each block's, with the user's optimizer
+    (``overlapkit.optim.per_block``: bitwise what ``optimizer.step()`` gives). On host devices
+    (gloo) the all-gathers of the root and of the first ``max(prefetch, 1)`` blocks are issued
+    right after their own update, so they run while the rest of the model is clipped and
+    updated. On CUDA, FSDP2 gates every all-gather of the next forward on one post-optimizer
+    event (``FSDPModule.set_post_optim_event``, waited in the root's pre-forward), so the event
+    is recorded after the last block; the update itself is the same.
+
+    With ``clip_grad_norm``, the result is bitwise that of
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm, norm_type,
+    error_if_nonfinite)`` on the sharded (DTensor) parameters followed by ``optimizer.step()``:
+    the norm of the local shards' gradients is made global by DTensor itself (for p-norms one
+    all-reduce of one float per parameter over the shard axis; HSDP's gradients are already
+    equal across the replicate axis, so it needs none there), then each block's gradients are
+    multiplied by ``min(clip_grad_norm / (norm + 1e-6), 1)`` right before its update.
 
     Args:
         model (nn.Module): the model returned by ``ok.fsdp``.
         optimizer (torch.optim.Optimizer): the optimizer of its (sharded) parameters; its step
             hooks, if any, do not run.
+        clip_grad_norm (float | None): the max norm, >= 0 (0.0 zeroes the gradients, as in
+            torch); None does not clip. Defaults to None.
+        norm_type (float | str): p of the p-norm; ``inf`` (or ``"inf"``) for the max norm.
+            Defaults to 2.0.
+        error_if_nonfinite (bool): raise if the total norm is NaN or infinite instead of
+            clipping by it; costs a host sync (on CUDA), as in torch. Defaults to False.
+
+    Returns:
+        Tensor | None: with ``clip_grad_norm``, the total gradient norm before clipping, a
+        0-dim tensor on the gradients' device, equal on every rank (``clip_grad_norm_``'s value,
+        ``full_tensor()``-ed). On CPU reading it costs nothing. On CUDA it is computed on the
+        current stream before the updates, but ``norm.item()`` waits for everything queued on
+        that stream, all block updates included: to keep the host running ahead, read it after
+        the next forward has been issued (for example log the previous step's norm). None
+        without ``clip_grad_norm``.
 
     Raises:
-        TypeError: ``model`` was not returned by ``ok.fsdp``.
-        ValueError: ``optimizer`` holds parameters outside ``model``.
+        TypeError: ``model`` was not returned by ``ok.fsdp``; a clip option of the wrong type.
+        ValueError: ``optimizer`` holds parameters outside ``model``; ``clip_grad_norm``
+            negative or NaN.
+        RuntimeError: ``error_if_nonfinite`` and the norm is not finite (torch's message);
+            no gradient has been clipped and no parameter updated.
 
     Example:
         >>> model = ok.fsdp(model, prefetch=1)
         >>> loss_fn(model(x), y).backward()
-        >>> step_by_block(model, optimizer)
+        >>> norm = step_by_block(model, optimizer, clip_grad_norm=1.0)
         >>> optimizer.zero_grad()
     """
     state = state_of(model, caller="step_by_block")
+    clip = None
+    if clip_grad_norm is not None:
+        max_norm, norm = validate_clip_options(
+            clip_grad_norm, norm_type, error_if_nonfinite, caller="step_by_block"
+        )
+        clip = NormClip(max_norm, norm, error_if_nonfinite, caller="step_by_block")
     blocks = _ForwardOrderBlocks(state)
     held = {id(p) for params in blocks.parameter_sets() for p in params}
     if any(id(p) not in held for group in optimizer.param_groups for p in group["params"]):
         raise ValueError(
             "step_by_block: the optimizer holds parameters that are not in the ok.fsdp model"
         )
-    step_by_sets(blocks, optimizer)
+    return step_by_sets(blocks, optimizer, clip=clip)
 
 
 class _ForwardOrderBlocks:
@@ -129,6 +170,9 @@ class _ForwardOrderBlocks:
 
     def parameter_sets(self) -> list[list[torch.nn.Parameter]]:
         return self._sets
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self._state.root.parameters())
 
     def updated(self, index: int) -> None:
         if self._state.device_type == "cpu" and index < self._early:

@@ -118,6 +118,11 @@ class BlockSet(Protocol):
         """The sets in update order; each parameter the optimizer holds is in exactly one."""
         ...
 
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter of the sets in the model's own order (``model.parameters()``): the
+        order ``clip_grad_norm_(model.parameters())`` stacks the gradients' norms in."""
+        ...
+
     def updated(self, index: int) -> None:
         """Set ``index`` is updated: start what waits for it (its next all-gather)."""
         ...

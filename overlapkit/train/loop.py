@@ -216,11 +216,11 @@ def _train_step(
     par.finish_backward()
     if par.optimizer is not None:  # the wrapper applies the optimizer per bucket itself
         return loss_sum.item(), None
+    if par.optimizer_step is not None:  # clips and steps (fsdp_overlap: step_by_block)
+        norm = par.optimizer_step(optimizer, cfg.clip_grad_norm)
+        return loss_sum.item(), None if norm is None else norm.item()
     grad_norm = _grad_norm(par, cfg.clip_grad_norm)
-    if par.optimizer_step is not None:
-        par.optimizer_step(optimizer)
-    else:
-        optimizer.step()
+    optimizer.step()
     return loss_sum.item(), grad_norm
 
 

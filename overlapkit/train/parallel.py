@@ -73,8 +73,12 @@ class Parallelized:
     neither clips nor calls ``optimizer.step()``. None: the loop does both."""
     settle: Callable[[], None] = _nothing
     """Makes every parameter final (applies pending per-bucket updates)."""
-    optimizer_step: Callable[[torch.optim.Optimizer], None] | None = None
-    """Called instead of ``optimizer.step()`` (``step_by_block`` for ``fsdp_overlap``)."""
+    optimizer_step: Callable[[torch.optim.Optimizer, float | None], torch.Tensor | None] | None = (
+        None
+    )
+    """Called instead of clipping and ``optimizer.step()``: ``optimizer_step(optimizer,
+    max_norm)`` clips to ``max_norm`` (None: no clipping), steps, and returns the norm before
+    clipping (None without clipping). ``step_by_block`` for ``fsdp_overlap``."""
     bucketers: tuple[GradBucketer, ...] = ()
     """The bucketers, whose bucket layouts checkpoints save and restore."""
 
@@ -194,7 +198,7 @@ def apply_parallel(
                 _nothing,
                 True,
                 what + (", optimizer step by block" if by_block else ""),
-                optimizer_step=functools.partial(step_by_block, result) if by_block else None,
+                optimizer_step=functools.partial(_clipped_block_step, result) if by_block else None,
             )
         case nn.Module():
             # An unknown wrapper: it reduces gradients as it sees fit, on every backward.
@@ -211,6 +215,12 @@ def apply_parallel(
                 f"parallel: the factory {factory!r} returned {type(result).__name__}; expected an "
                 "nn.Module (ok.ddp, ok.fsdp) or an ok.GradBucketer"
             )
+
+
+def _clipped_block_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None
+) -> torch.Tensor | None:
+    return step_by_block(model, optimizer, clip_grad_norm=max_norm)
 
 
 def _group_kwargs(factory: Callable[..., object], layout: Layout) -> dict[str, object]:

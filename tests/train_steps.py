@@ -1,0 +1,78 @@
+"""overlapkit-train's step (``overlapkit.train.loop._train_step``) driven in-process on a rank.
+
+The tests that compare two ``parallel`` options run the trainer's own step with the real Hydra
+config, a few steps each, inside a ``run_on_ranks`` child (no launcher, no checkpoints).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TRAIN_SMALL = [  # overlapkit-train's MLP; grad_accum=2 runs the no-sync micro-step too
+    "model=mlp",
+    "model.config.width=32",
+    "model.config.n_layer=3",
+    "train.batch_size=8",
+    "train.grad_accum=2",
+    "train.steps=4",
+    "optim.optimizer.lr=1e-2",
+    "optim.scheduler.warmup_steps=1",
+]
+"""A few-second run's overrides (the train group's ``clip_grad_norm`` left as it is)."""
+
+
+def compose_config(*overrides: str):
+    """The trainer's config (``overlapkit.conf``) with ``overrides``."""
+    # Hydra is imported where it is used: the CUDA tests' GPU host has none.
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("overlapkit.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def train_steps(rank: int, *overrides: str) -> dict:
+    """``train.steps`` steps of ``_train_step`` with the config ``overrides``, on this rank.
+
+    Returns:
+        dict: per step ``losses`` and ``grad_norms`` (as the trainer logs them), the final
+        ``params`` (full tensors), the ``initial`` ones, the wrapper's ``description``.
+    """
+    from hydra.utils import instantiate
+
+    from overlapkit.train.data import BatchStream
+    from overlapkit.train.loop import _train_step
+    from overlapkit.train.mesh import split_parallel
+    from overlapkit.train.parallel import apply_parallel, check_run_optimizer
+
+    cfg = compose_config(*overrides)
+    train_cfg = instantiate(cfg.train)
+    torch.manual_seed(0)
+    model = instantiate(cfg.model)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    source = instantiate(cfg.data)
+    plan, factory = split_parallel(cfg.parallel)
+    check_run_optimizer(factory, clip_grad_norm=train_cfg.clip_grad_norm, plan=plan)
+    make_optimizer = instantiate(cfg.optim.optimizer)
+    par = apply_parallel(model, instantiate(factory), make_optimizer=make_optimizer)
+    optimizer = par.optimizer or make_optimizer(par.model.parameters())
+    scheduler = instantiate(cfg.optim.scheduler)(optimizer, total_steps=train_cfg.steps)
+    stream = BatchStream(source, rank=rank, batch_size=train_cfg.batch_size)
+    losses, grad_norms = [], []
+    for _ in range(train_cfg.steps):
+        loss, grad_norm = _train_step(
+            par, optimizer, stream, source, train_cfg, torch.device("cpu")
+        )
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+        scheduler.step()
+    par.settle()
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "params": {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in par.model.named_parameters()
+        },
+        "description": par.description,
+        "initial": initial,
+    }
