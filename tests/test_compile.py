@@ -51,7 +51,13 @@ def _ddp_and_bucketer(rank, world_size, batches):
     wrapped = ok.ddp(make_mlp(), bucket_mb=1)
     compiled = torch.compile(wrapped, backend=BACKEND)
     out["ddp_compiled"] = _train(compiled, wrapped, lambda: None, rank, world_size, batches)
-    out["ddp_compiled_buckets"] = len(ok.comm_stats(wrapped).records)
+    # Every handle a user holds reads the same recorder: the DDP model, the compiled one, the
+    # module inside, and that module compiled.
+    handles = (wrapped, compiled, wrapped.module, torch.compile(wrapped.module, backend=BACKEND))
+    out["ddp_compiled_buckets"] = [len(ok.comm_stats(h).records) for h in handles]
+    compiled_first = torch.compile(make_mlp(), backend=BACKEND)
+    ok.ddp(compiled_first, bucket_mb=1)
+    out["compiled_first_records"] = len(ok.comm_stats(compiled_first._orig_mod).records)
 
     small = torch.compile(ok.ddp(make_mlp(), bucket_mb=0.25), backend=BACKEND)
     try:
@@ -122,7 +128,9 @@ def test_compiled_ok_ddp_gives_the_eager_gradients(two_ranks):
         _assert_grads_equal(result["ddp_compiled"], result["ddp_eager"])
         _assert_grads_equal(result["ddp_compiled"], reference)
         # The instrumented hook ran under the compiled backward: one record per bucket and step.
-        assert result["ddp_compiled_buckets"] >= STEPS
+        records = result["ddp_compiled_buckets"]
+        assert records[0] >= STEPS and records == [records[0]] * 4, records
+        assert result["compiled_first_records"] == 0  # wrapped after compiling; not trained
 
 
 @pytest.mark.slow

@@ -204,6 +204,7 @@ def ddp(
             hook = check_finite_wrapper(hook, check)
         wrapped.register_comm_hook(hooks.CommHookState(group, recorder), hook)
     register_recorder(wrapped, recorder)
+    register_recorder(module, recorder)
     if auto:
         attach_ddp_tuner(wrapped, params, group, recorder)
     logger.info(
