@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import overlapkit as ok
-from overlapkit.group.failures import check_in, describe_failure, grace_s
+from overlapkit.group.failures import CheckIn, check_in, describe_failure, grace_s
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
 
@@ -70,6 +70,7 @@ def _train_until_failure(rank, step_fn, mlp, mode):
                 "message": str(error),
                 "elapsed_s": time.monotonic() - start,
                 "missing": getattr(error, "missing_ranks", None),
+                "failed_elsewhere": getattr(error, "failed_elsewhere", None),
                 "cause": type(error.__cause__).__name__,
                 "exit_s": _destroy_group_after(start),
             }
@@ -265,6 +266,24 @@ def test_hsdp_reduce_scatter_and_all_reduce_across_replicas_name_the_block_and_s
     (replica_peer,) = set(replicas) - {1}
     _assert_fsdp_failure(results[shard_peer]["report"], "reduce_scatter", shards)
     _assert_fsdp_failure(results[replica_peer]["report"], "all_reduce", replicas)
+    # The fourth rank shares no group with the dead one. Its all-reduce across replicas failed
+    # because its replica peer (the dead rank's shard peer) stopped at its own reduce-scatter:
+    # that peer is alive and is named so, not as "dead or stuck".
+    (other,) = set(results) - {shard_peer, replica_peer}
+    report = results[other]["report"]
+    assert report is not None and report["type"] == "CollectiveFailure", report
+    assert report["missing"] == ()
+    assert list(report["failed_elsewhere"]) == [shard_peer]
+    what = rf"reduce_scatter of block \d \('\d'\) on the group {re.escape(str(list(shards)))}"
+    assert re.fullmatch(what, report["failed_elsewhere"][shard_peer]), report["failed_elsewhere"]
+    assert "never checked in" not in report["message"] and "dead" not in report["message"]
+    assert re.search(
+        rf"ok\.fsdp: all_reduce of block \d \('\d'\) \(step {FAULT_STEP}\) failed on rank "
+        rf"{other}: no rank of the group {re.escape(str(sorted([other, shard_peer])))} is "
+        rf"missing: rank\(s\) \[{shard_peer}\] are alive but never reached this collective, "
+        rf"because one of theirs failed first \(rank {shard_peer} failed first in {what}\)",
+        report["message"],
+    ), report["message"]
 
 
 @pytest.mark.slow
@@ -290,22 +309,39 @@ def test_check_in_names_the_ranks_that_never_checked_in_after_the_grace_period()
     store = _store()
     store.set("t/1", "1")
     start = time.monotonic()
-    assert check_in(store, "t", 0, [0, 1, 2], grace=0.3) == ((2,), None)
+    assert check_in(store, "t", 0, [0, 1, 2], grace=0.3) == CheckIn((2,))
     assert time.monotonic() - start >= 0.3
     # Once everyone has checked in there is nothing to wait for.
     store.set("t/2", "1")
     start = time.monotonic()
-    assert check_in(store, "t", 0, [0, 1, 2], grace=30) == ((), None)
+    assert check_in(store, "t", 0, [0, 1, 2], grace=30) == CheckIn(())
     assert time.monotonic() - start < 5
+
+
+def test_check_in_counts_a_rank_that_failed_on_another_group_as_alive_not_missing():
+    store = _store()
+    # Rank 0 failed on its shard group and checked in there; rank 2's collective with rank 0,
+    # on their replica group, failed in turn. Rank 3 is dead.
+    store.set("shard/0", "1")
+    store.set("failed/0", "reduce_scatter of block 1 on the group [0, 1]")
+    start = time.monotonic()
+    found = check_in(
+        store, "replica", 2, [0, 2], grace=30, failed_prefix="failed", what="all_reduce"
+    )
+    assert found == CheckIn((), ((0, "reduce_scatter of block 1 on the group [0, 1]"),))
+    assert time.monotonic() - start < 5  # nobody left to wait for
+    assert store.get("failed/2") == b"all_reduce"
+    found = check_in(store, "replica", 2, [0, 2, 3], grace=0.1, failed_prefix="failed")
+    assert found.missing == (3,) and [r for r, _ in found.elsewhere] == [0]
 
 
 def test_check_in_reports_an_unreachable_store_instead_of_ranks():
     master = _store()
     client = dist.TCPStore("127.0.0.1", master.port, 1, is_master=False)
     del master  # the store's host is gone
-    missing, store_error = check_in(client, "t", 0, [0, 1], grace=0.1)
-    assert missing is None
-    assert store_error
+    found = check_in(client, "t", 0, [0, 1], grace=0.1)
+    assert found.missing is None
+    assert found.store_error
 
 
 def test_failure_message_names_collective_bucket_step_and_missing_ranks():
@@ -326,6 +362,17 @@ def test_failure_message_names_collective_bucket_step_and_missing_ranks():
         "Backend error: Connection reset by peer"
     )
     assert "no rank is missing" in describe_failure(missing=(), store_error=None, **common)
+    elsewhere = ((1, "reduce_scatter of block 0 on the group [1, 3]"),)
+    alive = describe_failure(missing=(), store_error=None, elsewhere=elsewhere, **common)
+    assert "never checked in" not in alive and "dead" not in alive
+    assert (
+        "no rank of the group [0, 1, 2] is missing: rank(s) [1] are alive but never reached "
+        "this collective, because one of theirs failed first (rank 1 failed first in "
+        "reduce_scatter of block 0 on the group [1, 3])"
+    ) in alive
+    both = describe_failure(missing=(2,), store_error=None, elsewhere=elsewhere, **common)
+    assert "rank(s) [2] of the group [0, 1, 2] never checked in" in both
+    assert "; alive, but stopped at their own failure: rank 1 failed first in" in both
     gone = describe_failure(missing=None, store_error="DistNetworkError: refused", **common)
     assert "rendezvous store is unreachable (DistNetworkError: refused)" in gone
 
