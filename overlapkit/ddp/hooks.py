@@ -48,6 +48,9 @@ class CommHookState:
             step in the error of a failed all-reduce (``overlapkit.group.failures``).
         parameters (Iterable[Tensor]): whose ``.grad`` is set to None when an all-reduce of the
             step fails (``overlapkit.ddp.failure_relay``). Defaults to none.
+
+    Registered by hand rather than by ``ok.ddp``, also call ``state.relay.attach(ddp_model)``:
+    after a failed step, DDP's reducer is then reset at the next forward.
     """
 
     __slots__ = ("_wire_buffers", "failures", "group_size", "process_group", "recorder", "relay")
