@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlapkit.ddp.comm_stats import CommRecorder
+from overlapkit.ddp.comm_stats import CommRecorder, comm_stats, register_recorder
 
 
 def _step(recorder: CommRecorder, sizes: list[int], complete: bool = True):
@@ -63,3 +63,21 @@ def test_by_bucket_is_empty_before_anything_completes():
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
         CommRecorder(capacity=0)
+
+
+def test_a_compiled_module_reads_the_recorder_of_the_module_it_compiles():
+    # torch.compile only wraps here (OptimizedModule._orig_mod); nothing is compiled until called.
+    module = torch.nn.Linear(2, 2)
+    recorder = CommRecorder()
+    _step(recorder, [8])
+    register_recorder(module, recorder)
+    assert comm_stats(torch.compile(module)) == comm_stats(module) == recorder.snapshot()
+    compiled_first = torch.compile(torch.nn.Linear(2, 2))
+    register_recorder(compiled_first, recorder)  # ok.ddp(torch.compile(model)) registers this
+    assert comm_stats(compiled_first._orig_mod) == recorder.snapshot()
+
+
+def test_comm_stats_of_anything_else_is_a_type_error_naming_what_it_takes():
+    for other in (torch.nn.Linear(2, 2), [], "model"):
+        with pytest.raises(TypeError, match=r"ok\.ddp\(\) \(or the module it wraps, compiled or "):
+            comm_stats(other)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 
 import overlapkit as ok
 from tests.multiproc import run_on_ranks
 from tests.reference import grads_of, make_batches, make_mlp, reference_grads, shard
+from tests.test_fsdp_blocks import SEQ, VOCAB, make_transformer
 from tests.test_fsdp_blocks import make_mlp as make_block_mlp
 
 BACKEND = "aot_eager"
@@ -51,7 +54,13 @@ def _ddp_and_bucketer(rank, world_size, batches):
     wrapped = ok.ddp(make_mlp(), bucket_mb=1)
     compiled = torch.compile(wrapped, backend=BACKEND)
     out["ddp_compiled"] = _train(compiled, wrapped, lambda: None, rank, world_size, batches)
-    out["ddp_compiled_buckets"] = len(ok.comm_stats(wrapped).records)
+    # Every handle a user holds reads the same recorder: the DDP model, the compiled one, the
+    # module inside, and that module compiled.
+    handles = (wrapped, compiled, wrapped.module, torch.compile(wrapped.module, backend=BACKEND))
+    out["ddp_compiled_buckets"] = [len(ok.comm_stats(h).records) for h in handles]
+    compiled_first = torch.compile(make_mlp(), backend=BACKEND)
+    ok.ddp(compiled_first, bucket_mb=1)
+    out["compiled_first_records"] = len(ok.comm_stats(compiled_first._orig_mod).records)
 
     small = torch.compile(ok.ddp(make_mlp(), bucket_mb=0.25), backend=BACKEND)
     try:
@@ -74,7 +83,24 @@ def _ddp_and_bucketer(rank, world_size, batches):
     return out
 
 
+def _graph_breaks(model, rank, world_size):
+    """Dynamo graph breaks (what ``TORCH_LOGS=graph_breaks`` prints) of one compiled step."""
+    tokens = torch.randint(0, VOCAB, (2 * world_size, SEQ), generator=torch.Generator())
+    before = sum(counters["graph_break"].values())
+    compiled = torch.compile(model, backend=BACKEND)
+    compiled(tokens[rank * 2 : rank * 2 + 2]).sum().backward()
+    return sum(counters["graph_break"].values()) - before
+
+
 def _fsdp(rank, world_size):
+    plain = make_transformer()
+    for layer in plain.layers:
+        fully_shard(layer)
+    fully_shard(plain)
+    breaks = {
+        "plain": _graph_breaks(plain, rank, world_size),
+        "ok": _graph_breaks(ok.fsdp(make_transformer(), prefetch=1), rank, world_size),
+    }
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g))] * STEPS
     reference = make_block_mlp()
@@ -96,6 +122,7 @@ def _fsdp(rank, world_size):
             (full[k] - v).abs().max().item() for k, v in reference.state_dict().items()
         ),
         "peak_forward": max(s.forward_peak_blocks for s in ok.fsdp_stats(model).steps),
+        "graph_breaks": breaks,
     }
 
 
@@ -122,7 +149,9 @@ def test_compiled_ok_ddp_gives_the_eager_gradients(two_ranks):
         _assert_grads_equal(result["ddp_compiled"], result["ddp_eager"])
         _assert_grads_equal(result["ddp_compiled"], reference)
         # The instrumented hook ran under the compiled backward: one record per bucket and step.
-        assert result["ddp_compiled_buckets"] >= STEPS
+        records = result["ddp_compiled_buckets"]
+        assert records[0] >= STEPS and records == [records[0]] * 4, records
+        assert result["compiled_first_records"] == 0  # wrapped after compiling; not trained
 
 
 @pytest.mark.slow
@@ -150,3 +179,11 @@ def test_compiled_ok_fsdp_matches_the_unsharded_reference(two_ranks):
     for result in two_ranks:
         assert result["fsdp"]["param_diff"] < 1e-5
         assert result["fsdp"]["peak_forward"] <= 2  # prefetch=1 still bounds memory
+
+
+@pytest.mark.slow
+def test_compiled_ok_fsdp_adds_no_graph_break_to_fsdp2s_own(two_ranks):
+    # ok.fsdp's timing hooks run eagerly, as FSDP2's do; traced, they broke the graph 7 times.
+    for result in two_ranks:
+        breaks = result["fsdp"]["graph_breaks"]
+        assert breaks["ok"] == breaks["plain"], breaks

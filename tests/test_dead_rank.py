@@ -11,11 +11,12 @@ import signal
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 
 import overlapkit as ok
-from overlapkit.group.failures import check_in, describe_failure, grace_s
+from overlapkit.group.failures import CheckIn, check_in, describe_failure, grace_s
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
 
@@ -44,12 +45,26 @@ def _fault(mode: str):
     return armed, hook
 
 
-def _train_until_failure(rank, step_fn, mlp, mode):
+def _report(error, start):
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "elapsed_s": time.monotonic() - start,
+        "missing": getattr(error, "missing_ranks", None),
+        "where": getattr(error, "where", None),
+        "failed_elsewhere": getattr(error, "failed_elsewhere", None),
+        "cause": type(error.__cause__).__name__,
+    }
+
+
+def _train_until_failure(rank, step_fn, mlp, mode, world_size=2, after_failure=None):
     """Run steps; rank 1 faults in the middle of backward at ``FAULT_STEP``; report the error.
 
     The fault fires when the gradient of the second-to-last layer's output arrives: the last
-    layer's gradients (and their collectives) are done, the earlier layers' are not. The report's
-    ``exit_s`` is when the process group is destroyed, which waits for its pending work.
+    layer's gradients (and their collectives) are done, the earlier layers' are not. Each rank
+    trains on its slice of a batch split ``world_size`` ways. ``after_failure()`` runs on the
+    survivors before the report's ``exit_s``: when the process group is destroyed, which waits
+    for its pending work.
     """
     armed, hook = _fault(mode)
     if rank == 1:
@@ -58,21 +73,16 @@ def _train_until_failure(rank, step_fn, mlp, mode):
             output.register_hook(hook)
 
         mlp[-3].register_forward_hook(watch_output)
-    for step, batch in enumerate(make_batches(FAULT_STEP + 2, 2)):
+    for step, batch in enumerate(make_batches(FAULT_STEP + 2, world_size)):
         armed["step"] = step
         start = time.monotonic()
         try:
-            step_fn(shard(batch, rank % 2, 2))
+            step_fn(shard(batch, rank % world_size, world_size))
         except Exception as error:  # what the user's loop would see
-            return {
-                "step": step,
-                "type": type(error).__name__,
-                "message": str(error),
-                "elapsed_s": time.monotonic() - start,
-                "missing": getattr(error, "missing_ranks", None),
-                "cause": type(error.__cause__).__name__,
-                "exit_s": _destroy_group_after(start),
-            }
+            report = _report(error, start) | {"step": step}
+            if after_failure is not None:
+                report |= after_failure()
+            return report | {"exit_s": _destroy_group_after(start)}
     return None
 
 
@@ -97,16 +107,80 @@ def _bucketer_run(rank, world_size, mode):
     return report and report | {"buckets": bucketer.num_buckets}
 
 
-def _ddp_run(rank, world_size, mode):
-    mlp = make_mlp()
-    model = ok.ddp(mlp, bucket_mb=SMALL_BUCKET_MB)
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    def step(batch):
+
+class _DDPRun:
+    """``ok.ddp`` + SGD with momentum on its own group; steps as a user's loop would."""
+
+    def __init__(self, rank, world_size, **ddp_kwargs):
+        self.rank, self.world_size = rank, world_size
+        self.mlp = make_mlp()
+        group = dist.new_group(list(range(world_size)))
+        self.model = ok.ddp(self.mlp, bucket_mb=SMALL_BUCKET_MB, process_group=group, **ddp_kwargs)
+        self.opt = torch.optim.SGD(self.mlp.parameters(), lr=0.1, momentum=0.9)
+        self.before = _params(self.mlp)
+
+    def step(self, batch):
         x, y = batch
-        model.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
+        self.before = _params(self.mlp)
+        self.opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(self.model(x), y).backward()
+        self.opt.step()
 
-    return _train_until_failure(rank, step, mlp, mode)
+    def fail_then_step_and_retry(self, batch=None):
+        """Run a step that fails (or report the one that just failed), then do what a retry loop
+        or a framework's error handler may do: ``optimizer.step()``, and the next step."""
+        report = {}
+        if batch is not None:
+            start = time.monotonic()
+            try:
+                self.step(batch)
+                return {"type": None}  # it did not fail
+            except Exception as error:
+                report = _report(error, start)
+        report["grads"] = [p.grad for p in self.mlp.parameters()]
+        self.opt.step()  # the error was caught: must not apply this rank's own gradients
+        report["params"] = _params(self.mlp)
+        report["params_unchanged"] = all(
+            torch.equal(report["params"][n], self.before[n]) for n in self.before
+        )
+        try:
+            self.step(_shard_of(self.rank, self.world_size))
+            report["retry"] = None
+        except Exception as error:
+            report["retry"] = f"{type(error).__name__}: {error}"
+        return report
+
+
+def _shard_of(rank, world_size):
+    return shard(make_batches(1, world_size, seed=7)[0], rank, world_size)
+
+
+def _ddp_run(rank, world_size, mode):
+    """Three ``ok.ddp`` models on groups of their own; rank 1 dies in the first one's backward.
+
+    The survivors then run the first step of the others: ``find_unused_parameters=True`` (DDP
+    also waits for its own all-reduce of the used-parameter map) and ``static_graph=True`` (the
+    first step's hooks run inside DDP's own end-of-backward callback).
+    """
+    default = _DDPRun(rank, world_size)
+    unused = _DDPRun(rank, world_size, find_unused_parameters=True)
+    static = _DDPRun(rank, world_size, static_graph=True)
+
+    def after_failure():
+        # Five more failures, each waiting the grace period for the dead rank, must end within
+        # the harness's patience (one collective timeout after the death); the survivors meet
+        # each failure within milliseconds of each other.
+        os.environ["OVERLAPKIT_CHECKIN_GRACE_S"] = "0.5"
+        return {
+            "default": default.fail_then_step_and_retry(),
+            "find_unused": unused.fail_then_step_and_retry(_shard_of(rank, world_size)),
+            "static_first_step": static.fail_then_step_and_retry(_shard_of(rank, world_size)),
+        }
+
+    return _train_until_failure(rank, default.step, default.mlp, mode, world_size, after_failure)
 
 
 def _fsdp_step(model):
@@ -202,19 +276,67 @@ def test_bucketer_survivor_names_all_reduce_bucket_and_missing_rank(mode):
         assert report["elapsed_s"] >= TIMEOUT_S * 0.9
 
 
+@pytest.fixture(scope="module")
+def ddp_survivors():
+    """Ranks 0 and 2 of three, after rank 1 was SIGKILLed in the middle of ``ok.ddp``'s backward."""
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(_ddp_run, 3, "kill", collective_timeout_s=TIMEOUT_S, env=ENV)
+    assert "rank 1 returned nothing: killed by signal 9" in str(failure.value)
+    assert sorted(failure.value.results) == [0, 2], str(failure.value)
+    for report in failure.value.results.values():
+        assert report is not None and report["step"] == FAULT_STEP, report
+    return failure.value.results
+
+
 @pytest.mark.slow
-def test_ddp_survivor_names_all_reduce_bucket_and_missing_rank():
-    report = _survivor_report(_ddp_run, "kill")
-    # The same type as the other wrappers', not DDP's RuntimeError holding its text.
-    assert report["type"] == "CollectiveFailure", report["message"]
-    assert report["missing"] == (1,)
-    assert report["cause"] == "RuntimeError"  # the backend's error
-    assert re.search(
-        rf"ok\.ddp: all_reduce of bucket \d+ \(step {FAULT_STEP}\) failed on rank 0: "
-        r"rank\(s\) \[1\] of the group \[0, 1\] never checked in within 2 s",
-        report["message"],
-    ), report["message"]
-    assert report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
+def test_ddp_survivor_names_every_failed_bucket_and_the_missing_rank(ddp_survivors):
+    for rank, report in ddp_survivors.items():
+        # The same type as the other wrappers', not DDP's RuntimeError holding its text.
+        assert report["type"] == "CollectiveFailure", report["message"]
+        assert report["missing"] == (1,)
+        assert report["cause"] == "RuntimeError"  # the backend's error
+        # Rank 1 died before its first bucket was ready: both of the step's buckets failed.
+        assert report["where"] == "buckets 0, 1"
+        assert re.search(
+            rf"ok\.ddp: all_reduce of buckets 0, 1 \(step {FAULT_STEP}\) failed on rank {rank}: "
+            r"rank\(s\) \[1\] of the group \[0, 1, 2\] never checked in within 2 s",
+            report["message"],
+        ), report["message"]
+        assert report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["default", "find_unused", "static_first_step"])
+def test_ddp_failure_drops_the_gradients_so_a_caught_step_keeps_the_replicas_equal(
+    ddp_survivors, model
+):
+    reports = [ddp_survivors[rank][model] for rank in (0, 2)]
+    for report in reports:
+        assert "grads" in report, report  # the step failed
+        assert all(g is None for g in report["grads"])
+        assert report["params_unchanged"]  # optimizer.step() after the error changed nothing
+    # Each rank's own un-averaged gradients would have moved the replicas apart.
+    for name, value in reports[0]["params"].items():
+        assert torch.equal(value, reports[1]["params"][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["default", "find_unused", "static_first_step"])
+def test_ddp_step_after_a_failure_raises_collective_failure_again(ddp_survivors, model):
+    for rank in (0, 2):
+        report = ddp_survivors[rank][model]
+        if model != "default":  # the survivors' first step on that group, after the death
+            assert report["type"] == "CollectiveFailure", report["message"]
+            assert 1 in report["missing"]
+            assert re.search(
+                rf"ok\.ddp: all_reduce of (buckets 0, 1|bucket 0) \(step 0\) failed on rank "
+                rf"{rank}: rank\(s\) \[[\d, ]+\] of the group \[0, 1, 2\] never checked in",
+                report["message"],
+            ), report["message"]
+        # Not DDP's "Expected to have finished reduction in the prior iteration".
+        retry_step = FAULT_STEP + 1 if model == "default" else 1
+        assert report["retry"].startswith("CollectiveFailure: ok.ddp: all_reduce of "), report
+        assert f"(step {retry_step}) failed on rank {rank}" in report["retry"], report["retry"]
 
 
 @pytest.mark.slow
@@ -265,6 +387,24 @@ def test_hsdp_reduce_scatter_and_all_reduce_across_replicas_name_the_block_and_s
     (replica_peer,) = set(replicas) - {1}
     _assert_fsdp_failure(results[shard_peer]["report"], "reduce_scatter", shards)
     _assert_fsdp_failure(results[replica_peer]["report"], "all_reduce", replicas)
+    # The fourth rank shares no group with the dead one. Its all-reduce across replicas failed
+    # because its replica peer (the dead rank's shard peer) stopped at its own reduce-scatter:
+    # that peer is alive and is named so, not as "dead or stuck".
+    (other,) = set(results) - {shard_peer, replica_peer}
+    report = results[other]["report"]
+    assert report is not None and report["type"] == "CollectiveFailure", report
+    assert report["missing"] == ()
+    assert list(report["failed_elsewhere"]) == [shard_peer]
+    what = rf"reduce_scatter of block \d \('\d'\) on the group {re.escape(str(list(shards)))}"
+    assert re.fullmatch(what, report["failed_elsewhere"][shard_peer]), report["failed_elsewhere"]
+    assert "never checked in" not in report["message"] and "dead" not in report["message"]
+    assert re.search(
+        rf"ok\.fsdp: all_reduce of block \d \('\d'\) \(step {FAULT_STEP}\) failed on rank "
+        rf"{other}: no rank of the group {re.escape(str(sorted([other, shard_peer])))} is "
+        rf"missing: rank\(s\) \[{shard_peer}\] are alive but never reached this collective, "
+        rf"because one of theirs failed first \(rank {shard_peer} failed first in {what}\)",
+        report["message"],
+    ), report["message"]
 
 
 @pytest.mark.slow
@@ -290,22 +430,39 @@ def test_check_in_names_the_ranks_that_never_checked_in_after_the_grace_period()
     store = _store()
     store.set("t/1", "1")
     start = time.monotonic()
-    assert check_in(store, "t", 0, [0, 1, 2], grace=0.3) == ((2,), None)
+    assert check_in(store, "t", 0, [0, 1, 2], grace=0.3) == CheckIn((2,))
     assert time.monotonic() - start >= 0.3
     # Once everyone has checked in there is nothing to wait for.
     store.set("t/2", "1")
     start = time.monotonic()
-    assert check_in(store, "t", 0, [0, 1, 2], grace=30) == ((), None)
+    assert check_in(store, "t", 0, [0, 1, 2], grace=30) == CheckIn(())
     assert time.monotonic() - start < 5
+
+
+def test_check_in_counts_a_rank_that_failed_on_another_group_as_alive_not_missing():
+    store = _store()
+    # Rank 0 failed on its shard group and checked in there; rank 2's collective with rank 0,
+    # on their replica group, failed in turn. Rank 3 is dead.
+    store.set("shard/0", "1")
+    store.set("failed/0", "reduce_scatter of block 1 on the group [0, 1]")
+    start = time.monotonic()
+    found = check_in(
+        store, "replica", 2, [0, 2], grace=30, failed_prefix="failed", what="all_reduce"
+    )
+    assert found == CheckIn((), ((0, "reduce_scatter of block 1 on the group [0, 1]"),))
+    assert time.monotonic() - start < 5  # nobody left to wait for
+    assert store.get("failed/2") == b"all_reduce"
+    found = check_in(store, "replica", 2, [0, 2, 3], grace=0.1, failed_prefix="failed")
+    assert found.missing == (3,) and [r for r, _ in found.elsewhere] == [0]
 
 
 def test_check_in_reports_an_unreachable_store_instead_of_ranks():
     master = _store()
     client = dist.TCPStore("127.0.0.1", master.port, 1, is_master=False)
     del master  # the store's host is gone
-    missing, store_error = check_in(client, "t", 0, [0, 1], grace=0.1)
-    assert missing is None
-    assert store_error
+    found = check_in(client, "t", 0, [0, 1], grace=0.1)
+    assert found.missing is None
+    assert found.store_error
 
 
 def test_failure_message_names_collective_bucket_step_and_missing_ranks():
@@ -326,6 +483,17 @@ def test_failure_message_names_collective_bucket_step_and_missing_ranks():
         "Backend error: Connection reset by peer"
     )
     assert "no rank is missing" in describe_failure(missing=(), store_error=None, **common)
+    elsewhere = ((1, "reduce_scatter of block 0 on the group [1, 3]"),)
+    alive = describe_failure(missing=(), store_error=None, elsewhere=elsewhere, **common)
+    assert "never checked in" not in alive and "dead" not in alive
+    assert (
+        "no rank of the group [0, 1, 2] is missing: rank(s) [1] are alive but never reached "
+        "this collective, because one of theirs failed first (rank 1 failed first in "
+        "reduce_scatter of block 0 on the group [1, 3])"
+    ) in alive
+    both = describe_failure(missing=(2,), store_error=None, elsewhere=elsewhere, **common)
+    assert "rank(s) [2] of the group [0, 1, 2] never checked in" in both
+    assert "; alive, but stopped at their own failure: rank 1 failed first in" in both
     gone = describe_failure(missing=None, store_error="DistNetworkError: refused", **common)
     assert "rendezvous store is unreachable (DistNetworkError: refused)" in gone
 

@@ -39,7 +39,6 @@ def _fit(strategy, fsdp: bool = False) -> dict:
             super().__init__()
             self.net = make_mlp(blocks=4, width=WIDTH)
             self.grads: list[dict[str, torch.Tensor]] = []
-            self.wrapped: list[torch.nn.Module] = []
 
         def configure_model(self):
             if fsdp:
@@ -60,11 +59,6 @@ def _fit(strategy, fsdp: bool = False) -> dict:
                     for n, p in self.named_parameters()
                 }
             )
-
-        def on_train_start(self):
-            # The DDP model ok.ddp built (Lightning unwraps it at teardown); kept in a list,
-            # since assigning a module to an attribute would make it a sub-module.
-            self.wrapped.append(self.trainer.strategy.model)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -89,7 +83,9 @@ def _fit(strategy, fsdp: bool = False) -> dict:
         for n, p in model.named_parameters()
     }
     overlap = isinstance(strategy, OverlapDDPStrategy) or strategy == "overlapkit_ddp"
-    stats = ok.comm_stats(model.wrapped[0]) if overlap else None
+    # Lightning has unwrapped the DDP model at teardown: what it holds is the LightningModule.
+    assert trainer.strategy.model is model
+    stats = ok.comm_stats(trainer.strategy.model) if overlap else None
     return {
         "grads": model.grads,
         "params": params,

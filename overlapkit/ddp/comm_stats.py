@@ -244,30 +244,48 @@ class CommRecorder:
         return CommStats(tuple(records), tuple(self.skipped_steps))
 
 
-# Recorders by the object that owns them (a DDP module or a GradBucketer), without keeping
-# the owner alive.
+# Recorders by the object that owns them (a DDP module, the module inside it, a GradBucketer),
+# without keeping the owner alive.
 _recorders: weakref.WeakKeyDictionary[Any, CommRecorder] = weakref.WeakKeyDictionary()
 
 
+def _uncompiled(owner: Any) -> Any:
+    # ``torch.compile(module)`` returns an OptimizedModule holding the module as ``_orig_mod``.
+    while isinstance(owner, torch.nn.Module) and isinstance(
+        getattr(owner, "_orig_mod", None), torch.nn.Module
+    ):
+        owner = owner._orig_mod
+    return owner
+
+
 def register_recorder(owner: Any, recorder: CommRecorder) -> None:
-    """Make ``recorder`` what ``comm_stats(owner)`` reads."""
-    _recorders[owner] = recorder
+    """Make ``recorder`` what ``comm_stats(owner)`` reads (also for ``owner`` compiled)."""
+    _recorders[_uncompiled(owner)] = recorder
 
 
 def comm_stats(owner: Any) -> CommStats:
     """Per-bucket collective timings of a model from ``ok.ddp`` or an ``ok.GradBucketer``.
+
+    Args:
+        owner: the DistributedDataParallel ``ok.ddp`` returned or adopted, the module inside
+            it (the model given to ``ok.ddp``; a LightningModule once ``Trainer.fit()`` has
+            unwrapped it), either of them compiled (``torch.compile``), or an
+            ``ok.GradBucketer``. A module wrapped by ``ok.ddp`` twice reads its latest wrapper.
 
     Returns:
         CommStats: records (step, layout, bucket index, bytes, launch/done ms), oldest first;
         ``.by_bucket()`` gives medians over the latest bucket layout.
 
     Raises:
-        TypeError: ``owner`` was not created by ``ok.ddp`` or ``ok.GradBucketer``.
+        TypeError: ``owner`` is none of these.
     """
-    recorder = _recorders.get(owner)
+    try:
+        recorder = _recorders.get(_uncompiled(owner))
+    except TypeError:  # not hashable, so not a model or a bucketer
+        recorder = None
     if recorder is None:
         raise TypeError(
-            f"comm_stats() takes a model returned by ok.ddp() or an ok.GradBucketer, got "
-            f"{type(owner).__name__}"
+            f"comm_stats() takes a model returned by ok.ddp() (or the module it wraps, compiled "
+            f"or not) or an ok.GradBucketer, got {type(owner).__name__}"
         )
     return recorder.snapshot()

@@ -17,7 +17,7 @@ hook does.
 # registration and needs ``dist.GradBucket`` itself, not its string.
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -46,16 +46,26 @@ class CommHookState:
         process_group (ProcessGroup): group to average over.
         recorder (CommRecorder): where per-bucket timings go; its step count also names the
             step in the error of a failed all-reduce (``overlapkit.group.failures``).
+        parameters (Iterable[Tensor]): whose ``.grad`` is set to None when an all-reduce of the
+            step fails (``overlapkit.ddp.failure_relay``). Defaults to none.
+
+    Registered by hand rather than by ``ok.ddp``, also call ``state.relay.attach(ddp_model)``:
+    after a failed step, DDP's reducer is then reset at the next forward.
     """
 
     __slots__ = ("_wire_buffers", "failures", "group_size", "process_group", "recorder", "relay")
 
-    def __init__(self, process_group: dist.ProcessGroup, recorder: CommRecorder):
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup,
+        recorder: CommRecorder,
+        parameters: Iterable[torch.Tensor] = (),
+    ):
         self.process_group = process_group
         self.group_size = process_group.size()
         self.recorder = recorder
         self.failures = FailureScope("ok.ddp", lambda: recorder.step)
-        self.relay = FailureRelay()
+        self.relay = FailureRelay(parameters)
         self._wire_buffers: dict[int, torch.Tensor] = {}
 
     def wire_buffer(
@@ -85,15 +95,23 @@ class CommHookState:
 
 
 class PowerSGDHookState:
-    """PyTorch's ``PowerSGDState`` plus the recorder that times each bucket."""
+    """PyTorch's ``PowerSGDState`` plus the recorder that times each bucket.
+
+    ``parameters``: as in ``CommHookState``.
+    """
 
     __slots__ = ("failures", "powersgd", "recorder", "relay")
 
-    def __init__(self, powersgd_state: powersgd.PowerSGDState, recorder: CommRecorder):
+    def __init__(
+        self,
+        powersgd_state: powersgd.PowerSGDState,
+        recorder: CommRecorder,
+        parameters: Iterable[torch.Tensor] = (),
+    ):
         self.powersgd = powersgd_state
         self.recorder = recorder
         self.failures = FailureScope("ok.ddp", lambda: recorder.step)
-        self.relay = FailureRelay()
+        self.relay = FailureRelay(parameters)
 
 
 def _record(
@@ -119,8 +137,9 @@ def _allreduce_fut(
     """All-reduce (sum) ``wire`` asynchronously, record the bucket's timing, then ``finish``.
 
     A failed all-reduce (a dead or stuck peer) makes ``loss.backward()`` raise
-    ``CollectiveFailure`` naming the bucket and the missing ranks (``failure_relay``); the
-    healthy path runs nothing but ``finish``.
+    ``CollectiveFailure`` naming the step's failed buckets and the missing ranks, with every
+    ``.grad`` of the step dropped (``failure_relay``); the healthy path runs nothing but
+    ``finish``.
     """
     site = state.failures.site(state.process_group, collective, f"bucket {bucket.index()}")
     state.relay.arm(state.recorder.step)
@@ -131,11 +150,11 @@ def _allreduce_fut(
         try:
             reduced = fut.value()[0]
         except RuntimeError as error:
-            state.relay.record(site, error)
-            reduced = wire  # not averaged; the relay raises before anyone can use it
+            state.relay.record(site, bucket.index(), error)
+            reduced = wire  # not averaged; the relay drops it and raises before DDP's end
         return finish(reduced)
 
-    return future.then(done)
+    return state.relay.launched(future.then(done), last=bucket.is_last())
 
 
 def allreduce_hook(
@@ -224,7 +243,7 @@ def powersgd_hook(
         try:
             return fut.value()
         except RuntimeError as error:
-            state.relay.record(site, error)
-            return bucket.buffer()  # not averaged; the relay raises before anyone can use it
+            state.relay.record(site, bucket.index(), error)
+            return bucket.buffer()  # not averaged; the relay drops it and raises before DDP's end
 
-    return future.then(done)
+    return state.relay.launched(future.then(done), last=bucket.is_last())

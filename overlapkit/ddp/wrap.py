@@ -189,7 +189,9 @@ def ddp(
     recorder = CommRecorder(device=params[0].device)
     if compress == "powersgd":
         state = hooks.PowerSGDHookState(
-            powersgd.PowerSGDState(process_group=group, **(powersgd_options or {})), recorder
+            powersgd.PowerSGDState(process_group=group, **(powersgd_options or {})),
+            recorder,
+            params,
         )
         wrapped.register_comm_hook(state, hooks.powersgd_hook)
     else:
@@ -202,8 +204,11 @@ def ddp(
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             check = FiniteCheck("ok.ddp", on_nonfinite, recorder, named)
             hook = check_finite_wrapper(hook, check)
-        wrapped.register_comm_hook(hooks.CommHookState(group, recorder), hook)
+        state = hooks.CommHookState(group, recorder, params)
+        wrapped.register_comm_hook(state, hook)
+    state.relay.attach(wrapped)
     register_recorder(wrapped, recorder)
+    register_recorder(module, recorder)
     if auto:
         attach_ddp_tuner(wrapped, params, group, recorder)
     logger.info(

@@ -82,6 +82,7 @@ def attach_prefetch_tuner(
         tuner.step_ended(step_tags["seen"] - 1)
         step_tags["seen"] += 1
 
-    handle = model.register_forward_pre_hook(pre_forward, prepend=True)
+    # Eager under torch.compile, like ok.fsdp's other hooks (overlapkit.fsdp.wrap).
+    handle = model.register_forward_pre_hook(torch.compiler.disable(pre_forward), prepend=True)
     register_tuner(model, tuner)
     return tuner

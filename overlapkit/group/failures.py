@@ -7,12 +7,17 @@ overlapkit was reducing. So, on that failure only, each survivor:
 
 1. checks in on the c10d store the default process group was created with (the rendezvous store:
    torchrun's, or the one passed to ``init_process_group``) under a key for this wrapper, group
-   and step: ``overlapkit/checkin/<wrapper>#<n>/<group>/step<s>/<global rank>``;
+   and step: ``overlapkit/checkin/<wrapper>#<n>/<group>/step<s>/<global rank>``, and under one
+   for the wrapper and step alone, ``overlapkit/checkin/<wrapper>#<n>/step<s>/failed/<rank>``,
+   holding which collective failed on which group;
 2. waits up to ``CHECKIN_GRACE_S`` for the group's other ranks to check in too (a survivor whose
    peer died fails at once, one waiting on a stuck peer only after the timeout, hence the grace);
 3. raises ``CollectiveFailure`` naming the collective, the bucket/block, the step and the ranks
-   that never checked in: dead or stuck. If the store itself cannot be reached, its host (rank 0
-   or torchrun's agent) is gone, and the error says so instead.
+   that never checked in: dead or stuck. A rank of the group that checked in for another group
+   of the same wrapper (HSDP: its reduce-scatter failed, so it never reached the all-reduce across
+   replicas) is alive, and is named with the collective and group it failed on instead. If the
+   store itself cannot be reached, its host (rank 0 or torchrun's agent) is gone, and the error
+   says so instead.
 
 Nothing here touches the store or issues a collective on the healthy path: a ``CollectiveSite``
 only remembers where a collective was launched, and ``ExplainedWork`` only forwards to the
@@ -52,7 +57,11 @@ class CollectiveFailure(RuntimeError):
         where (str): the bucket or block, e.g. ``"bucket 1"`` or ``"block 0 ('layers.0')"``.
         step (int): the wrapper's step count (0-based) when the collective was launched.
         missing_ranks (tuple[int, ...] | None): global ranks of the group that never checked
-            in; None when the store could not be reached.
+            in anywhere (dead or stuck); None when the store could not be reached.
+        failed_elsewhere (dict[int, str]): ranks of the group that did not reach this
+            collective because one of theirs failed first on another group of the same wrapper
+            (alive), each with that collective, e.g. ``"reduce_scatter of block 1 ('2') on the
+            group [0, 1]"``.
         store_error (str | None): why the store could not be reached, if it could not.
     """
 
@@ -65,12 +74,14 @@ class CollectiveFailure(RuntimeError):
         step: int,
         missing_ranks: tuple[int, ...] | None,
         store_error: str | None,
+        failed_elsewhere: dict[int, str] | None = None,
     ):
         super().__init__(message)
         self.collective = collective
         self.where = where
         self.step = step
         self.missing_ranks = missing_ranks
+        self.failed_elsewhere = dict(failed_elsewhere or {})
         self.store_error = store_error
 
 
@@ -90,25 +101,58 @@ def grace_s() -> float:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class CheckIn:
+    """What the check-in found out about the other ranks of a failed collective's group."""
+
+    missing: tuple[int, ...] | None
+    """Ranks that checked in nowhere within the grace period; None if the store is unreachable."""
+    elsewhere: tuple[tuple[int, str], ...] = ()
+    """(rank, what failed there) for ranks that checked in for another group instead."""
+    store_error: str | None = None
+    """Why the store could not be reached, if it could not."""
+
+
 def check_in(
-    store: dist.Store, prefix: str, rank: int, ranks: list[int], grace: float
-) -> tuple[tuple[int, ...] | None, str | None]:
+    store: dist.Store,
+    prefix: str,
+    rank: int,
+    ranks: list[int],
+    grace: float,
+    *,
+    failed_prefix: str | None = None,
+    what: str = "",
+) -> CheckIn:
     """Set ``prefix/rank`` and wait up to ``grace`` seconds for every rank in ``ranks`` to do so.
 
+    With ``failed_prefix``, also set ``failed_prefix/rank`` to ``what`` (this rank's failed
+    collective), and count a rank whose ``failed_prefix`` key exists as accounted for: it is
+    alive and stopped at its own failure, elsewhere. The wait ends once every rank is accounted
+    for.
+
     Returns:
-        tuple: (the ranks whose key never appeared, None), or (None, the store's error) when the
-        store cannot be reached.
+        CheckIn: the ranks that never checked in and those that failed elsewhere, or the store's
+        error when the store cannot be reached.
     """
     try:
         store.set(f"{prefix}/{rank}", "1")
+        if failed_prefix is not None:
+            store.set(f"{failed_prefix}/{rank}", what)
         deadline = time.monotonic() + grace
         while True:
-            missing = tuple(r for r in ranks if not store.check([f"{prefix}/{r}"]))
+            absent = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
+            elsewhere = tuple(
+                (r, store.get(f"{failed_prefix}/{r}").decode())
+                for r in absent
+                if failed_prefix is not None and store.check([f"{failed_prefix}/{r}"])
+            )
+            alive = {r for r, _ in elsewhere}
+            missing = tuple(r for r in absent if r not in alive)
             if not missing or time.monotonic() >= deadline:
-                return missing, None
+                return CheckIn(missing, elsewhere)
             time.sleep(_POLL_S)
     except (RuntimeError, OSError) as error:  # DistNetworkError and DistStoreError included
-        return None, f"{type(error).__name__}: {_first_line(error)}"
+        return CheckIn(None, store_error=f"{type(error).__name__}: {_first_line(error)}")
 
 
 def _first_line(error: BaseException) -> str:
@@ -123,22 +167,24 @@ def _default_store() -> dist.Store:
 
 # One diagnosis per (scope, group, step): the other buckets of a failed step reuse it instead of
 # each waiting for the grace period again.
-_diagnoses: dict[str, tuple[tuple[int, ...] | None, str | None]] = {}
+_diagnoses: dict[str, CheckIn] = {}
 _diagnoses_lock = threading.Lock()
 _instances: dict[str, itertools.count] = {}
 
 
-def _diagnose(
-    prefix: str, rank: int, ranks: list[int]
-) -> tuple[tuple[int, ...] | None, str | None]:
+def _diagnose(prefix: str, rank: int, ranks: list[int], failed_prefix: str, what: str) -> CheckIn:
     with _diagnoses_lock:
         if prefix not in _diagnoses:
             try:
                 store = _default_store()
             except (RuntimeError, ValueError) as error:
-                _diagnoses[prefix] = (None, f"no default store ({_first_line(error)})")
+                _diagnoses[prefix] = CheckIn(
+                    None, store_error=f"no default store ({_first_line(error)})"
+                )
             else:
-                _diagnoses[prefix] = check_in(store, prefix, rank, ranks, grace_s())
+                _diagnoses[prefix] = check_in(
+                    store, prefix, rank, ranks, grace_s(), failed_prefix=failed_prefix, what=what
+                )
         return _diagnoses[prefix]
 
 
@@ -154,9 +200,11 @@ def describe_failure(
     store_error: str | None,
     error: BaseException,
     grace: float,
+    elsewhere: tuple[tuple[int, str], ...] = (),
 ) -> str:
     """The message of a ``CollectiveFailure`` (a pure function of the diagnosis)."""
     head = f"{caller}: {collective} of {where} (step {step}) failed on rank {rank}"
+    alive = "; ".join(f"rank {r} failed first in {what}" for r, what in elsewhere)
     if store_error is not None:
         who = (
             f"the missing rank(s) cannot be identified: the rendezvous store is unreachable "
@@ -166,6 +214,14 @@ def describe_failure(
         who = (
             f"rank(s) {list(missing)} of the group {group_ranks} never checked in within "
             f"{grace:g} s of the failure: dead or stuck (see their logs)"
+        )
+        if elsewhere:
+            who += f"; alive, but stopped at their own failure: {alive}"
+    elif elsewhere:
+        who = (
+            f"no rank of the group {group_ranks} is missing: rank(s) "
+            f"{[r for r, _ in elsewhere]} are alive but never reached this collective, "
+            f"because one of theirs failed first ({alive})"
         )
     else:
         who = (
@@ -212,8 +268,10 @@ class CollectiveSite:
         """Check in on the store, wait for the other ranks, and build the error to raise."""
         rank = dist.get_rank()
         ranks = dist.get_process_group_ranks(self.group)
+        step_key = f"{_KEY_ROOT}/{self.scope.token}/step{self.step}"
         prefix = f"{_KEY_ROOT}/{self.scope.token}/{self.group.group_name}/step{self.step}"
-        missing, store_error = _diagnose(prefix, rank, ranks)
+        what = f"{self.collective} of {self.where} on the group {ranks}"
+        found = _diagnose(prefix, rank, ranks, f"{step_key}/failed", what)
         message = describe_failure(
             caller=self.scope.caller,
             collective=self.collective,
@@ -221,10 +279,11 @@ class CollectiveSite:
             step=self.step,
             rank=rank,
             group_ranks=ranks,
-            missing=missing,
-            store_error=store_error,
+            missing=found.missing,
+            store_error=found.store_error,
             error=error,
             grace=grace_s(),
+            elsewhere=found.elsewhere,
         )
         logger.error("%s", message)
         return CollectiveFailure(
@@ -232,8 +291,9 @@ class CollectiveSite:
             collective=self.collective,
             where=self.where,
             step=self.step,
-            missing_ranks=missing,
-            store_error=store_error,
+            missing_ranks=found.missing,
+            store_error=found.store_error,
+            failed_elsewhere=dict(found.elsewhere),
         )
 
     def wrap(self, work: dist.Work) -> ExplainedWork:
