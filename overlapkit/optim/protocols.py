@@ -98,6 +98,15 @@ class BucketReduction(Protocol):
         """
         ...
 
+    def reset_bucket(self, bucket: int) -> None:
+        """Forget ``bucket``'s all-reduce without waiting; ready it for the next backward."""
+        ...
+
+    @property
+    def checks_finite(self) -> bool:
+        """Whether finished buckets are checked for NaN/Inf (``settle_nonfinite`` acts)."""
+        ...
+
     def settle_nonfinite(self, step: int) -> None:
         """Act now on the NaN/Inf the finished buckets of ``step`` held (``check_finite``).
 
