@@ -121,6 +121,8 @@ class _Run:
         """The step; returns a callable giving the norm (read after the next eval forward)."""
         if self.mode == "overlap":
             self.bucketer.step(clip_grad_norm=max_norm, norm_type=norm_type, scaler=self.scaler)
+            # Right after step(), updates pending: a no-op, even zeroing in place.
+            self.opt.zero_grad(set_to_none=False)
             if self.scaler:
                 self.scaler.update()
             return self.bucketer.total_norm if max_norm is not None else (lambda: None)

@@ -136,18 +136,21 @@ class FiniteCheck:
         """
         self._sums.append((where, torch.sum(reduced, dtype=torch.float32), named))
 
-    def finish_step(self, step: int) -> None:
+    def finish_step(self, step: int) -> bool:
         """Raise or skip if anything was found in ``step``; reset for the next step.
+
+        Returns:
+            bool: whether the step was skipped (every gradient dropped).
 
         Raises:
             NonFiniteGradients: with ``on_nonfinite="raise"``.
         """
         sums, self._sums = self._sums, []
         if not sums:
-            return
+            return False
         # One host read per step, however many buckets: all sums finite is the healthy case.
         if bool(torch.isfinite(torch.stack([total for _, total, _ in sums])).all()):
-            return
+            return False
         found = []
         for where, total, named in sums:
             if bool(torch.isfinite(total)):
@@ -157,7 +160,7 @@ class FiniteCheck:
             if bad:
                 found.append((where, bad, [n for n, _ in pairs]))
         if not found:
-            return
+            return False
         if self.on_nonfinite == "raise":
             raise NonFiniteGradients(
                 nonfinite_message(self.caller, step, found),
@@ -174,6 +177,7 @@ class FiniteCheck:
             step,
             "; ".join(f"{where} {bad}" for where, bad, _ in found),
         )
+        return True
 
     def arm_ddp_step(self, step: int) -> None:
         """From a DDP comm hook: decide once DDP has written this step's gradients.

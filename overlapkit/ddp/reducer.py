@@ -472,14 +472,16 @@ class BucketReducer:
         """Whether finished buckets are checked for NaN/Inf (``check_finite=True``)."""
         return self._finite is not None
 
-    def settle_nonfinite(self, step: int) -> None:
+    def settle_nonfinite(self, step: int) -> bool:
         """Act now on the NaN/Inf that the finished buckets of ``step`` held, if checked.
+
+        Returns:
+            bool: whether the step was skipped (``on_nonfinite="skip"``: gradients dropped).
 
         Raises:
             NonFiniteGradients: ``check_finite`` with ``on_nonfinite="raise"`` found some.
         """
-        if self._finite is not None:
-            self._finite.finish_step(step)
+        return self._finite is not None and self._finite.finish_step(step)
 
     def register_step_end_hook(self, hook: Callable[[int], None]) -> RemovableHandle:
         """Call ``hook(step)`` at each ``end_step``, after a pending rebuild (the auto-tuner).

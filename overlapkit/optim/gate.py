@@ -18,7 +18,7 @@ parameters, ``scaler.step``), so the bits are the same (``overlapkit.optim.clip`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -27,12 +27,9 @@ from overlapkit.optim.grad_scaling import ScaledStep
 
 
 class UpdateGate:
-    """One step's clip and scale state over ``params`` (indexed as the caller indexes them).
+    """One step's clip and scale state; gradients are handed in by key (a parameter's index).
 
     Args:
-        params (Sequence[Tensor]): every parameter of the clip, in ``model.parameters()`` order.
-        in_optimizer (set[int]): ``id()`` of the parameters the optimizer holds (the ones
-            ``GradScaler.unscale_`` unscales).
         max_norm (float | None): clip to this total norm; None: no clipping.
         norm_type (float): p of the p-norm.
         error_if_nonfinite (bool): raise at ``decide()`` on a NaN/Inf total (a host sync).
@@ -42,8 +39,6 @@ class UpdateGate:
 
     def __init__(
         self,
-        params: Sequence[torch.Tensor],
-        in_optimizer: set[int],
         *,
         max_norm: float | None,
         norm_type: float,
@@ -51,9 +46,8 @@ class UpdateGate:
         scaled: ScaledStep | None,
         caller: str,
     ):
-        self.params = params
-        self.in_optimizer = in_optimizer
         self.max_norm = max_norm
+        self.norm_type = norm_type
         self.error_if_nonfinite = error_if_nonfinite
         self.scaled = scaled
         self.caller = caller
@@ -69,20 +63,23 @@ class UpdateGate:
     def clips(self) -> bool:
         return self.partials is not None
 
-    def landed(self, indices: Sequence[int]) -> None:
-        """The gradients of ``params[i]`` for ``i`` in ``indices`` are final: unscale, measure."""
-        with_grad = [i for i in indices if self.params[i].grad is not None]
+    def landed(
+        self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], unscaled: Sequence[bool]
+    ) -> None:
+        """A part's gradients are final: unscale those of the optimizer (``unscaled[k]``, as
+        ``GradScaler.unscale_`` does), then take every one's norm."""
         if self.scaled is not None:
-            self.scaled.unscale_(
-                [self.params[i].grad for i in with_grad if id(self.params[i]) in self.in_optimizer]
-            )
+            self.scaled.unscale_([g for g, mine in zip(grads, unscaled, strict=True) if mine])
         if self.partials is not None:
-            self.partials.add(with_grad, [self.params[i].grad for i in with_grad])
+            self.partials.add(keys, grads)
 
-    def decide(self, *, host_skip: bool) -> None:
+    def decide(
+        self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], *, host_skip: bool
+    ) -> None:
         """Every part has landed: total norm, coefficient, skip.
 
         Args:
+            keys, grads: every gradient of the clip, in ``model.parameters()`` order.
             host_skip (bool): read the scaler's inf flag on the host to decide the skip (an
                 optimizer that cannot take ``found_inf`` itself); False leaves it to the kernel.
 
@@ -90,19 +87,15 @@ class UpdateGate:
             RuntimeError: ``error_if_nonfinite`` and the total norm is NaN/Inf.
         """
         if self.partials is not None:
-            with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
-            self.total = self.partials.total(with_grad, [self.params[i].grad for i in with_grad])
+            self.total = self.partials.total(keys, grads)
             self.partials.clear()
             if self.error_if_nonfinite:
-                raise_if_nonfinite(self.total, self.partials.norm_type, caller=self.caller)
+                raise_if_nonfinite(self.total, self.norm_type, caller=self.caller)
             self.coefficient = clip_coefficient(self.max_norm, self.total)
         self.skip = self.scaled is not None and host_skip and self.scaled.skips()
         self.decided = True
 
-    def prepare(self, indices: Sequence[int]) -> None:
-        """Before ``indices``' update: clip their gradients (every parameter of the clip)."""
+    def prepare(self, grads: Sequence[torch.Tensor]) -> None:
+        """Before a part's update: clip its gradients (every gradient of the clip)."""
         if self.coefficient is not None:
-            scale_grads_(
-                [self.params[i].grad for i in indices if self.params[i].grad is not None],
-                self.coefficient,
-            )
+            scale_grads_(grads, self.coefficient)

@@ -136,6 +136,11 @@ class _Job:
     """Clipping / GradScaler / NaN-Inf state: every update waits for every bucket."""
     post_hooks: list[Callable]
     """The optimizer's and the global step post-hooks, run once every update is applied."""
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Landed gradients by parameter index. Those of the optimizer's parameters are taken off
+    ``param.grad`` when their bucket lands (``step()`` includes ``zero_grad()``), so that a
+    user's ``optimizer.zero_grad()`` right after ``step()`` (nanoGPT's loop) finds nothing to
+    clear, and put back only for the update."""
     events: dict[int, torch.Event] = field(default_factory=dict)
     """On CUDA: per bucket, the side-stream event after its update."""
 
@@ -245,8 +250,6 @@ class PerBucketStep:
         gate = None
         if max_norm is not None or scaled is not None or reduction.checks_finite:
             gate = UpdateGate(
-                reduction.params,
-                set(groups),
                 max_norm=max_norm,
                 norm_type=norm_type,
                 error_if_nonfinite=error_if_nonfinite,
@@ -379,43 +382,65 @@ class PerBucketStep:
     # -- the per-bucket work ----------------------------------------------------------------
 
     def _land(self, b: int) -> None:
-        """Finish bucket ``b``'s reduction; with a gate, unscale and measure its gradients."""
+        """Finish bucket ``b``'s reduction, take its gradients; with a gate, unscale, measure."""
         job = self._job
+        reduction = self._reduction
         job.to_land.remove(b)
-        self._reduction.finish_bucket(b, job.missing)
+        reduction.finish_bucket(b, job.missing)
+        keys, grads, mine = [], [], []
+        for i in reduction.bucket_indices(b):
+            param = reduction.params[i]
+            if param.grad is None:
+                continue
+            keys.append(i)
+            grads.append(param.grad)
+            mine.append(id(param) in job.group_of)
+            job.grads[i] = param.grad
+            if mine[-1]:
+                param.grad = None
         if job.gate is not None:
-            job.gate.landed(self._reduction.bucket_indices(b))
+            job.gate.landed(keys, grads, mine)
 
     def _decide(self) -> None:
         """Every bucket has landed: act on NaN/Inf, then the total norm and the skip."""
         job = self._job
-        self._reduction.settle_nonfinite(job.step)  # raises, or drops every gradient (skip)
+        if self._reduction.settle_nonfinite(job.step):  # raises, or drops the step (skip)
+            job.grads.clear()
         scaled = job.gate.scaled
-        job.gate.decide(host_skip=scaled is not None and not scaled.takes_flags)
+        keys = sorted(job.grads)  # parameter order, as model.parameters() lists them
+        job.gate.decide(
+            keys,
+            [job.grads[i] for i in keys],
+            host_skip=scaled is not None and not scaled.takes_flags,
+        )
         if job.gate.clips:
             event = self._stream.record_event() if self._stream is not None else None
             self._norm = (job.gate.total, event)
 
     def _update(self, b: int) -> None:
-        """Clip bucket ``b``'s gradients (with a gate), update its parameters, drop gradients."""
+        """Clip bucket ``b``'s gradients (with a gate), update its parameters."""
         job = self._job
         reduction = self._reduction
         job.to_update.remove(b)
-        indices = reduction.bucket_indices(b)
+        indices = [i for i in reduction.bucket_indices(b) if i in job.grads]
         gate = job.gate
         if gate is not None:
-            gate.prepare(indices)
+            gate.prepare([job.grads[i] for i in indices])
         mine = [reduction.params[i] for i in indices if id(reduction.params[i]) in job.group_of]
         if gate is None or not gate.skip:
             flags = None
             if gate is not None and gate.scaled is not None and gate.scaled.takes_flags:
                 flags = gate.scaled.optimizer_flags()
             fresh = [p for p in mine if not self.optimizer.state.get(p)]
+            for i in indices:
+                reduction.params[i].grad = job.grads[i]
             step_subset(self.optimizer, mine, hyper=job.hyper, groups=job.group_of, flags=flags)
             if self._stream is not None:
                 self._record_fresh_state(fresh)
         for p in mine:
             p.grad = None  # optimizer.zero_grad()'s default, for this bucket's parameters
+        for i in indices:
+            del job.grads[i]
 
     def _record_fresh_state(self, params: list[torch.Tensor]) -> None:
         # Optimizer state created lazily by this update lives in the side stream's pool but is
@@ -445,6 +470,7 @@ class PerBucketStep:
         for p in self._reduction.params:
             if id(p) in job.group_of:
                 p.grad = None
+        job.grads.clear()
 
     def _guarded(self, work: Callable[[], None]) -> None:
         try:

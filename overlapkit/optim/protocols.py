@@ -107,8 +107,11 @@ class BucketReduction(Protocol):
         """Whether finished buckets are checked for NaN/Inf (``settle_nonfinite`` acts)."""
         ...
 
-    def settle_nonfinite(self, step: int) -> None:
+    def settle_nonfinite(self, step: int) -> bool:
         """Act now on the NaN/Inf the finished buckets of ``step`` held (``check_finite``).
+
+        Returns:
+            bool: whether the step is skipped (every gradient dropped).
 
         Raises:
             NonFiniteGradients: with ``on_nonfinite="raise"``; no-op without ``check_finite``.
