@@ -333,10 +333,9 @@ def _assert_bitwise(actual, expected, what):
     elif isinstance(expected, torch.Tensor):
         assert actual.dtype == expected.dtype, what
         diff = (actual.float() - expected.float()).abs().max()
-        same = (
-            torch.equal(actual, expected)
-            or torch.equal(actual.isnan(), expected.isnan())
-            and (torch.equal(actual.nan_to_num(), expected.nan_to_num()))
+        same = torch.equal(actual, expected) or (
+            torch.equal(actual.isnan(), expected.isnan())
+            and torch.equal(actual.nan_to_num(), expected.nan_to_num())
         )
         assert same, f"{what} differs: max |diff| {diff}"
     else:
