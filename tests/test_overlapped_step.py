@@ -519,7 +519,7 @@ def test_tail_launch_order_reverses_only_the_last_buckets(num_buckets, tail, exp
     assert tail_launch_order(num_buckets, tail) == expected
 
 
-def _dead_rank_run(rank, world_size, mode):
+def _dead_rank_run(rank, world_size, mode, clip):
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     bucketer = ok.GradBucketer(model, bucket_mb=0.004, optimizer=opt)
@@ -527,15 +527,16 @@ def _dead_rank_run(rank, world_size, mode):
     def step(batch):
         x, y = batch
         nn.functional.mse_loss(model(x), y).backward()
-        bucketer.step()
+        bucketer.step(clip_grad_norm=clip)
 
     return _train_until_failure(rank, step, model, mode)
 
 
 @pytest.mark.slow
-def test_dead_rank_raises_collective_failure_naming_the_bucket():
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["unclipped", "clipped"])
+def test_dead_rank_raises_collective_failure_naming_the_bucket(clip):
     with pytest.raises(RankFailure) as failure:
-        run_on_ranks(_dead_rank_run, 2, "kill", collective_timeout_s=TIMEOUT_S, env=ENV)
+        run_on_ranks(_dead_rank_run, 2, "kill", clip, collective_timeout_s=TIMEOUT_S, env=ENV)
     report = failure.value.results[0]
     assert report is not None and report["type"] == "CollectiveFailure", report
     # Detected in step() or in the next forward's pre-hook, whichever waits for it first.

@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import overlapkit as ok
 from overlapkit.ddp.finite import NonFiniteGradients
 from overlapkit.optim import per_bucket
+from overlapkit.optim.grad_scaling import scaler_in_use
+from overlapkit.optim.overlap_checks import refuse_compiled_step, validate_optimizer
 from tests.multiproc import run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
 
@@ -436,3 +438,39 @@ def test_clipped_step_lets_the_next_forward_start_before_the_other_updates(scena
         assert order[:2] == ["update_first_layer", "first_module_started"], order
         assert order.count("update_other") >= 2 and "update_other" not in order[:2], order
         assert result["event_order"]["norm_clipped"]
+
+
+def _two_linears():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    names = [n for n, _ in model.named_parameters()]
+    return model, names
+
+
+def test_parameters_on_two_devices_are_refused_naming_them():
+    model, names = _two_linears()
+    model[1].to("meta")
+    params = list(model.parameters())
+    with pytest.raises(
+        ValueError, match=r"on 2 devices \('0\.weight' on cpu, '1\.weight' on meta\)"
+    ):
+        validate_optimizer(torch.optim.SGD(params, lr=0.1), params, names)
+
+
+def test_a_compiled_optimizer_step_is_refused_at_construction_and_at_step():
+    model, names = _two_linears()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=0.1)
+    validate_optimizer(opt, params, names)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # wraps the instance's step itself
+    validate_optimizer(opt, params, names)
+    opt.step = torch.compile(opt.step)
+    with pytest.raises(ValueError, match=r"optimizer\.step is compiled \(torch\.compile\)"):
+        validate_optimizer(opt, params, names)
+    with pytest.raises(ValueError, match=r"optimizer\.step is compiled"):
+        refuse_compiled_step(opt)
+
+
+def test_step_options_are_checked_before_anything_runs():
+    with pytest.raises(TypeError, match=r"scaler must be a torch\.amp\.GradScaler, got 'fp16'"):
+        scaler_in_use("fp16", caller="ok.GradBucketer.step")
+    assert scaler_in_use(torch.amp.GradScaler("cpu", enabled=False), caller="x") is None
