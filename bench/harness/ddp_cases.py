@@ -29,11 +29,14 @@ OPTIMIZER_BASELINE = "ddp_opt"
 REFERENCE_CASES = ("compute_only", "comm_only", "no_overlap", BASELINE)
 OPTIMIZER_CASES = (OPTIMIZER_BASELINE, "bucketer_opt", "bucketer_overlap")
 TAIL_CASE = "bucketer_overlap@tail"  # + forward_order_tail, with --tails
+CLIPPED_CASES = ("ddp_opt_clip", "bucketer_opt_clip", "bucketer_overlap_clip")
+MAX_NORM = 1.0
+"""What the clipped cases clip the global gradient norm to (train.clip_grad_norm's default)."""
 
 
 def with_optimizer(name: str) -> bool:
     """Whether case ``name`` includes the optimizer step (timed as blocks of steps)."""
-    return name in OPTIMIZER_CASES or name.startswith(TAIL_CASE)
+    return name in OPTIMIZER_CASES or name in CLIPPED_CASES or name.startswith(TAIL_CASE)
 
 
 OPTIMIZERS = {
@@ -94,6 +97,44 @@ def optimizer_cases(
     finish = {"bucketer_overlap": overlap.synchronize}
     finish |= {name: bucketer.synchronize for name, (_, bucketer) in tails.items()}
     return steps, finish
+
+
+def clipped_optimizer_cases(
+    cfg: dict, new_model: Callable[[], nn.Module], loss: Callable
+) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]]]:
+    """``CLIPPED_CASES``: the optimizer cases with global-norm clipping to ``MAX_NORM``.
+
+    ``ddp_opt_clip`` and ``bucketer_opt_clip`` call ``clip_grad_norm_`` before the step;
+    ``bucketer_overlap_clip`` folds it into ``bucketer.step(clip_grad_norm=MAX_NORM)``.
+    """
+    make_optimizer = OPTIMIZERS[cfg["optimizer"]]
+    ddp = DistributedDataParallel(new_model())
+    ddp_opt = make_optimizer(ddp.parameters())
+    sync_model = new_model()
+    sync = ok.GradBucketer(sync_model)
+    sync_opt = make_optimizer(sync_model.parameters())
+    overlap_model = new_model()
+    overlap = ok.GradBucketer(overlap_model, optimizer=make_optimizer(overlap_model.parameters()))
+
+    def ddp_step() -> None:
+        loss(ddp).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+
+    def sync_step() -> None:
+        loss(sync_model).backward()
+        sync.wait()
+        torch.nn.utils.clip_grad_norm_(sync_model.parameters(), MAX_NORM)
+        sync_opt.step()
+        sync_opt.zero_grad()
+
+    def overlap_step() -> None:
+        loss(overlap_model).backward()
+        overlap.step(clip_grad_norm=MAX_NORM)
+
+    steps = dict(zip(CLIPPED_CASES, (ddp_step, sync_step, overlap_step), strict=True))
+    return steps, {"bucketer_overlap_clip": overlap.synchronize}
 
 
 def _build_cases(
@@ -163,6 +204,9 @@ def _build_cases(
     if cfg.get("optimizer"):
         optimizer_steps, finish = optimizer_cases(cfg, new_model, loss)
         cases |= optimizer_steps
+        clipped_steps, clipped_finish = clipped_optimizer_cases(cfg, new_model, loss)
+        cases |= clipped_steps
+        finish |= clipped_finish
     only = cfg.get("only")
     if only:
         cases = {
