@@ -435,7 +435,7 @@ class PerBucketStep:
             for i in indices:
                 reduction.params[i].grad = job.grads[i]
             step_subset(self.optimizer, mine, hyper=job.hyper, groups=job.group_of, flags=flags)
-            if self._stream is not None:
+            if self._stream is not None and torch.cuda.current_stream(self._device) == self._stream:
                 self._record_fresh_state(fresh)
         for p in mine:
             p.grad = None  # optimizer.zero_grad()'s default, for this bucket's parameters
