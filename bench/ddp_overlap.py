@@ -61,6 +61,7 @@ from bench.harness.cpu_priority import prioritize
 from bench.harness.ddp_cases import (
     BASELINE,
     CLIPPED_CASES,
+    CLIPPED_TAIL_CASE,
     OPTIMIZER_BASELINE,
     OPTIMIZER_CASES,
     OPTIMIZERS,
@@ -120,7 +121,7 @@ def build_report(wall: dict[str, float], cpu: dict[str, float], cfg: dict, grad_
             case["speedup_vs_ddp_opt"] = round(wall[OPTIMIZER_BASELINE] / t, 3)
             if "bucketer_opt" in wall:
                 case["speedup_vs_bucketer_opt"] = round(wall["bucketer_opt"] / t, 3)
-            if name in CLIPPED_CASES:
+            if name in CLIPPED_CASES or name.startswith(CLIPPED_TAIL_CASE):
                 case["speedup_vs_ddp_opt_clip"] = round(wall["ddp_opt_clip"] / t, 3)
         cases.append(case)
     link = current_link() or {"rate": "none (loopback)", "delay": "0ms"}
@@ -240,7 +241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tails",
         default="",
-        help="comma-separated forward_order_tail values: extra bucketer_overlap@tail<N> cases",
+        help="comma-separated forward_order_tail values: extra bucketer_overlap@tail<N> and "
+        "bucketer_overlap_clip@tail<N> cases",
     )
     parser.add_argument(
         "--device",

@@ -30,13 +30,18 @@ REFERENCE_CASES = ("compute_only", "comm_only", "no_overlap", BASELINE)
 OPTIMIZER_CASES = (OPTIMIZER_BASELINE, "bucketer_opt", "bucketer_overlap")
 TAIL_CASE = "bucketer_overlap@tail"  # + forward_order_tail, with --tails
 CLIPPED_CASES = ("ddp_opt_clip", "bucketer_opt_clip", "bucketer_overlap_clip")
+CLIPPED_TAIL_CASE = "bucketer_overlap_clip@tail"  # + forward_order_tail, with --tails
 MAX_NORM = 1.0
 """What the clipped cases clip the global gradient norm to (train.clip_grad_norm's default)."""
 
 
 def with_optimizer(name: str) -> bool:
     """Whether case ``name`` includes the optimizer step (timed as blocks of steps)."""
-    return name in OPTIMIZER_CASES or name in CLIPPED_CASES or name.startswith(TAIL_CASE)
+    return (
+        name in OPTIMIZER_CASES
+        or name in CLIPPED_CASES
+        or name.startswith((TAIL_CASE, CLIPPED_TAIL_CASE))
+    )
 
 
 OPTIMIZERS = {
@@ -105,7 +110,8 @@ def clipped_optimizer_cases(
     """``CLIPPED_CASES``: the optimizer cases with global-norm clipping to ``MAX_NORM``.
 
     ``ddp_opt_clip`` and ``bucketer_opt_clip`` call ``clip_grad_norm_`` before the step;
-    ``bucketer_overlap_clip`` folds it into ``bucketer.step(clip_grad_norm=MAX_NORM)``.
+    ``bucketer_overlap_clip`` folds it into ``bucketer.step(clip_grad_norm=MAX_NORM)``, and
+    with ``--tails`` ``bucketer_overlap_clip@tail<N>`` with ``forward_order_tail=N``.
     """
     make_optimizer = OPTIMIZERS[cfg["optimizer"]]
     ddp = DistributedDataParallel(new_model())
@@ -133,8 +139,23 @@ def clipped_optimizer_cases(
         loss(overlap_model).backward()
         overlap.step(clip_grad_norm=MAX_NORM)
 
+    def clipped_step(model: nn.Module, bucketer: ok.GradBucketer) -> Callable[[], None]:
+        def step() -> None:
+            loss(model).backward()
+            bucketer.step(clip_grad_norm=MAX_NORM)
+
+        return step
+
     steps = dict(zip(CLIPPED_CASES, (ddp_step, sync_step, overlap_step), strict=True))
-    return steps, {"bucketer_overlap_clip": overlap.synchronize}
+    finish = {"bucketer_overlap_clip": overlap.synchronize}
+    for tail in cfg.get("tails", []):
+        model = new_model()
+        bucketer = ok.GradBucketer(
+            model, optimizer=make_optimizer(model.parameters()), forward_order_tail=tail
+        )
+        steps[f"{CLIPPED_TAIL_CASE}{tail}"] = clipped_step(model, bucketer)
+        finish[f"{CLIPPED_TAIL_CASE}{tail}"] = bucketer.synchronize
+    return steps, finish
 
 
 def _build_cases(
@@ -212,7 +233,7 @@ def _build_cases(
         cases = {
             n: f
             for n, f in cases.items()
-            if n in only or n in REFERENCE_CASES or n.startswith(TAIL_CASE)
+            if n in only or n in REFERENCE_CASES or n.startswith((TAIL_CASE, CLIPPED_TAIL_CASE))
         }
     return cases, forward_ms, grad_numel, finish
 
