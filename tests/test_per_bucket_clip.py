@@ -218,6 +218,32 @@ def _nonfinite(rank, world_size, mode, on_nonfinite):
     return {**_state(run), "raised": raised, "skipped": ok.comm_stats(run.bucketer).skipped_steps}
 
 
+def _error_if_nonfinite(rank, world_size, mode):
+    """error_if_nonfinite=True: an inf on rank 1 at INF_STEP raises torch's error from the step
+    on both ranks (caught); the other steps clip as usual."""
+    run = _Run("adamw", mode)
+    raised = []
+    for step, batch in enumerate(make_batches(STEPS, world_size, per_rank=16)):
+        run.backward(
+            *shard(batch, rank, world_size), math.inf if step == INF_STEP and rank == 1 else 1.0
+        )
+        try:
+            if mode == "overlap":
+                run.bucketer.step(clip_grad_norm=MAX_NORM, error_if_nonfinite=True)
+            else:
+                run.bucketer.wait()
+                torch.nn.utils.clip_grad_norm_(
+                    run.model.parameters(), MAX_NORM, error_if_nonfinite=True
+                )
+                run.opt.step()
+                run.opt.zero_grad()
+        except RuntimeError as error:
+            raised.append((step, "is non-finite, so it cannot be clipped" in str(error)))
+            run.opt.zero_grad()
+        run.sched.step()
+    return {**_state(run), "raised": raised}
+
+
 def _rebuild_while_pending(rank, world_size, mode):
     """load_state_dict (a bucket rebuild) right after step(), updates still pending."""
     run = _Run("adam", mode)
@@ -312,6 +338,7 @@ def _all_scenarios(rank, world_size, root):
         for mode in ("sync", "overlap"):
             out["nonfinite"][on_nonfinite, mode] = _nonfinite(rank, world_size, mode, on_nonfinite)
     out["rebuild"] = {m: _rebuild_while_pending(rank, world_size, m) for m in ("sync", "overlap")}
+    out["error"] = {m: _error_if_nonfinite(rank, world_size, m) for m in ("sync", "overlap")}
     out["hooks"] = _hooks_once_per_step(rank, world_size)
     out["event_order"] = _event_order_clipped(rank, world_size)
     return out
@@ -415,6 +442,15 @@ def test_nonfinite_step_is_dropped_whole_and_training_goes_on_as_synchronous(
             assert overlap["raised"] == sync["raised"] == [INF_STEP]
         else:
             assert overlap["skipped"] == sync["skipped"] == (INF_STEP,)
+
+
+@pytest.mark.slow
+def test_error_if_nonfinite_raises_torchs_error_on_both_ranks_and_training_goes_on(scenarios):
+    for rank, result in enumerate(scenarios):
+        sync, overlap = result["error"]["sync"], result["error"]["overlap"]
+        assert overlap["raised"] == sync["raised"] == [(INF_STEP, True)], (rank, overlap["raised"])
+        _assert_bitwise(overlap["params"], sync["params"], f"rank {rank} params")
+        _assert_bitwise(overlap["optim"], sync["optim"], f"rank {rank} optimizer state")
 
 
 @pytest.mark.slow
