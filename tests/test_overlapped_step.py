@@ -16,16 +16,15 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import overlapkit as ok
 from overlapkit.ddp.finite import NonFiniteGradients
 from overlapkit.ddp.reducer import tail_launch_order
 from overlapkit.optim.per_bucket import OverlapConflict
+from tests.dcp_switch import switch_through_dcp
 from tests.multiproc import RankFailure, run_on_ranks
-from tests.reference import make_batches, make_mlp, shard
+from tests.reference import assert_bitwise, make_batches, make_mlp, shard
 from tests.test_dead_rank import ENV, FAULT_STEP, TIMEOUT_S, _train_until_failure
 
 STEPS = 6
@@ -78,19 +77,10 @@ def _train_with_checkpoint(rank, world_size, opt_name, combo, root):
     evals = []
     for step, batch in enumerate(make_batches(STEPS, world_size)):
         if step == CHECKPOINT_AFTER:
-            model_sd, optim_sd = get_state_dict(run.model, run.opt)
             path = os.path.join(root, f"{opt_name}-{'-'.join(combo)}")
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-            sched_sd = run.sched.state_dict()
-            run.bucketer.remove()
-            run = _Run(opt_name, combo[1], ONE_PARAM_PER_BUCKET_MB)
-            model_sd, optim_sd = get_state_dict(run.model, run.opt)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(
-                run.model, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            run = switch_through_dcp(
+                run, lambda: _Run(opt_name, combo[1], ONE_PARAM_PER_BUCKET_MB), path
             )
-            run.sched.load_state_dict(sched_sd)
         x, y = shard(batch, rank, world_size)
         run.train_step(nn.functional.mse_loss(run.model(x), y))
         with torch.no_grad():
@@ -409,18 +399,6 @@ def scenarios():
         return run_on_ranks(_all_scenarios, 2, root, total_timeout_s=300)
 
 
-def _assert_bitwise(actual, expected, what):
-    assert actual.keys() == expected.keys(), what
-    for key in expected:
-        a, e = actual[key], expected[key]
-        if isinstance(e, dict):
-            _assert_bitwise(a, e, f"{what}[{key!r}]")
-        elif isinstance(e, torch.Tensor):
-            assert torch.equal(a, e), f"{what}[{key!r}] differs: max |diff| {(a - e).abs().max()}"
-        else:
-            assert a == e, f"{what}[{key!r}]: {a!r} != {e!r}"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("combo", COMBOS[1:], ids=["-".join(c) for c in COMBOS[1:]])
@@ -430,8 +408,8 @@ def test_params_state_and_evals_equal_synchronous_path_bitwise_across_dcp_checkp
     for rank, result in enumerate(scenarios):
         expected = result["bitwise"][opt_name, ("sync", "sync")]
         actual = result["bitwise"][opt_name, combo]
-        _assert_bitwise(actual["params"], expected["params"], f"rank {rank} params")
-        _assert_bitwise(
+        assert_bitwise(actual["params"], expected["params"], f"rank {rank} params")
+        assert_bitwise(
             {str(k): v for k, v in actual["optim"].items()},
             {str(k): v for k, v in expected["optim"].items()},
             f"rank {rank} optimizer state",
@@ -460,7 +438,7 @@ def test_overlapped_training_equals_single_process_reference(scenarios, opt_name
 @pytest.mark.slow
 def test_no_sync_accumulation_and_unused_parameters_equal_synchronous_path(scenarios):
     for result in scenarios:
-        _assert_bitwise(result["accumulation"]["overlap"], result["accumulation"]["sync"], "params")
+        assert_bitwise(result["accumulation"]["overlap"], result["accumulation"]["sync"], "params")
     assert not torch.equal(
         scenarios[0]["accumulation"]["overlap"]["b.weight"], _TwoHeads().b.weight
     )
@@ -570,7 +548,7 @@ def test_train_option_bucketer_overlap_follows_parallel_bucketer_bitwise(scenari
             assert overlap["norms"] == sync["norms"], overlapped
             for name, before in overlap["initial"].items():  # every parameter was updated
                 assert not torch.equal(overlap["params"][name], before), (overlapped, name)
-            _assert_bitwise(overlap["params"], sync["params"], f"{overlapped} params")
+            assert_bitwise(overlap["params"], sync["params"], f"{overlapped} params")
         norms = result["train_loop"]["bucketer_overlap", "0.06"]["norms"]
         assert all(n is not None for n in norms) and min(norms) < 0.06 < max(norms), norms
 
@@ -589,8 +567,8 @@ def test_train_runs_bucketer_overlap_with_the_default_clip_grad_norm():
 def test_fsdp_step_by_block_equals_optimizer_step_and_gathers_first_blocks_early(scenarios):
     for result in scenarios:
         by_block, step = result["fsdp"]["by_block"], result["fsdp"]["step"]
-        _assert_bitwise(by_block["params"], step["params"], "fsdp params")
-        _assert_bitwise(by_block["optim"], step["optim"], "fsdp optimizer state")
+        assert_bitwise(by_block["params"], step["params"], "fsdp params")
+        assert_bitwise(by_block["optim"], step["optim"], "fsdp optimizer state")
         # prefetch=1: the root's and block 0's all-gathers start before blocks 1-3 are updated.
         assert by_block["order"] == [
             ("update", "root"),

@@ -16,17 +16,16 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import overlapkit as ok
 from overlapkit.ddp.finite import NonFiniteGradients
 from overlapkit.optim import per_bucket
 from overlapkit.optim.grad_scaling import scaler_in_use
 from overlapkit.optim.overlap_checks import refuse_compiled_step, validate_optimizer
+from tests.dcp_switch import switch_through_dcp
 from tests.multiproc import run_on_ranks
-from tests.reference import make_batches, make_mlp, shard
+from tests.reference import assert_bitwise, make_batches, make_mlp, shard
 
 STEPS = 6
 MICRO = 4
@@ -159,19 +158,8 @@ def _train(
     evals, norms = [], []
     for step, batch in enumerate(make_batches(STEPS, world_size, per_rank=16)):
         if step == CHECKPOINT_AFTER:
-            model_sd, optim_sd = get_state_dict(run.model, run.opt)
             path = os.path.join(root, f"{model}-{opt_name}-{'-'.join(combo)}-{norm_type}")
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-            sched_sd = run.sched.state_dict()
-            run.bucketer.remove()
-            run = _Run(opt_name, combo[1], model)
-            model_sd, optim_sd = get_state_dict(run.model, run.opt)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(
-                run.model, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
-            )
-            run.sched.load_state_dict(sched_sd)
+            run = switch_through_dcp(run, lambda: _Run(opt_name, combo[1], model), path)
         run.backward(*shard(batch, rank, world_size))
         norm = run.step(max_norm, norm_type)
         run.sched.step()
@@ -350,27 +338,6 @@ def scenarios():
         return run_on_ranks(_all_scenarios, 2, root, total_timeout_s=400)
 
 
-def _assert_bitwise(actual, expected, what):
-    if isinstance(expected, dict):
-        assert actual.keys() == expected.keys(), what
-        for key in expected:
-            _assert_bitwise(actual[key], expected[key], f"{what}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), what
-        for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            _assert_bitwise(a, e, f"{what}[{k}]")
-    elif isinstance(expected, torch.Tensor):
-        assert actual.dtype == expected.dtype, what
-        diff = (actual.float() - expected.float()).abs().max()
-        same = torch.equal(actual, expected) or (
-            torch.equal(actual.isnan(), expected.isnan())
-            and torch.equal(actual.nan_to_num(), expected.nan_to_num())
-        )
-        assert same, f"{what} differs: max |diff| {diff}"
-    else:
-        assert actual == expected, f"{what}: {actual!r} != {expected!r}"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("combo", COMBOS[1:], ids=["-".join(c) for c in COMBOS[1:]])
@@ -379,7 +346,7 @@ def test_clipped_params_state_evals_and_norms_equal_synchronous_path_bitwise(
 ):
     for rank, result in enumerate(scenarios):
         expected = result["bitwise"][opt_name, ("sync", "sync")]
-        _assert_bitwise(result["bitwise"][opt_name, combo], expected, f"rank {rank}")
+        assert_bitwise(result["bitwise"][opt_name, combo], expected, f"rank {rank}")
 
 
 @pytest.mark.slow
@@ -395,7 +362,7 @@ def test_total_norm_equals_clip_grad_norm_on_fp32_and_bf16_parameters(scenarios,
         sync, overlap = result["mixed"][norm_type, "sync"], result["mixed"][norm_type, "overlap"]
         assert {p.dtype for p in overlap["params"].values()} == {torch.float32, torch.bfloat16}
         assert all(n.dtype == torch.float32 for n in overlap["norms"])
-        _assert_bitwise(overlap, sync, f"rank {rank} {norm_type}")
+        assert_bitwise(overlap, sync, f"rank {rank} {norm_type}")
 
 
 @pytest.mark.slow
@@ -405,8 +372,8 @@ def test_transformer_encoder_layers_eval_right_after_step_sees_updated_parameter
 ):
     for rank, result in enumerate(scenarios):
         sync, overlap = result["encoder"]["sync", max_norm], result["encoder"]["overlap", max_norm]
-        _assert_bitwise(overlap["evals"], sync["evals"], f"rank {rank} evals")
-        _assert_bitwise(overlap, sync, f"rank {rank}")
+        assert_bitwise(overlap["evals"], sync["evals"], f"rank {rank} evals")
+        assert_bitwise(overlap, sync, f"rank {rank}")
 
 
 @pytest.mark.slow
@@ -418,11 +385,11 @@ def test_grad_scaler_skips_the_inf_step_on_both_ranks_and_follows_synchronous_pa
     for rank, result in enumerate(scenarios):
         sync = result["scaled"][opt_name, max_norm, "sync"]
         overlap = result["scaled"][opt_name, max_norm, "overlap"]
-        _assert_bitwise(overlap, sync, f"rank {rank}")
+        assert_bitwise(overlap, sync, f"rank {rank}")
         scales = overlap["scales"]
         assert scales[INF_STEP] == scales[INF_STEP - 1] / 2, scales  # backed off
         before, after = overlap["params"][INF_STEP - 1], overlap["params"][INF_STEP]
-        _assert_bitwise(after, before, f"rank {rank}: the inf step changed something")
+        assert_bitwise(after, before, f"rank {rank}: the inf step changed something")
         assert not torch.equal(
             overlap["params"][-1]["params"]["0.weight"], before["params"]["0.weight"]
         )
@@ -436,8 +403,8 @@ def test_nonfinite_step_is_dropped_whole_and_training_goes_on_as_synchronous(
     for rank, result in enumerate(scenarios):
         sync = result["nonfinite"][on_nonfinite, "sync"]
         overlap = result["nonfinite"][on_nonfinite, "overlap"]
-        _assert_bitwise(overlap["params"], sync["params"], f"rank {rank} params")
-        _assert_bitwise(overlap["optim"], sync["optim"], f"rank {rank} optimizer state")
+        assert_bitwise(overlap["params"], sync["params"], f"rank {rank} params")
+        assert_bitwise(overlap["optim"], sync["optim"], f"rank {rank} optimizer state")
         if on_nonfinite == "raise":
             assert overlap["raised"] == sync["raised"] == [INF_STEP]
         else:
@@ -449,14 +416,14 @@ def test_error_if_nonfinite_raises_torchs_error_on_both_ranks_and_training_goes_
     for rank, result in enumerate(scenarios):
         sync, overlap = result["error"]["sync"], result["error"]["overlap"]
         assert overlap["raised"] == sync["raised"] == [(INF_STEP, True)], (rank, overlap["raised"])
-        _assert_bitwise(overlap["params"], sync["params"], f"rank {rank} params")
-        _assert_bitwise(overlap["optim"], sync["optim"], f"rank {rank} optimizer state")
+        assert_bitwise(overlap["params"], sync["params"], f"rank {rank} params")
+        assert_bitwise(overlap["optim"], sync["optim"], f"rank {rank} optimizer state")
 
 
 @pytest.mark.slow
 def test_load_state_dict_right_after_step_applies_pending_updates_first(scenarios):
     for rank, result in enumerate(scenarios):
-        _assert_bitwise(result["rebuild"]["overlap"], result["rebuild"]["sync"], f"rank {rank}")
+        assert_bitwise(result["rebuild"]["overlap"], result["rebuild"]["sync"], f"rank {rank}")
 
 
 @pytest.mark.slow
