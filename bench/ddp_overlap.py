@@ -26,8 +26,9 @@ and the same three with global-norm clipping to 1.0 (train.clip_grad_norm's defa
     bucketer_opt_clip     ok.GradBucketer: wait(), clip_grad_norm_(1.0), optimizer.step()
     bucketer_overlap_clip ok.GradBucketer(optimizer=opt): step(clip_grad_norm=1.0), the exact
                           clip folded into the per-bucket updates
-``--profile-dir DIR`` then profiles the cases with an optimizer (but DDP's) with ``ok.profile``
-and reports their exposed communication per step (``overlapkit report DIR/<case>`` for detail).
+``--profile-dir DIR`` then profiles the bucketer cases with an optimizer and ddp_opt_clip with
+``ok.profile`` and reports their exposed communication per step (``overlapkit report
+DIR/<case>`` for detail).
 
 Models: ``--model mlp`` (default: 8 blocks of Linear(1024) + ReLU, 64 rows per rank) or
 ``--model gpt_tiny`` (4 blocks, width 256, 2 sequences of 64 tokens per rank).
@@ -80,7 +81,13 @@ from bench.harness.workloads import workload_of
 from overlapkit.train.models.workload import DEFAULT_SIZES
 from overlapkit.workers.local_ranks import run_on_ranks
 
-PROFILED = ("bucketer_opt", "bucketer_overlap", "bucketer_opt_clip", "bucketer_overlap_clip")
+PROFILED = (
+    "bucketer_opt",
+    "bucketer_overlap",
+    "ddp_opt_clip",
+    "bucketer_opt_clip",
+    "bucketer_overlap_clip",
+)
 
 
 def build_report(wall: dict[str, float], cpu: dict[str, float], cfg: dict, grad_bytes: int):
