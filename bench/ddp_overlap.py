@@ -23,8 +23,14 @@ their cost); the block ends when every update is applied:
     bucketer_overlap ok.GradBucketer(optimizer=opt): step() (per-bucket updates, the next forward
                      waits per module), same default bucket size
     ddp_opt_default  as ddp_opt, with DDP's defaults (25 MiB buckets, gradients copied in and out)
-``--profile-dir DIR`` then profiles bucketer_opt and bucketer_overlap with ``ok.profile`` and
-reports their exposed communication per step (``overlapkit report DIR/<case>`` for detail).
+and the same three with global-norm clipping to 1.0 (train.clip_grad_norm's default):
+    ddp_opt_clip          DDP, clip_grad_norm_(1.0), optimizer.step(), zero_grad()
+    bucketer_opt_clip     ok.GradBucketer: wait(), clip_grad_norm_(1.0), optimizer.step()
+    bucketer_overlap_clip ok.GradBucketer(optimizer=opt): step(clip_grad_norm=1.0), the exact
+                          clip folded into the per-bucket updates
+``--profile-dir DIR`` then profiles the bucketer cases with an optimizer and ddp_opt_clip with
+``ok.profile`` and reports their exposed communication per step (``overlapkit report
+DIR/<case>`` for detail).
 
 Models: ``--model mlp`` (default: 8 blocks of Linear(1024) + ReLU, 64 rows per rank) or
 ``--model gpt_tiny`` (4 blocks, width 256, 2 sequences of 64 tokens per rank).
@@ -57,9 +63,12 @@ import overlapkit as ok
 from bench.harness.cpu_priority import prioritize
 from bench.harness.ddp_cases import (
     BASELINE,
+    CLIPPED_CASES,
+    CLIPPED_TAIL_CASE,
     OPTIMIZER_BASELINE,
     OPTIMIZER_CASES,
     OPTIMIZERS,
+    clipped_optimizer_cases,
     optimizer_cases,
     rank_main,
     summarize,
@@ -74,7 +83,13 @@ from bench.harness.workloads import workload_of
 from overlapkit.train.models.workload import DEFAULT_SIZES
 from overlapkit.workers.local_ranks import run_on_ranks
 
-PROFILED = ("bucketer_opt", "bucketer_overlap")
+PROFILED = (
+    "bucketer_opt",
+    "bucketer_overlap",
+    "ddp_opt_clip",
+    "bucketer_opt_clip",
+    "bucketer_overlap_clip",
+)
 
 
 def build_report(wall: dict[str, float], cpu: dict[str, float], cfg: dict, grad_bytes: int):
@@ -115,6 +130,8 @@ def build_report(wall: dict[str, float], cpu: dict[str, float], cfg: dict, grad_
             case["speedup_vs_ddp_opt"] = round(wall[OPTIMIZER_BASELINE] / t, 3)
             if "bucketer_opt" in wall:
                 case["speedup_vs_bucketer_opt"] = round(wall["bucketer_opt"] / t, 3)
+            if name in CLIPPED_CASES or name.startswith(CLIPPED_TAIL_CASE):
+                case["speedup_vs_ddp_opt_clip"] = round(wall["ddp_opt_clip"] / t, 3)
         cases.append(case)
     link = current_link() or {"rate": "none (loopback)", "delay": "0ms"}
     return {
@@ -152,12 +169,16 @@ def print_table(report: dict) -> None:
     with_optimizer = [c for c in report["cases"] if "speedup_vs_ddp_opt" in c]
     if with_optimizer:
         print(f"\nwith {cfg['optimizer']} steps (blocks of {cfg['steps']} back-to-back steps):")
-        print(f"{'case':<20} {'median ms':>10} {'vs ddp_opt':>11} {'vs bucketer_opt':>16}")
+        print(
+            f"{'case':<22} {'median ms':>10} {'vs ddp_opt':>11} {'vs bucketer_opt':>16} "
+            f"{'vs ddp_opt_clip':>16}"
+        )
         for case in with_optimizer:
             print(
-                f"{case['name']:<20} {case['median_ms']:>10.1f} "
+                f"{case['name']:<22} {case['median_ms']:>10.1f} "
                 f"{case['speedup_vs_ddp_opt']:>10.2f}x "
-                f"{case.get('speedup_vs_bucketer_opt', float('nan')):>15.2f}x"
+                f"{case.get('speedup_vs_bucketer_opt', float('nan')):>15.2f}x "
+                f"{case.get('speedup_vs_ddp_opt_clip', float('nan')):>15.2f}x"
             )
 
 
@@ -165,6 +186,8 @@ def _profile_rank(rank: int, world_size: int, cfg: dict, root: str) -> None:
     enter_device(cfg, rank)
     workload = workload_of(cfg, rank)
     steps, finish = optimizer_cases(cfg, workload.new_model, workload.loss)
+    clipped_steps, clipped_finish = clipped_optimizer_cases(cfg, workload.new_model, workload.loss)
+    steps, finish = steps | clipped_steps, finish | clipped_finish
     for name in PROFILED:
         with ok.profile(str(Path(root) / name), wait=1, warmup=1, active=cfg["steps"]) as prof:
             for _ in range(2 + cfg["steps"]):
@@ -222,12 +245,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--only",
         default="",
         help="comma-separated cases to run besides the reference ones; 'optimizer' means "
-        + ",".join(OPTIMIZER_CASES),
+        + ",".join((*OPTIMIZER_CASES, *CLIPPED_CASES)),
     )
     parser.add_argument(
         "--tails",
         default="",
-        help="comma-separated forward_order_tail values: extra bucketer_overlap@tail<N> cases",
+        help="comma-separated forward_order_tail values: extra bucketer_overlap@tail<N> and "
+        "bucketer_overlap_clip@tail<N> cases",
     )
     parser.add_argument(
         "--device",
@@ -254,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg["device"] = args.device
     cfg["tails"] = [int(t) for t in args.tails.split(",") if t]
     only = [c for c in args.only.split(",") if c]
-    cfg["only"] = [c for o in only for c in (OPTIMIZER_CASES if o == "optimizer" else (o,))]
+    optimizer = (*OPTIMIZER_CASES, *CLIPPED_CASES)
+    cfg["only"] = [c for o in only for c in (optimizer if o == "optimizer" else (o,))]
     print(f"ddp_overlap: 2 gloo ranks, {cfg}", flush=True)
     results = run_on_ranks(
         rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600, backend=backend_for(cfg)

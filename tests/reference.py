@@ -59,3 +59,25 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
         n.removeprefix("module."): (None if p.grad is None else p.grad.detach().clone())
         for n, p in model.named_parameters()
     }
+
+
+def assert_bitwise(actual, expected, what: str) -> None:
+    """``torch.equal`` through nested dicts/lists of tensors (NaN equal to NaN); else ``==``."""
+    if isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), what
+        for key in expected:
+            assert_bitwise(actual[key], expected[key], f"{what}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), what
+        for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_bitwise(a, e, f"{what}[{k}]")
+    elif isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, what
+        diff = (actual.float() - expected.float()).abs().max()
+        same = torch.equal(actual, expected) or (
+            torch.equal(actual.isnan(), expected.isnan())
+            and torch.equal(actual.nan_to_num(), expected.nan_to_num())
+        )
+        assert same, f"{what} differs: max |diff| {diff}"
+    else:
+        assert actual == expected, f"{what}: {actual!r} != {expected!r}"

@@ -16,16 +16,15 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import overlapkit as ok
 from overlapkit.ddp.finite import NonFiniteGradients
 from overlapkit.ddp.reducer import tail_launch_order
 from overlapkit.optim.per_bucket import OverlapConflict
+from tests.dcp_switch import switch_through_dcp
 from tests.multiproc import RankFailure, run_on_ranks
-from tests.reference import make_batches, make_mlp, shard
+from tests.reference import assert_bitwise, make_batches, make_mlp, shard
 from tests.test_dead_rank import ENV, FAULT_STEP, TIMEOUT_S, _train_until_failure
 from tests.train_steps import TRAIN_SMALL, compose_config, train_steps
 
@@ -79,19 +78,10 @@ def _train_with_checkpoint(rank, world_size, opt_name, combo, root):
     evals = []
     for step, batch in enumerate(make_batches(STEPS, world_size)):
         if step == CHECKPOINT_AFTER:
-            model_sd, optim_sd = get_state_dict(run.model, run.opt)
             path = os.path.join(root, f"{opt_name}-{'-'.join(combo)}")
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-            sched_sd = run.sched.state_dict()
-            run.bucketer.remove()
-            run = _Run(opt_name, combo[1], ONE_PARAM_PER_BUCKET_MB)
-            model_sd, optim_sd = get_state_dict(run.model, run.opt)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(
-                run.model, run.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            run = switch_through_dcp(
+                run, lambda: _Run(opt_name, combo[1], ONE_PARAM_PER_BUCKET_MB), path
             )
-            run.sched.load_state_dict(sched_sd)
         x, y = shard(batch, rank, world_size)
         run.train_step(nn.functional.mse_loss(run.model(x), y))
         with torch.no_grad():
@@ -264,14 +254,15 @@ def _refusals(rank, world_size):
     return found
 
 
-TRAIN_NO_CLIP = [*TRAIN_SMALL, "train.clip_grad_norm=null"]
-
-
 def _train_loop(rank, world_size):
     """overlapkit-train's step (``_train_step``) with parallel=bucketer and =bucketer_overlap."""
+    runs = [(o, "null") for o in ("bucketer", "bucketer_overlap", "fsdp", "fsdp_overlap")]
+    runs += [(o, "0.06") for o in ("bucketer", "bucketer_overlap")]  # clipping active
     return {
-        option: train_steps(rank, f"parallel={option}", *TRAIN_NO_CLIP)
-        for option in ("bucketer", "bucketer_overlap", "fsdp", "fsdp_overlap")
+        (option, clip): train_steps(
+            rank, f"parallel={option}", *TRAIN_SMALL, f"train.clip_grad_norm={clip}"
+        )
+        for option, clip in runs
     }
 
 
@@ -351,18 +342,6 @@ def scenarios():
         return run_on_ranks(_all_scenarios, 2, root, total_timeout_s=300)
 
 
-def _assert_bitwise(actual, expected, what):
-    assert actual.keys() == expected.keys(), what
-    for key in expected:
-        a, e = actual[key], expected[key]
-        if isinstance(e, dict):
-            _assert_bitwise(a, e, f"{what}[{key!r}]")
-        elif isinstance(e, torch.Tensor):
-            assert torch.equal(a, e), f"{what}[{key!r}] differs: max |diff| {(a - e).abs().max()}"
-        else:
-            assert a == e, f"{what}[{key!r}]: {a!r} != {e!r}"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("combo", COMBOS[1:], ids=["-".join(c) for c in COMBOS[1:]])
@@ -372,8 +351,8 @@ def test_params_state_and_evals_equal_synchronous_path_bitwise_across_dcp_checkp
     for rank, result in enumerate(scenarios):
         expected = result["bitwise"][opt_name, ("sync", "sync")]
         actual = result["bitwise"][opt_name, combo]
-        _assert_bitwise(actual["params"], expected["params"], f"rank {rank} params")
-        _assert_bitwise(
+        assert_bitwise(actual["params"], expected["params"], f"rank {rank} params")
+        assert_bitwise(
             {str(k): v for k, v in actual["optim"].items()},
             {str(k): v for k, v in expected["optim"].items()},
             f"rank {rank} optimizer state",
@@ -402,7 +381,7 @@ def test_overlapped_training_equals_single_process_reference(scenarios, opt_name
 @pytest.mark.slow
 def test_no_sync_accumulation_and_unused_parameters_equal_synchronous_path(scenarios):
     for result in scenarios:
-        _assert_bitwise(result["accumulation"]["overlap"], result["accumulation"]["sync"], "params")
+        assert_bitwise(result["accumulation"]["overlap"], result["accumulation"]["sync"], "params")
     assert not torch.equal(
         scenarios[0]["accumulation"]["overlap"]["b.weight"], _TwoHeads().b.weight
     )
@@ -419,8 +398,8 @@ def test_next_forward_first_module_starts_before_last_bucket_is_reduced(scenario
 
 
 REFUSALS = {
-    "clip_grad_norm": ("OverlapConflict", r"clip_grad_norm_.*different math.*bucketer\.wait\(\)"),
-    "grad_scaler": ("OverlapConflict", r"GradScaler.*needs every reduced gradient"),
+    "clip_grad_norm": ("OverlapConflict", r"clip_grad_norm_.*bucketer\.step\(clip_grad_norm="),
+    "grad_scaler": ("OverlapConflict", r"GradScaler, pass it: bucketer\.step\(.*scaler=scaler"),
     "direct_step": ("OverlapConflict", r"optimizer\.step\(\) was called.*bucketer\.step\(\)"),
     "wait": ("RuntimeError", r"call bucketer\.step\(\)"),
     "step_without_optimizer": ("RuntimeError", r"step\(\) needs the optimizer"),
@@ -446,7 +425,6 @@ def test_conflicts_raise_clear_errors(scenarios, name):
     "options, pattern",
     [
         ({"bucket_mb": "auto"}, "bucket_mb='auto'"),
-        ({"check_finite": True, "on_nonfinite": "skip"}, "on_nonfinite='skip'.*every bucket"),
         ({"forward_order_tail": -1}, "forward_order_tail must be an int >= 0, got -1"),
     ],
 )
@@ -469,7 +447,7 @@ def test_tail_launch_order_reverses_only_the_last_buckets(num_buckets, tail, exp
     assert tail_launch_order(num_buckets, tail) == expected
 
 
-def _dead_rank_run(rank, world_size, mode):
+def _dead_rank_run(rank, world_size, mode, clip):
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     bucketer = ok.GradBucketer(model, bucket_mb=0.004, optimizer=opt)
@@ -477,15 +455,16 @@ def _dead_rank_run(rank, world_size, mode):
     def step(batch):
         x, y = batch
         nn.functional.mse_loss(model(x), y).backward()
-        bucketer.step()
+        bucketer.step(clip_grad_norm=clip)
 
     return _train_until_failure(rank, step, model, mode)
 
 
 @pytest.mark.slow
-def test_dead_rank_raises_collective_failure_naming_the_bucket():
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["unclipped", "clipped"])
+def test_dead_rank_raises_collective_failure_naming_the_bucket(clip):
     with pytest.raises(RankFailure) as failure:
-        run_on_ranks(_dead_rank_run, 2, "kill", collective_timeout_s=TIMEOUT_S, env=ENV)
+        run_on_ranks(_dead_rank_run, 2, "kill", clip, collective_timeout_s=TIMEOUT_S, env=ENV)
     report = failure.value.results[0]
     assert report is not None and report["type"] == "CollectiveFailure", report
     # Detected in step() or in the next forward's pre-hook, whichever waits for it first.
@@ -500,36 +479,39 @@ def test_dead_rank_raises_collective_failure_naming_the_bucket():
 @pytest.mark.slow
 def test_train_option_bucketer_overlap_follows_parallel_bucketer_bitwise(scenarios):
     for result in scenarios:
-        for plain, overlapped, what in [
-            ("bucketer", "bucketer_overlap", "per-bucket optimizer updates"),
-            ("fsdp", "fsdp_overlap", "optimizer step by block"),
+        for plain, overlapped, clip, what in [
+            ("bucketer", "bucketer_overlap", "null", "per-bucket optimizer updates"),
+            ("bucketer", "bucketer_overlap", "0.06", "per-bucket optimizer updates"),
+            ("fsdp", "fsdp_overlap", "null", "optimizer step by block"),
         ]:
-            sync, overlap = result["train_loop"][plain], result["train_loop"][overlapped]
+            sync = result["train_loop"][plain, clip]
+            overlap = result["train_loop"][overlapped, clip]
             assert what in overlap["description"]
             assert overlap["losses"] == sync["losses"], overlapped
+            assert overlap["grad_norms"] == sync["grad_norms"], overlapped
             for name, before in overlap["initial"].items():  # every parameter was updated
                 assert not torch.equal(overlap["params"][name], before), (overlapped, name)
-            _assert_bitwise(overlap["params"], sync["params"], f"{overlapped} params")
+            assert_bitwise(overlap["params"], sync["params"], f"{overlapped} params")
+        norms = result["train_loop"]["bucketer_overlap", "0.06"]["grad_norms"]
+        assert all(n is not None for n in norms) and min(norms) < 0.06 < max(norms), norms
 
 
-def test_train_refuses_bucketer_overlap_with_clip_grad_norm_naming_the_key():
+def test_train_runs_bucketer_overlap_with_the_default_clip_grad_norm():
     from hydra.utils import instantiate
 
     from overlapkit.train.cli import check_job
 
     cfg = compose_config("parallel=bucketer_overlap")
-    with pytest.raises(
-        ValueError, match=r"train\.clip_grad_norm=1\.0 cannot be used with per-bucket"
-    ):
-        check_job(cfg, instantiate(cfg.launcher))
+    assert cfg.train.clip_grad_norm == 1.0
+    check_job(cfg, instantiate(cfg.launcher))  # refused before launch until issue 23
 
 
 @pytest.mark.slow
 def test_fsdp_step_by_block_equals_optimizer_step_and_gathers_first_blocks_early(scenarios):
     for result in scenarios:
         by_block, step = result["fsdp"]["by_block"], result["fsdp"]["step"]
-        _assert_bitwise(by_block["params"], step["params"], "fsdp params")
-        _assert_bitwise(by_block["optim"], step["optim"], "fsdp optimizer state")
+        assert_bitwise(by_block["params"], step["params"], "fsdp params")
+        assert_bitwise(by_block["optim"], step["optim"], "fsdp optimizer state")
         # prefetch=1: the root's and block 0's all-gathers start before blocks 1-3 are updated.
         assert by_block["order"] == [
             ("update", "root"),

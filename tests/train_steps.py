@@ -51,9 +51,14 @@ def train_steps(rank: int, *overrides: str) -> dict:
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     source = instantiate(cfg.data)
     plan, factory = split_parallel(cfg.parallel)
-    check_run_optimizer(factory, clip_grad_norm=train_cfg.clip_grad_norm, plan=plan)
+    check_run_optimizer(factory, plan=plan)
     make_optimizer = instantiate(cfg.optim.optimizer)
-    par = apply_parallel(model, instantiate(factory), make_optimizer=make_optimizer)
+    par = apply_parallel(
+        model,
+        instantiate(factory),
+        make_optimizer=make_optimizer,
+        clip_grad_norm=train_cfg.clip_grad_norm,
+    )
     optimizer = par.optimizer or make_optimizer(par.model.parameters())
     scheduler = instantiate(cfg.optim.scheduler)(optimizer, total_steps=train_cfg.steps)
     stream = BatchStream(source, rank=rank, batch_size=train_cfg.batch_size)

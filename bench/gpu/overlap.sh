@@ -8,8 +8,9 @@
 # Two NCCL ranks share GPU 0 under CUDA MPS, each with its own NCCL_HOSTID, so NCCL joins them
 # through its socket transport over loopback (docs/emulation.md, NCCL on one
 # GPU). For each model it runs python -m bench.ddp_overlap --device cuda (all cases interleaved in one
-# run, including ddp_opt / bucketer_opt / bucketer_overlap with AdamW) and profiles bucketer_opt
-# and bucketer_overlap with ok.profile; `overlapkit report --json` then reads the traces.
+# run, including ddp_opt / bucketer_opt / bucketer_overlap with AdamW and their clipped twins
+# ddp_opt_clip / bucketer_opt_clip / bucketer_overlap_clip, clip_grad_norm 1.0) and profiles the
+# bucketer cases with ok.profile; `overlapkit report --json` then reads the traces.
 #
 # Writes to $OUT (default runs/gpu_overlap): machine.txt, ddp_overlap_<model>.json (the
 # benchmark JSON: cases, overlap efficiency, speed-ups, "profiled" exposed comm per step),
@@ -60,7 +61,7 @@ run_model() {  # model, extra args...
   timeout 900 "$PYTHON" -m bench.ddp_overlap --device cuda --rate none --model "$model" \
     --only optimizer --optimizer adamw --tails 0,4 --profile-dir "$OUT_DIR/profile_$model" \
     --json "$OUT_DIR/ddp_overlap_$model.json" "$@"
-  for case in bucketer_opt bucketer_overlap; do
+  for case in bucketer_opt bucketer_overlap bucketer_opt_clip bucketer_overlap_clip; do
     "$PYTHON" -m overlapkit.cli report "$OUT_DIR/profile_$model/$case" --json \
       > "$OUT_DIR/report_${model}_$case.json"
   done

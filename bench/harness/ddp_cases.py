@@ -30,11 +30,19 @@ OPTIMIZER_BASELINE = "ddp_opt"
 REFERENCE_CASES = ("compute_only", "comm_only", "no_overlap", BASELINE)
 OPTIMIZER_CASES = (OPTIMIZER_BASELINE, "bucketer_opt", "bucketer_overlap", "ddp_opt_default")
 TAIL_CASE = "bucketer_overlap@tail"  # + forward_order_tail, with --tails
+CLIPPED_CASES = ("ddp_opt_clip", "bucketer_opt_clip", "bucketer_overlap_clip")
+CLIPPED_TAIL_CASE = "bucketer_overlap_clip@tail"  # + forward_order_tail, with --tails
+MAX_NORM = 1.0
+"""What the clipped cases clip the global gradient norm to (train.clip_grad_norm's default)."""
 
 
 def with_optimizer(name: str) -> bool:
     """Whether case ``name`` includes the optimizer step (timed as blocks of steps)."""
-    return name in OPTIMIZER_CASES or name.startswith(TAIL_CASE)
+    return (
+        name in OPTIMIZER_CASES
+        or name in CLIPPED_CASES
+        or name.startswith((TAIL_CASE, CLIPPED_TAIL_CASE))
+    )
 
 
 OPTIMIZERS = {
@@ -111,6 +119,60 @@ def optimizer_cases(
     return steps, finish
 
 
+def clipped_optimizer_cases(
+    cfg: dict, new_model: Callable[[], nn.Module], loss: Callable
+) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]]]:
+    """``CLIPPED_CASES``: the optimizer cases with global-norm clipping to ``MAX_NORM``.
+
+    ``ddp_opt_clip`` and ``bucketer_opt_clip`` call ``clip_grad_norm_`` before the step;
+    ``bucketer_overlap_clip`` folds it into ``bucketer.step(clip_grad_norm=MAX_NORM)``, and
+    with ``--tails`` ``bucketer_overlap_clip@tail<N>`` with ``forward_order_tail=N``.
+    """
+    make_optimizer = OPTIMIZERS[cfg["optimizer"]]
+    ddp = DistributedDataParallel(new_model())
+    ddp_opt = make_optimizer(ddp.parameters())
+    sync_model = new_model()
+    sync = ok.GradBucketer(sync_model)
+    sync_opt = make_optimizer(sync_model.parameters())
+    overlap_model = new_model()
+    overlap = ok.GradBucketer(overlap_model, optimizer=make_optimizer(overlap_model.parameters()))
+
+    def ddp_step() -> None:
+        loss(ddp).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+
+    def sync_step() -> None:
+        loss(sync_model).backward()
+        sync.wait()
+        torch.nn.utils.clip_grad_norm_(sync_model.parameters(), MAX_NORM)
+        sync_opt.step()
+        sync_opt.zero_grad()
+
+    def overlap_step() -> None:
+        loss(overlap_model).backward()
+        overlap.step(clip_grad_norm=MAX_NORM)
+
+    def clipped_step(model: nn.Module, bucketer: ok.GradBucketer) -> Callable[[], None]:
+        def step() -> None:
+            loss(model).backward()
+            bucketer.step(clip_grad_norm=MAX_NORM)
+
+        return step
+
+    steps = dict(zip(CLIPPED_CASES, (ddp_step, sync_step, overlap_step), strict=True))
+    finish = {"bucketer_overlap_clip": overlap.synchronize}
+    for tail in cfg.get("tails", []):
+        model = new_model()
+        bucketer = ok.GradBucketer(
+            model, optimizer=make_optimizer(model.parameters()), forward_order_tail=tail
+        )
+        steps[f"{CLIPPED_TAIL_CASE}{tail}"] = clipped_step(model, bucketer)
+        finish[f"{CLIPPED_TAIL_CASE}{tail}"] = bucketer.synchronize
+    return steps, finish
+
+
 def _build_cases(
     cfg: dict, rank: int
 ) -> tuple[dict[str, Callable[[], None]], list[float], int, dict[str, Callable[[], None]]]:
@@ -178,12 +240,15 @@ def _build_cases(
     if cfg.get("optimizer"):
         optimizer_steps, finish = optimizer_cases(cfg, new_model, loss)
         cases |= optimizer_steps
+        clipped_steps, clipped_finish = clipped_optimizer_cases(cfg, new_model, loss)
+        cases |= clipped_steps
+        finish |= clipped_finish
     only = cfg.get("only")
     if only:
         cases = {
             n: f
             for n, f in cases.items()
-            if n in only or n in REFERENCE_CASES or n.startswith(TAIL_CASE)
+            if n in only or n in REFERENCE_CASES or n.startswith((TAIL_CASE, CLIPPED_TAIL_CASE))
         }
     return cases, forward_ms, grad_numel, finish
 

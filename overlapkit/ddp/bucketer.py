@@ -32,7 +32,8 @@ from overlapkit.ddp.tuning import attach_bucketer_tuner, wants_auto_bucket_mb
 from overlapkit.group.consistency import check_consistent
 from overlapkit.group.failures import FailureScope
 from overlapkit.group.process_group import resolve_process_group
-from overlapkit.optim.per_bucket import PerBucketStep, resolve_overlap_options, validate_optimizer
+from overlapkit.optim.overlap_checks import resolve_overlap_options, validate_optimizer
+from overlapkit.optim.per_bucket import PerBucketStep
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ class GradBucketer:
             ``ok.comm_stats(bucketer).skipped_steps``). Defaults to ``"raise"``.
         optimizer (torch.optim.Optimizer | None): attach the optimizer of the model's
             parameters: ``bucketer.step()`` then replaces ``wait(); optimizer.step();
-            optimizer.zero_grad()``, applying each bucket's update once its all-reduce is done
-            and letting the next forward start before the last buckets are reduced
+            optimizer.zero_grad()`` (with global-norm clipping and GradScaler if asked),
+            applying each bucket's update once its all-reduce is done and letting the next
+            forward start before the last buckets are reduced
             (``overlapkit.optim.per_bucket``). Defaults to None (``wait()`` as usual).
         forward_order_tail (int | None): with ``optimizer``: the last this-many buckets of
             backward (the first layers) are launched first-layer first, so the next forward's
@@ -91,9 +93,7 @@ class GradBucketer:
         params = trainable_parameters(model, caller="ok.GradBucketer")
         validate_finite_options(check_finite, on_nonfinite, caller="ok.GradBucketer")
         auto = wants_auto_bucket_mb(bucket_mb, caller="ok.GradBucketer")
-        tail = resolve_overlap_options(
-            optimizer, forward_order_tail, auto_bucket_mb=auto, on_nonfinite=on_nonfinite
-        )
+        tail = resolve_overlap_options(optimizer, forward_order_tail, auto_bucket_mb=auto)
         resolved_mb = resolve_bucket_mb(
             None if auto else bucket_mb, params, caller="ok.GradBucketer"
         )
@@ -200,6 +200,8 @@ class GradBucketer:
                 f"({len(names)} saved names, {len(ours)} here)"
             )
         bucket_mb = validate_bucket_mb(state["bucket_mb"], caller="ok.GradBucketer.load_state_dict")
+        # Pending per-bucket updates still read the old buffers (on CUDA from the side stream).
+        self.synchronize()
         index = {name: i for i, name in enumerate(ours)}
         reducer.load_layout(
             [index[name] for name in names],
@@ -233,23 +235,65 @@ class GradBucketer:
             reducer.finish_bucket(b, missing)
         reducer.end_step(step)
 
-    def step(self) -> None:
+    def step(
+        self,
+        *,
+        clip_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         """With ``optimizer=``: start this step's per-bucket updates and return at once.
 
-        Replaces ``wait(); optimizer.step(); optimizer.zero_grad()``; parameters are final when
-        a module's forward reaches them, or after ``synchronize()`` (see
-        ``overlapkit.optim.per_bucket``).
+        Replaces ``wait(); optimizer.step(); optimizer.zero_grad()``, and with the arguments
+        ``wait(); scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(
+        model.parameters(), clip_grad_norm, norm_type, error_if_nonfinite);
+        scaler.step(optimizer); optimizer.zero_grad()``, bitwise; call ``scaler.update()``
+        afterwards as usual. Parameters are final when a module's forward reaches them, or
+        after ``synchronize()`` (see ``overlapkit.optim.per_bucket``).
+
+        Args:
+            clip_grad_norm (float | None): clip the global gradient norm to this (``0.0``
+                zeroes the gradients, as in torch); None (the default) does not clip.
+            norm_type (float): p of the p-norm, ``"inf"`` or ``math.inf`` for the max norm.
+            error_if_nonfinite (bool): raise if the total norm is NaN/Inf (a host sync in
+                ``step()``, as in torch). Defaults to False.
+            scaler (torch.amp.GradScaler | None): fp16 loss scaling: gradients are unscaled
+                and checked per bucket; a step with inf/NaN is skipped on every rank.
 
         Raises:
             RuntimeError: no ``optimizer=`` was given, or no backward since the last step.
-            OverlapConflict: gradients were edited after backward (clipping, ``GradScaler``).
+            OverlapConflict: gradients were edited after backward.
+            ValueError: a bad clipping option, or ``scaler`` with ``check_finite=True``.
         """
         if self._overlap is None:
             raise RuntimeError(
                 "ok.GradBucketer.step() needs the optimizer: ok.GradBucketer(model, "
                 "optimizer=opt); without it call bucketer.wait() and then optimizer.step()"
             )
-        self._overlap.step()
+        self._overlap.step(
+            clip_grad_norm=clip_grad_norm,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            scaler=scaler,
+        )
+
+    def total_norm(self) -> torch.Tensor:
+        """The total gradient norm of the last ``step(clip_grad_norm=...)``, as a 0-dim tensor.
+
+        Equal to what ``clip_grad_norm_`` returns, bitwise. Reading it right after ``step()``
+        waits for every bucket's all-reduce (on CPU it lands them; on CUDA the current stream
+        waits for the norm), which gives up the overlap of that wait with user code.
+
+        Raises:
+            RuntimeError: no ``optimizer=``, or no step has clipped yet.
+        """
+        if self._overlap is None:
+            raise RuntimeError(
+                "ok.GradBucketer.total_norm() belongs to per-bucket updates (optimizer=); in the "
+                "synchronous form clip_grad_norm_ returns the norm itself"
+            )
+        return self._overlap.total_norm()
 
     def synchronize(self) -> None:
         """With ``optimizer=``: apply every pending update now (no-op otherwise)."""

@@ -26,7 +26,9 @@ are handed back as DTensors with the parameter's placements.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
@@ -44,6 +46,24 @@ logger = logging.getLogger(__name__)
 MiB = 1024 * 1024
 CALLER = "ok.GradBucketer"
 """The API the reducer serves, as errors and logs name it."""
+
+_live: weakref.WeakSet[BucketReducer] = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_in_flight_at_exit() -> None:
+    """Wait for every all-reduce still in flight before the interpreter shuts down.
+
+    A gloo all-reduce completes on one of the process group's worker threads, which then runs
+    the Python callbacks of its future (``CommRecorder.watch``'s completion timestamp). If that
+    happens while the interpreter finalizes, the thread's attempt to take the GIL ends it with
+    ``pthread_exit``, whose unwinding through torch's ``noexcept`` future code calls
+    ``std::terminate``: the process dies of SIGABRT ("terminate called without an active
+    exception") after the script has finished. ``atexit`` runs before finalization, while
+    threads can still take the GIL, so waiting here lets every callback run in time.
+    """
+    for reducer in list(_live):
+        reducer.wait_in_flight()
 
 
 def tail_launch_order(num_buckets: int, tail: int) -> list[int]:
@@ -177,6 +197,7 @@ class BucketReducer:
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)
         ]
+        _live.add(self)
 
     # -- the layout ----------------------------------------------------------------------------
 
@@ -420,14 +441,47 @@ class BucketReducer:
         entry.flags.fill_(1)
         entry.pending = len(entry.indices)
 
-    def settle_nonfinite(self, step: int) -> None:
+    def wait_in_flight(self) -> None:
+        """Wait for every launched all-reduce that nobody has waited for; errors are logged.
+
+        Leaves the buckets as they are (``finish_bucket`` still hands the results over).
+        """
+        for b, entry in enumerate(self._buckets):
+            if entry.work is None:
+                continue
+            try:
+                entry.work.wait()
+            except Exception as error:  # a dead peer: nothing left to save at this point
+                logger.warning("%s: all-reduce of bucket %d failed at exit: %s", CALLER, b, error)
+                entry.work = None
+
+    def reset_bucket(self, bucket: int) -> None:
+        """Forget ``bucket``'s all-reduce without waiting for it and make it ready for a backward.
+
+        For a step given up after a failure (a dead rank): its gradients are left as they are,
+        and an all-reduce still in flight may yet write into the buffer, which no longer matters
+        once the group has failed.
+        """
+        entry = self._buckets[bucket]
+        entry.work = None
+        entry.flags.fill_(1)
+        entry.pending = len(entry.indices)
+
+    @property
+    def checks_finite(self) -> bool:
+        """Whether finished buckets are checked for NaN/Inf (``check_finite=True``)."""
+        return self._finite is not None
+
+    def settle_nonfinite(self, step: int) -> bool:
         """Act now on the NaN/Inf that the finished buckets of ``step`` held, if checked.
+
+        Returns:
+            bool: whether the step was skipped (``on_nonfinite="skip"``: gradients dropped).
 
         Raises:
             NonFiniteGradients: ``check_finite`` with ``on_nonfinite="raise"`` found some.
         """
-        if self._finite is not None:
-            self._finite.finish_step(step)
+        return self._finite is not None and self._finite.finish_step(step)
 
     def register_step_end_hook(self, hook: Callable[[int], None]) -> RemovableHandle:
         """Call ``hook(step)`` at each ``end_step``, after a pending rebuild (the auto-tuner).

@@ -4,6 +4,10 @@
 ``optimizer.step()`` (and ``mark_stepped`` tells its LR scheduler the step happened);
 ``per_bucket`` schedules the updates of ``GradBucketer(optimizer=)`` bucket by bucket as their
 all-reduces complete, ``per_block`` those of ``overlapkit.fsdp.step_by_block`` block by block in
-forward order. The schedulers see the wrappers through the Protocols of ``protocols``, so this
-package sits below ``ddp`` and ``fsdp`` and imports neither.
+forward order. ``clip`` (exact global-norm clipping part by part), ``grad_scaling``
+(GradScaler's unscale part by part) and ``gate`` (holding a step's updates until every part has
+landed) fold clipping and loss scaling into them; ``forward_reads`` says where the next forward
+must wait, ``overlap_checks`` what per-bucket updates refuse. The schedulers see the wrappers
+through the Protocols of ``protocols``, so this package sits below ``ddp`` and ``fsdp`` and
+imports neither.
 """

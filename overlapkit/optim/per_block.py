@@ -27,7 +27,14 @@ from overlapkit.optim.clip import (
     total_norm,
 )
 from overlapkit.optim.protocols import BlockSet
-from overlapkit.optim.subset import group_of, hyper_parameters, mark_stepped, step_subset
+from overlapkit.optim.subset import (
+    group_of,
+    hyper_parameters,
+    mark_stepped,
+    run_step_hooks,
+    step_hooks,
+    step_subset,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +58,11 @@ def step_by_sets(
     """``optimizer.step()`` over ``blocks.parameter_sets()``, one set after the other.
 
     After each set's update ``blocks.updated(index)`` runs, after the last
-    ``blocks.all_updated()``; the optimizer's own step hooks do not run. Parameters of a set
-    that the optimizer does not hold are left alone (but clipped, as ``clip_grad_norm_`` over
-    ``blocks.parameters()`` would clip them).
+    ``blocks.all_updated()``. The step pre/post hooks (the optimizer's and the global ones) run
+    once, before the first set (after the norm, so they see the clip coming, as after
+    ``clip_grad_norm_``) and after the last, as around one ``optimizer.step()``. Parameters of
+    a set that the optimizer does not hold are left alone (but clipped, as ``clip_grad_norm_``
+    over ``blocks.parameters()`` would clip them).
 
     Args:
         blocks (BlockSet): the sets, in update order.
@@ -70,20 +79,23 @@ def step_by_sets(
         RuntimeError: ``clip.error_if_nonfinite`` and the total norm is NaN or infinite;
             nothing has been clipped or updated.
     """
-    groups = group_of(optimizer)
-    hyper = hyper_parameters(optimizer)
     total = coefficient = None
     if clip is not None:
         total = global_grad_norm(blocks.parameters(), clip.norm_type)
         if clip.error_if_nonfinite:
             raise_if_nonfinite(total, clip.norm_type, caller=clip.caller)
         coefficient = clip_coefficient(clip.max_norm, total)
+    pre_hooks, post_hooks = step_hooks(optimizer)
+    run_step_hooks(optimizer, pre_hooks)
+    groups = group_of(optimizer)
+    hyper = hyper_parameters(optimizer)
     for index, params in enumerate(blocks.parameter_sets()):
         if coefficient is not None:
             clip_subset_([p.grad for p in params if p.grad is not None], coefficient)
         step_subset(optimizer, [p for p in params if id(p) in groups], hyper=hyper, groups=groups)
         blocks.updated(index)
     mark_stepped(optimizer)
+    run_step_hooks(optimizer, post_hooks)
     blocks.all_updated()
     return total
 

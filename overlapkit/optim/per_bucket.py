@@ -5,154 +5,116 @@ The loop::
 
     loss.backward()      # buckets are all-reduced asynchronously as their gradients are ready
     bucketer.step()      # replaces wait(); optimizer.step(); optimizer.zero_grad()
-    model(next_x)        # each module first waits for (and applies) the buckets of its own
-                         # parameters only; the rest of the all-reduces keep running
+    model(next_x)        # each module first waits for (and applies) the buckets of the
+                         # parameters it reads; the rest of the all-reduces keep running
 
-``GradBucketer`` builds a ``PerBucketStep`` over its bucket reducer and forwards ``step()`` and
-``synchronize()`` to it; the scheduler sees the reducer only through the ``BucketReduction``
-Protocol (``overlapkit.optim.protocols``): its launch order, ``end_backward``, per-bucket
-``reduction_complete`` / ``finish_bucket``, the gradient views and a grad-ready hook.
+``GradBucketer`` builds a ``PerBucketStep`` over its bucket reducer and forwards ``step()``,
+``synchronize()`` and ``total_norm()`` to it; the scheduler sees the reducer only through the
+``BucketReduction`` Protocol (``overlapkit.optim.protocols``).
+
+**Clipping and GradScaler.** ``step(clip_grad_norm=max_norm, norm_type=2.0,
+error_if_nonfinite=False, scaler=None)`` is bitwise ``wait(); scaler.unscale_(optimizer);
+clip_grad_norm_(model.parameters(), max_norm, norm_type, error_if_nonfinite);
+scaler.step(optimizer); optimizer.zero_grad()`` (the user then calls ``scaler.update()`` as
+usual). Every update then waits for every bucket (``overlapkit.optim.gate``): as each bucket's
+all-reduce lands its gradients are unscaled and their per-tensor norms taken; once the last one
+has landed the total norm (in ``clip_grad_norm_``'s order), the clip coefficient and the skip
+decision follow, and the updates still run bucket by bucket, each module of the next forward
+waiting only for its own. What stays exposed: the last bucket's all-reduce, the norm, and the
+first update the next forward needs. ``check_finite=True`` gates the same way, so
+``on_nonfinite="skip"`` drops a whole step and ``"raise"`` raises before any update.
 
 **What runs where.** ``step()`` snapshots every param group's hyper-parameters (so an LR
 scheduler stepped right after it changes the *next* step, as with ``optimizer.step()``), then:
 
-- on CUDA, issues every bucket's update on a side stream at once: the stream waits for the
-  bucket's all-reduce (NCCL work) and runs the optimizer, so the GPU updates each bucket as soon
-  as its all-reduce completes; a module's forward pre-hook makes the compute stream wait for the
-  events of its buckets only;
+- on CUDA, issues the updates on a side stream at once: the stream waits for each bucket's
+  all-reduce (NCCL work) and runs the optimizer; a module's forward pre-hook makes the compute
+  stream wait for the events of its buckets only. Nothing in ``step()`` waits on the host,
+  except what cannot be decided on the device: with ``check_finite`` or a GradScaler and an
+  optimizer that cannot take ``found_inf`` itself (not ``fused=True``), one host read of the
+  verdict, made where the next forward first needs an update; a bucket holding a parameter
+  this rank did not use, whose used-flags are read on the host at the same point (in
+  ``step()`` itself when a GradScaler needs every bucket there); ``error_if_nonfinite=True``,
+  which reads the norm in ``step()``, as torch does. With a scaler, the current stream waits
+  for the last bucket at ``step()``, so that ``scaler.update()`` reads the final ``found_inf``;
 - on CPU (gloo), applies on the training thread, never concurrently with user code: at
-  ``step()`` the buckets whose all-reduce already completed; later, in a module's forward
-  pre-hook, its own buckets (first applying any other bucket whose all-reduce has completed
-  while it waits). Applying on the training thread means nothing races with the user's
-  ``zero_grad``, LR scheduler or checkpoint code, and the CPU work is the same as the
-  synchronous path's, moved into the time it would spend waiting.
+  ``step()`` the buckets whose all-reduce already completed (without a gate; with one, their
+  norms); later, in a forward pre-hook, those the module needs. With a scaler or
+  ``error_if_nonfinite``, ``step()`` itself waits for every bucket, since ``scaler.update()``
+  (or the error) comes right after.
 
+The forward pre-hook is one global module hook (``register_module_forward_pre_hook``): a
+module-level hook would make ``nn.TransformerEncoderLayer`` leave its eval fast path. Which
+parameters each module reads, children's included, is ``overlapkit.optim.forward_reads``'s.
 Anything else that reads parameters sees every update applied: ``model.state_dict()``,
 ``load_state_dict()``, ``optimizer.state_dict()`` / ``load_state_dict()`` (so DCP checkpoints
-too) call ``synchronize()`` through pre-hooks; so does ``bucketer.synchronize()``. Code that reads
-``param`` tensors directly between ``step()`` and the next forward must call ``synchronize()``.
+too) call ``synchronize()`` through pre-hooks; so does ``bucketer.synchronize()``, and so does
+the interpreter's exit. Code that reads ``param`` tensors directly between ``step()`` and the
+next forward must call ``synchronize()``.
 
 **The optimizer is the user's.** A bucket is updated by ``overlapkit.optim.subset.step_subset``:
 the optimizer class's own ``step`` on a view restricted to the bucket's parameters, with the
-hyper-parameters snapshotted at ``step()`` and the user's ``optimizer.state``. The result is
-bitwise equal to ``wait(); optimizer.step(); optimizer.zero_grad()`` and
-``optimizer.state_dict()`` is the same object either way.
+hyper-parameters snapshotted at ``step()`` and the user's ``optimizer.state``. Its step hooks,
+and the global ones (``register_optimizer_step_pre_hook`` / ``_post_hook``), run once per
+``step()``: the pre-hooks in ``step()``, the post-hooks once every update is applied (on CUDA
+that makes ``step()`` wait for them, so register none where overlap matters).
 
-**What cannot be overlapped is refused** (each error says why and what to use instead): global
-gradient-norm clipping, ``GradScaler`` and anything that edits gradients between backward and
-``step()`` (detected by the gradients' version counters), since they need every reduced gradient
-before any update; ``optimizer.step()`` called directly; optimizers whose step needs a closure
-(LBFGS) or that carry step hooks; ``check_finite`` with ``on_nonfinite="skip"`` (a skip decision
-needs every bucket); ``bucket_mb="auto"``; tensor-parallel (DTensor) parameters.
+What cannot be overlapped is refused (``overlapkit.optim.overlap_checks``): ``optimizer.step()``
+called directly, gradients edited between backward and ``step()`` (version counters), LBFGS,
+``bucket_mb="auto"``, DTensor parameters, parameters on several devices, a compiled
+``optimizer.step``, and on CUDA a tensor ``lr`` torch would read on the host.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from overlapkit.optim.clip import validate_clip_options
+from overlapkit.optim.forward_reads import reads_of
+from overlapkit.optim.gate import UpdateGate
+from overlapkit.optim.grad_scaling import ScaledStep, scaler_in_use
+from overlapkit.optim.overlap_checks import (
+    CALLER,
+    SYNCHRONOUS_FORM,
+    OverlapConflict,
+    refuse_compiled_step,
+    refuse_host_synced_lr,
+)
 from overlapkit.optim.protocols import BucketReduction, MissingGradients
-from overlapkit.optim.subset import group_of, hyper_parameters, mark_stepped, step_subset
+from overlapkit.optim.subset import (
+    group_of,
+    hyper_parameters,
+    mark_stepped,
+    run_step_hooks,
+    step_hooks,
+    step_subset,
+)
 
 logger = logging.getLogger(__name__)
 
-CALLER = "ok.GradBucketer(optimizer=...)"
-DEFAULT_TAIL = 2
-"""Buckets at the end of backward launched first-layer first (``forward_order_tail=None``)."""
-_SYNCHRONOUS_FORM = (
-    "use the synchronous form instead: ok.GradBucketer(model) (no optimizer=), then "
-    "loss.backward(); bucketer.wait(); <clip/unscale>; optimizer.step()"
-)
+__all__ = ["OverlapConflict", "PerBucketStep"]
+
+_live: weakref.WeakSet[PerBucketStep] = weakref.WeakSet()
 
 
-class OverlapConflict(RuntimeError):
-    """Something needs every reduced gradient before any update, which per-bucket updates lack."""
-
-
-def validate_optimizer(
-    optimizer: object, params: list[torch.nn.Parameter], names: list[str]
-) -> torch.optim.Optimizer:
-    """Check that ``optimizer`` can be applied per bucket to the bucketer's parameters.
-
-    Raises:
-        TypeError: not a ``torch.optim.Optimizer``.
-        ValueError: LBFGS, step hooks registered, a parameter the bucketer does not reduce,
-            or DTensor parameters.
-    """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"{CALLER}: optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
-            f"{CALLER}: LBFGS's step(closure) re-evaluates the loss over every parameter, so it "
-            f"cannot run per bucket; {_SYNCHRONOUS_FORM}"
-        )
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        raise ValueError(
-            f"{CALLER}: the optimizer has step pre/post hooks, which would run once per bucket; "
-            "remove them or use GradBucketer without optimizer="
-        )
-    ours = {id(p) for p in params}
-    for g, group in enumerate(optimizer.param_groups):
-        for k, p in enumerate(group["params"]):
-            if id(p) not in ours:
-                raise ValueError(
-                    f"{CALLER}: optimizer.param_groups[{g}]['params'][{k}] (shape "
-                    f"{tuple(p.shape)}) is not a trainable parameter of the model given to the "
-                    "bucketer, so no bucket would ever update it"
-                )
-    tensor_parallel = [n for n, p in zip(names, params, strict=True) if isinstance(p, DTensor)]
-    if tensor_parallel:
-        raise ValueError(
-            f"{CALLER}: tensor-parallel (DTensor) parameters are not supported with per-bucket "
-            f"updates (found {tensor_parallel[:3]}...); {_SYNCHRONOUS_FORM}"
-        )
-    return optimizer
-
-
-def resolve_overlap_options(
-    optimizer: object, forward_order_tail: int | None, *, auto_bucket_mb: bool, on_nonfinite: str
-) -> int:
-    """Check the bucketer options that interact with ``optimizer=``; returns the tail length.
-
-    Raises:
-        ValueError: ``forward_order_tail`` without ``optimizer``, or not an int >= 0;
-            ``bucket_mb="auto"`` or ``on_nonfinite="skip"`` with ``optimizer``.
-    """
-    if optimizer is None:
-        if forward_order_tail not in (None, 0):
-            raise ValueError(
-                f"ok.GradBucketer: forward_order_tail={forward_order_tail!r} only applies with "
-                "optimizer= (it orders the launches for the next forward)"
-            )
-        return 0
-    if auto_bucket_mb:
-        raise ValueError(
-            f"{CALLER}: bucket_mb='auto' rebuilds the buckets between steps while updates are "
-            "pending; pass a size in MiB (or None for the default)"
-        )
-    if on_nonfinite == "skip":
-        raise ValueError(
-            f"{CALLER}: on_nonfinite='skip' drops a whole step when any bucket holds NaN/Inf, "
-            "which needs every bucket before any update; use on_nonfinite='raise' (the bucket "
-            "with NaN/Inf is not applied and step()/forward raises) or GradBucketer without "
-            "optimizer="
-        )
-    if forward_order_tail is None:
-        return DEFAULT_TAIL
-    if (
-        isinstance(forward_order_tail, bool)
-        or not isinstance(forward_order_tail, int)
-        or forward_order_tail < 0
-    ):
-        raise ValueError(
-            f"{CALLER}: forward_order_tail must be an int >= 0, got {forward_order_tail!r}"
-        )
-    return forward_order_tail
+@atexit.register
+def _synchronize_at_exit() -> None:
+    """Apply every pending update before the interpreter shuts down (a loop that ends with
+    ``bucketer.step()`` exits 0 with its last step applied; see ``overlapkit.ddp.reducer``'s
+    exit hook for why an all-reduce must not be left in flight)."""
+    for scheduler in list(_live):
+        try:
+            scheduler.synchronize()
+        except Exception as error:  # a dead peer at exit: report, do not abort the exit
+            logger.warning("%s: the last step's updates failed at exit: %s", CALLER, error)
 
 
 @dataclass
@@ -166,8 +128,19 @@ class _Job:
     """``id(param)`` -> index of the user's param group holding it."""
     missing: MissingGradients
     """The reduction's parameters without a gradient this step (``end_backward()``)."""
-    pending: list[int]
-    """Buckets not applied yet, in launch order."""
+    to_land: list[int]
+    """Buckets whose reduction is not finished yet, in launch order."""
+    to_update: list[int]
+    """Buckets not updated yet (on CUDA: whose update is not issued yet)."""
+    gate: UpdateGate | None
+    """Clipping / GradScaler / NaN-Inf state: every update waits for every bucket."""
+    post_hooks: list[Callable]
+    """The optimizer's and the global step post-hooks, run once every update is applied."""
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Landed gradients by parameter index. Those of the optimizer's parameters are taken off
+    ``param.grad`` when their bucket lands (``step()`` includes ``zero_grad()``), so that a
+    user's ``optimizer.zero_grad()`` right after ``step()`` (nanoGPT's loop) finds nothing to
+    clear, and put back only for the update."""
     events: dict[int, torch.Event] = field(default_factory=dict)
     """On CUDA: per bucket, the side-stream event after its update."""
 
@@ -177,7 +150,7 @@ class PerBucketStep:
 
     Args:
         reduction (BucketReduction): the bucketer's reducer (its buckets, launch order, hooks).
-        model (nn.Module): the model given to the bucketer (forward pre-hooks go on its modules).
+        model (nn.Module): the model given to the bucketer (whose modules' forwards wait).
         optimizer (torch.optim.Optimizer): validated by ``validate_optimizer``.
     """
 
@@ -188,25 +161,27 @@ class PerBucketStep:
         self.optimizer = optimizer
         self._job: _Job | None = None
         self._handed: dict[int, tuple[torch.Tensor, int]] = {}
+        self._norm: tuple[torch.Tensor, torch.Event | None] | None = None
         params = reduction.params
-        device = params[0].device
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        index = {id(p): i for i, p in enumerate(params)}
+        self._device = params[0].device
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self._compute: torch.cuda.Stream | None = None
+        self._reads = weakref.WeakKeyDictionary(reads_of(model, list(params)))
+        direct = optimizer.register_step_pre_hook(self._refuse_direct_step)
+        self._own_hook_ids = (direct.id,)
         self._handles: list[RemovableHandle] = [
-            reduction.register_grad_ready_hook(self.grad_handed_over)
+            reduction.register_grad_ready_hook(self.grad_handed_over),
+            _global_forward_pre_hook(self),
+            direct,
         ]
-        for module in model.modules():
-            own = sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index})
-            if own:
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward(own)))
         sync = self._synchronize_hook
         self._handles += [
             model.register_state_dict_pre_hook(sync),
             model.register_load_state_dict_pre_hook(sync),
             optimizer.register_state_dict_pre_hook(sync),
             optimizer.register_load_state_dict_pre_hook(sync),
-            optimizer.register_step_pre_hook(self._refuse_direct_step),
         ]
+        _live.add(self)
 
     # -- the training loop's side ------------------------------------------------------------
 
@@ -221,7 +196,14 @@ class PerBucketStep:
             return
         self._handed[index] = (param.grad, param.grad._version)
 
-    def step(self) -> None:
+    def step(
+        self,
+        *,
+        clip_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         """Hand this step's buckets over for per-bucket updates and return (see module doc)."""
         reduction = self._reduction
         if not reduction.in_step:
@@ -229,35 +211,82 @@ class PerBucketStep:
                 "ok.GradBucketer.step() was called but no backward has produced gradients since "
                 "the last step() (or all ran inside no_sync()); call loss.backward() first"
             )
+        max_norm = None
+        if clip_grad_norm is not None:
+            max_norm, norm_type = validate_clip_options(
+                clip_grad_norm, norm_type, error_if_nonfinite, caller="ok.GradBucketer.step"
+            )
+        scaler = scaler_in_use(scaler, caller="ok.GradBucketer.step")
+        if scaler is not None and reduction.checks_finite:
+            raise ValueError(
+                "ok.GradBucketer.step: scaler= and check_finite=True both look for NaN/Inf "
+                "gradients; GradScaler already skips such steps (and backs the scale off), so "
+                "build the bucketer without check_finite"
+            )
+        optimizer = self.optimizer
+        refuse_compiled_step(optimizer)
         self._refuse_edited_gradients()
-        hyper = hyper_parameters(self.optimizer)
-        groups = group_of(self.optimizer)
-        mark_stepped(self.optimizer)
+        hyper = hyper_parameters(optimizer)
+        groups = group_of(optimizer)
+        if self._stream is not None:
+            refuse_host_synced_lr(hyper)
+        scaled = None
+        if scaler is not None:
+            takes_flags = getattr(optimizer, "_step_supports_amp_scaling", False)
+            scaled = ScaledStep(
+                scaler,
+                optimizer,
+                self._device,
+                unscale=max_norm is not None or not takes_flags,
+                caller="ok.GradBucketer.step",
+            )
+            mine = [i for i, p in enumerate(reduction.params) if id(p) in groups]
+            scaled.check_gradients(
+                [reduction.names[i] for i in mine], [reduction.params[i] for i in mine]
+            )
+        pre_hooks, post_hooks = step_hooks(optimizer, skip=self._own_hook_ids)
+        run_step_hooks(optimizer, pre_hooks)
+        mark_stepped(optimizer)
+        gate = None
+        if max_norm is not None or scaled is not None or reduction.checks_finite:
+            gate = UpdateGate(
+                max_norm=max_norm,
+                norm_type=norm_type,
+                error_if_nonfinite=error_if_nonfinite,
+                scaled=scaled,
+                caller="ok.GradBucketer.step",
+            )
         missing, step = reduction.end_backward()
-        self._job = _Job(step, hyper, groups, missing, list(reduction.launch_order))
-        if reduction.rebuild_pending:
-            # The first step rebuilds the buckets in rank 0's order: every update must land first.
-            for b in list(self._job.pending):
-                self._apply(b)
-            self._job = None
-            reduction.end_step(step)
-        elif self._stream is not None:
-            self._issue_on_side_stream()
-        else:
-            self._apply_completed()
+        order = list(reduction.launch_order)
+        self._job = _Job(step, hyper, groups, missing, order, list(order), gate, post_hooks)
+        if scaled is not None:
+            scaled.hand_to_scaler()
+        try:
+            if reduction.rebuild_pending:
+                # The first step rebuilds the buckets in rank 0's order: every update lands first.
+                self._run_now()
+                reduction.end_step(step)
+            elif self._stream is not None:
+                self._issue_at_step()
+            else:
+                self._step_on_cpu()
+        except BaseException:
+            self._abandon()
+            raise
 
     def synchronize(self) -> None:
         """Apply every pending update (on CUDA: order the current stream after them)."""
         job = self._job
         if job is None:
             return
-        if self._stream is not None:
-            current = torch.cuda.current_stream(self._stream.device)
-            for event in job.events.values():
-                current.wait_event(event)
-        else:
-            self.wait_for(set(job.pending))
-        self._job = None
+        if self._stream is None:
+            self.wait_for(set(job.to_land) | set(job.to_update))
+            return
+        self._guarded(self._issue_rest)
+        current = torch.cuda.current_stream(self._stream.device)
+        for event in job.events.values():
+            current.wait_event(event)
+        self._done()
 
     def wait_for(self, buckets: set[int]) -> None:
         """Make the updates of ``buckets`` visible to the caller (apply them, or wait on CUDA)."""
@@ -265,17 +294,41 @@ class PerBucketStep:
         if job is None:
             return
         if self._stream is not None:
+            if any(b not in job.events for b in buckets if b in job.to_update or b in job.to_land):
+                self._guarded(self._issue_rest)
             current = torch.cuda.current_stream(self._stream.device)
             for b in buckets:
-                current.wait_event(job.events[b])
+                if b in job.events:
+                    current.wait_event(job.events[b])
             return
-        for b in [b for b in job.pending if b in buckets]:
-            if b not in job.pending:  # applied below, while waiting for an earlier one
-                continue
-            if not self._reduction.reduction_complete(b):
-                # Fill the wait with updates whose all-reduce has already finished.
-                self._apply_completed(skip=buckets)
-            self._apply(b)
+        self._guarded(lambda: self._wait_for_on_cpu(buckets))
+
+    def total_norm(self) -> torch.Tensor:
+        """The last clipped step's total gradient norm, a 0-dim tensor, ready to read.
+
+        On CPU this finishes what the norm needs (every bucket's all-reduce); on CUDA the
+        current stream waits for the norm's event, so ``.item()`` reads the final value.
+
+        Raises:
+            RuntimeError: no ``step(clip_grad_norm=...)`` yet.
+        """
+        job = self._job
+        if job is not None and job.gate is not None and job.gate.clips and not job.gate.decided:
+            if self._stream is not None:
+                self._guarded(self._issue_rest)
+            else:
+                self._guarded(self._decide_on_cpu)
+        if self._norm is None:
+            raise RuntimeError(
+                "ok.GradBucketer.total_norm(): no step clipped yet; call "
+                "bucketer.step(clip_grad_norm=max_norm) first"
+            )
+        norm, event = self._norm
+        if event is not None:
+            current = torch.cuda.current_stream(self._stream.device)
+            current.wait_event(event)
+            norm.record_stream(current)
+        return norm
 
     def remove(self) -> None:
         """Apply what is pending and detach every hook."""
@@ -283,16 +336,18 @@ class PerBucketStep:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        _live.discard(self)
 
-    # -- internals ---------------------------------------------------------------------------
+    # -- hooks ---------------------------------------------------------------------------------
 
-    def _pre_forward(self, own: list[int]) -> Callable[..., None]:
-        def hook(_module: torch.nn.Module, _args: object) -> None:
-            if self._job is not None:
-                # Bucket positions are re-read per call: the layout can be rebuilt.
-                self.wait_for({self._reduction.bucket_of(i) for i in own})
-
-        return hook
+    def pre_forward(self, module: torch.nn.Module) -> None:
+        """Before ``module``'s forward: wait for the updates of the parameters it reads."""
+        if self._job is None:
+            return
+        reads = self._reads.get(module)
+        if reads is not None:
+            # Bucket positions are re-read per call: the layout can be rebuilt.
+            self.wait_for({self._reduction.bucket_of(i) for i in reads})
 
     def _synchronize_hook(self, *_: object, **__: object) -> None:
         self.synchronize()
@@ -304,9 +359,8 @@ class PerBucketStep:
             return
         raise OverlapConflict(
             f"optimizer.step() was called on the optimizer given to {CALLER}; bucketer.step() "
-            "applies it per bucket (and zeroes the gradients). If this is GradScaler's "
-            "scaler.step(optimizer): its inf-check needs every reduced gradient before any "
-            f"update, which per-bucket updates cannot offer; {_SYNCHRONOUS_FORM}"
+            "applies it per bucket (and zeroes the gradients). With GradScaler, pass it: "
+            "bucketer.step(clip_grad_norm=..., scaler=scaler), then scaler.update()"
         )
 
     def _refuse_edited_gradients(self) -> None:
@@ -320,21 +374,180 @@ class PerBucketStep:
                     f"{CALLER}: the gradient of {self._reduction.names[i]!r} was changed after "
                     "backward handed it to its bucket (clip_grad_norm_, GradScaler.unscale_ or "
                     "an in-place edit?). bucketer.step() applies the all-reduced bucket, so the "
-                    "change would be lost. Global-norm clipping and GradScaler need every reduced "
-                    "gradient before any update; clipping each bucket by its own norm is "
-                    f"different math, so it is not offered; {_SYNCHRONOUS_FORM}"
+                    "change would be lost. Clip and unscale through the step instead: "
+                    "bucketer.step(clip_grad_norm=max_norm, scaler=scaler); for other edits "
+                    f"{SYNCHRONOUS_FORM}"
                 )
 
-    def _apply_completed(self, skip: set[int] = frozenset()) -> None:
-        job = self._job
-        for b in list(job.pending):
-            if b not in skip and self._reduction.reduction_complete(b):
-                self._apply(b)
+    # -- the per-bucket work ----------------------------------------------------------------
 
-    def _issue_on_side_stream(self) -> None:
+    def _land(self, b: int) -> None:
+        """Finish bucket ``b``'s reduction, take its gradients; with a gate, unscale, measure."""
+        job = self._job
+        reduction = self._reduction
+        job.to_land.remove(b)
+        reduction.finish_bucket(b, job.missing)
+        keys, grads, mine = [], [], []
+        for i in reduction.bucket_indices(b):
+            param = reduction.params[i]
+            if param.grad is None:
+                continue
+            keys.append(i)
+            grads.append(param.grad)
+            mine.append(id(param) in job.group_of)
+            job.grads[i] = param.grad
+            if mine[-1]:
+                param.grad = None
+        if job.gate is not None:
+            job.gate.landed(keys, grads, mine)
+
+    def _decide(self) -> None:
+        """Every bucket has landed: act on NaN/Inf, then the total norm and the skip."""
+        job = self._job
+        if self._reduction.settle_nonfinite(job.step):  # raises, or drops the step (skip)
+            job.grads.clear()
+        scaled = job.gate.scaled
+        keys = sorted(job.grads)  # parameter order, as model.parameters() lists them
+        job.gate.decide(
+            keys,
+            [job.grads[i] for i in keys],
+            host_skip=scaled is not None and not scaled.takes_flags,
+        )
+        if job.gate.clips:
+            event = self._stream.record_event() if self._stream is not None else None
+            self._norm = (job.gate.total, event)
+
+    def _update(self, b: int) -> None:
+        """Clip bucket ``b``'s gradients (with a gate), update its parameters."""
+        job = self._job
+        reduction = self._reduction
+        job.to_update.remove(b)
+        indices = [i for i in reduction.bucket_indices(b) if i in job.grads]
+        gate = job.gate
+        if gate is not None:
+            gate.prepare([job.grads[i] for i in indices])
+        mine = [reduction.params[i] for i in indices if id(reduction.params[i]) in job.group_of]
+        if gate is None or not gate.skip:
+            flags = None
+            if gate is not None and gate.scaled is not None and gate.scaled.takes_flags:
+                flags = gate.scaled.optimizer_flags()
+            fresh = [p for p in mine if not self.optimizer.state.get(p)]
+            for i in indices:
+                reduction.params[i].grad = job.grads[i]
+            step_subset(self.optimizer, mine, hyper=job.hyper, groups=job.group_of, flags=flags)
+            if self._stream is not None and torch.cuda.current_stream(self._device) == self._stream:
+                self._record_fresh_state(fresh)
+        for p in mine:
+            p.grad = None  # optimizer.zero_grad()'s default, for this bucket's parameters
+        for i in indices:
+            del job.grads[i]
+
+    def _record_fresh_state(self, params: list[torch.Tensor]) -> None:
+        # Optimizer state created lazily by this update lives in the side stream's pool but is
+        # read on the compute stream later (state_dict, the next step): tell the allocator.
+        for p in params:
+            for value in self.optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    value.record_stream(self._compute)
+
+    def _done(self) -> None:
+        job, self._job = self._job, None
+        if job is not None:
+            run_step_hooks(self.optimizer, job.post_hooks)
+
+    def _abandon(self) -> None:
+        """After an error: forget the step, leave every bucket ready for the next backward.
+
+        Buckets not finished are reset without waiting (after a failed collective, waiting
+        for the others could take a timeout each); the optimizer's gradients are dropped, as
+        ``step()`` would have, so that nothing of the failed step accumulates into the next.
+        """
+        job, self._job = self._job, None
+        if job is None:
+            return
+        for b in job.to_land:
+            self._reduction.reset_bucket(b)
+        for p in self._reduction.params:
+            if id(p) in job.group_of:
+                p.grad = None
+        job.grads.clear()
+
+    def _guarded(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _run_now(self) -> None:
+        """Land, decide and update every bucket now, on the current stream."""
+        job = self._job
+        for b in list(job.to_land):
+            self._land(b)
+            if job.gate is None:
+                self._update(b)
+        if job.gate is not None:
+            self._decide()
+            for b in list(job.to_update):
+                self._update(b)
+        self._done()
+
+    # -- CPU ---------------------------------------------------------------------------------
+
+    def _step_on_cpu(self) -> None:
+        job = self._job
+        gate = job.gate
+        if gate is not None and (gate.scaled is not None or gate.error_if_nonfinite):
+            # scaler.update() (or the error) comes right after step(): decide now.
+            self._decide_on_cpu()
+            return
+        self._land_completed(set())
+
+    def _land_completed(self, skip: set[int]) -> None:
+        """Land (without a gate: and update) every bucket whose all-reduce has completed."""
+        job = self._job
+        for b in list(job.to_land):
+            if b not in skip and self._reduction.reduction_complete(b):
+                self._land(b)
+                if job.gate is None:
+                    self._update(b)
+        if job.gate is None and not job.to_update:
+            self._done()
+
+    def _decide_on_cpu(self) -> None:
+        job = self._job
+        for b in list(job.to_land):
+            self._land(b)
+        self._decide()
+
+    def _wait_for_on_cpu(self, buckets: set[int]) -> None:
+        job = self._job
+        if job.gate is None:
+            for b in [b for b in job.to_land if b in buckets]:
+                if b not in job.to_land:  # landed below, while waiting for an earlier one
+                    continue
+                if not self._reduction.reduction_complete(b):
+                    # Fill the wait with updates whose all-reduce has already finished.
+                    self._land_completed(buckets)
+                    if self._job is None:
+                        return
+                self._land(b)
+                self._update(b)
+        else:
+            if not job.gate.decided:
+                self._decide_on_cpu()
+            for b in [b for b in job.to_update if b in buckets]:
+                self._update(b)
+        if not job.to_update:
+            self._done()
+
+    # -- CUDA --------------------------------------------------------------------------------
+
+    def _issue_at_step(self) -> None:
         job = self._job
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        self._compute = current = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(current)
         # Made on the compute stream, read on the side stream, freed with the job: keep their
         # memory from being reused before the side stream is done with them.
         for kept in job.missing.values():
@@ -344,22 +557,80 @@ class PerBucketStep:
             for value in group.values():
                 if isinstance(value, torch.Tensor) and value.is_cuda:
                     value.record_stream(stream)
+        gate = job.gate
+        if gate is not None and gate.scaled is not None:
+            for made_here in (gate.scaled.found_inf, gate.scaled.inv_scale, gate.scaled.grad_scale):
+                if made_here is not None:
+                    made_here.record_stream(stream)
+        # A bucket with a parameter this rank did not use reads its used-flags on the host; that
+        # waits for its all-reduce, so it is left to the first forward that needs an update,
+        # unless a scaler needs every bucket now.
+        defer = gate is None or gate.scaled is None
         with torch.cuda.stream(stream):
-            for b in list(job.pending):
-                self._apply(b)  # work.wait() here only makes the side stream wait for NCCL
-                job.events[b] = stream.record_event()
+            for b in list(job.to_land):
+                if defer and self._needs_host_flags(b):
+                    continue
+                self._land(b)
+                if gate is None:
+                    self._update(b)
+                    job.events[b] = stream.record_event()
+            host_decision = gate is not None and (
+                self._reduction.checks_finite
+                or (gate.scaled is not None and not gate.scaled.takes_flags)
+            )
+            decide_now = gate is not None and (gate.error_if_nonfinite or not host_decision)
+            if decide_now and not job.to_land:
+                self._decide()
+                self._issue_updates()
+        if gate is not None and gate.scaled is not None:
+            # scaler.update() reads found_inf on this stream right after step().
+            current.wait_event(stream.record_event())
+        if job.post_hooks:
+            self.synchronize()  # post-hooks see every update applied
 
-    def _apply(self, b: int) -> None:
-        """Finish bucket ``b``'s reduction, update its parameters, drop their gradients."""
+    def _issue_rest(self) -> None:
+        """Issue what ``step()`` left for later: deferred buckets, the decision, the updates."""
         job = self._job
-        reduction = self._reduction
-        job.pending.remove(b)
-        reduction.finish_bucket(b, job.missing)
-        reduction.settle_nonfinite(job.step)  # raise mode: this bucket's NaN/Inf, now
-        params = [reduction.params[i] for i in reduction.bucket_indices(b)]
-        mine = [p for p in params if id(p) in job.group_of]
-        step_subset(self.optimizer, mine, hyper=job.hyper, groups=job.group_of)
-        for p in mine:
-            p.grad = None  # optimizer.zero_grad()'s default, for this bucket's parameters
-        if not job.pending and self._stream is None:
-            self._job = None
+        if job is None or not (job.to_land or job.to_update):
+            return
+        stream = self._stream
+        with torch.cuda.stream(stream):
+            for b in list(job.to_land):
+                self._land(b)
+                if job.gate is None:
+                    self._update(b)
+                    job.events[b] = stream.record_event()
+            if job.gate is not None:
+                if not job.gate.decided:
+                    self._decide()
+                self._issue_updates()
+
+    def _issue_updates(self) -> None:
+        # Gated updates go in the order the next forward needs them: the last bucket of backward
+        # holds the first layers.
+        job = self._job
+        for b in sorted(job.to_update, reverse=True):
+            self._update(b)
+            job.events[b] = self._stream.record_event()
+
+    def _needs_host_flags(self, b: int) -> bool:
+        return any(i in self._job.missing for i in self._reduction.bucket_indices(b))
+
+
+def _global_forward_pre_hook(scheduler: PerBucketStep) -> RemovableHandle:
+    """One process-wide module pre-hook for ``scheduler``, holding it weakly.
+
+    Global, not per module: ``nn.TransformerEncoderLayer`` leaves its fused eval path when it
+    or any submodule carries a forward hook (``transformer.py``), and a hook must not change
+    which kernels the model runs.
+    """
+    ref = weakref.ref(scheduler)
+
+    def hook(module: torch.nn.Module, _args: object) -> None:
+        target = ref()
+        if target is not None:
+            target.pre_forward(module)
+
+    handle = register_module_forward_pre_hook(hook)
+    weakref.finalize(scheduler, handle.remove)
+    return handle

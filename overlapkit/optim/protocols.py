@@ -98,8 +98,20 @@ class BucketReduction(Protocol):
         """
         ...
 
-    def settle_nonfinite(self, step: int) -> None:
+    def reset_bucket(self, bucket: int) -> None:
+        """Forget ``bucket``'s all-reduce without waiting; ready it for the next backward."""
+        ...
+
+    @property
+    def checks_finite(self) -> bool:
+        """Whether finished buckets are checked for NaN/Inf (``settle_nonfinite`` acts)."""
+        ...
+
+    def settle_nonfinite(self, step: int) -> bool:
         """Act now on the NaN/Inf the finished buckets of ``step`` held (``check_finite``).
+
+        Returns:
+            bool: whether the step is skipped (every gradient dropped).
 
         Raises:
             NonFiniteGradients: with ``on_nonfinite="raise"``; no-op without ``check_finite``.

@@ -109,7 +109,7 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
     check_plan(
         plan, world_size=world_size, model_config=model_config, target=factory.get("_target_")
     )
-    check_run_optimizer(factory, clip_grad_norm=cfg.train.clip_grad_norm, plan=plan)
+    check_run_optimizer(factory, plan=plan)
     topology = cfg.get("topology")
     if topology is None and not plan.trivial:
         raise ValueError(

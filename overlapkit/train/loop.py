@@ -214,8 +214,9 @@ def _train_step(
             loss.backward()
         loss_sum += loss.detach()
     par.finish_backward()
-    if par.optimizer is not None:  # the wrapper applies the optimizer per bucket itself
-        return loss_sum.item(), None
+    if par.optimizer is not None:  # the wrapper clips and applies the optimizer per bucket
+        # Reading the norm waits for every bucket's all-reduce (not for the updates).
+        return loss_sum.item(), par.grad_norm()
     if par.optimizer_step is not None:  # clips and steps (fsdp_overlap: step_by_block)
         norm = par.optimizer_step(optimizer, cfg.clip_grad_norm)
         return loss_sum.item(), None if norm is None else norm.item()
@@ -292,9 +293,15 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     topology = _topology(job, world_size, rank, paths)
     plan, factory = split_parallel(job.parallel)
     layout = build_layout(plan, topology, device)
-    check_run_optimizer(factory, clip_grad_norm=cfg.clip_grad_norm, plan=plan)
+    check_run_optimizer(factory, plan=plan)
     make_optimizer = instantiate(job.optim.optimizer)
-    par = apply_parallel(model, instantiate(factory), layout, make_optimizer=make_optimizer)
+    par = apply_parallel(
+        model,
+        instantiate(factory),
+        layout,
+        make_optimizer=make_optimizer,
+        clip_grad_norm=cfg.clip_grad_norm,
+    )
     optimizer = par.optimizer or make_optimizer(par.model.parameters())
     scheduler = instantiate(job.optim.scheduler)(optimizer, total_steps=cfg.steps)
     # Ranks of one tensor-parallel group read the same batches.

@@ -69,8 +69,10 @@ class Parallelized:
     """Whether ``optimizer.zero_grad`` may free gradients (the bucketer keeps them as views)."""
     description: str
     optimizer: torch.optim.Optimizer | None = None
-    """The optimizer that ``finish_backward`` steps itself (per-bucket updates); the loop then
-    neither clips nor calls ``optimizer.step()``. None: the loop does both."""
+    """The optimizer that ``finish_backward`` steps itself (per-bucket updates, clipping folded
+    in); the loop then neither clips nor calls ``optimizer.step()``. None: the loop does both."""
+    grad_norm: Callable[[], float | None] = _nothing
+    """With ``optimizer``: the step's gradient norm before clipping (None when not clipping)."""
     settle: Callable[[], None] = _nothing
     """Makes every parameter final (applies pending per-bucket updates)."""
     optimizer_step: Callable[[torch.optim.Optimizer, float | None], torch.Tensor | None] | None = (
@@ -92,14 +94,15 @@ def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def check_run_optimizer(
-    factory_cfg: Mapping[str, object], *, clip_grad_norm: float | None, plan: PlanConfig
-) -> None:
+def check_run_optimizer(factory_cfg: Mapping[str, object], *, plan: PlanConfig) -> None:
     """Refuse what per-bucket updates (``parallel.optimizer: optim``) cannot do; names the keys.
 
+    ``train.clip_grad_norm`` is folded into the per-bucket step (``bucketer.step(
+    clip_grad_norm=...)``, exactly ``clip_grad_norm_``), so it is not refused.
+
     Raises:
-        ValueError: the target is not ``overlapkit.GradBucketer``, ``train.clip_grad_norm`` is
-            set, or ``parallel.plan.tp`` / ``parallel.plan.ep`` is above 1.
+        ValueError: the target is not ``overlapkit.GradBucketer``, or ``parallel.plan.tp`` /
+            ``parallel.plan.ep`` is above 1.
     """
     if factory_cfg.get("optimizer") != RUN_OPTIMIZER:
         return
@@ -108,13 +111,6 @@ def check_run_optimizer(
         raise ValueError(
             f"parallel.optimizer={RUN_OPTIMIZER} (per-bucket optimizer updates) needs "
             f"parallel._target_ overlapkit.GradBucketer, got {target!r}"
-        )
-    if clip_grad_norm is not None:
-        raise ValueError(
-            f"train.clip_grad_norm={clip_grad_norm} cannot be used with per-bucket optimizer "
-            "updates (parallel=bucketer_overlap): global-norm clipping needs every reduced "
-            "gradient before any update, and clipping each bucket by its own norm is different "
-            "math. Set train.clip_grad_norm=null, or use parallel=bucketer to clip"
         )
     if plan.tp > 1 or plan.ep > 1:
         raise ValueError(
@@ -129,6 +125,7 @@ def apply_parallel(
     layout: Layout | None = None,
     *,
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    clip_grad_norm: float | None = None,
 ) -> Parallelized:
     """Prepare ``model`` for ``layout`` (tensor or expert parallel), call ``factory``, adapt it.
 
@@ -139,6 +136,8 @@ def apply_parallel(
         layout (Layout): the planner's groups; None means plain data parallelism over the world.
         make_optimizer (Callable): builds the run's optimizer from parameters; used when the
             factory asks for it (``optimizer=optim``, ``parallel=bucketer_overlap``).
+        clip_grad_norm (float | None): ``train.clip_grad_norm``, which per-bucket updates fold
+            into their step; the loop clips itself otherwise.
 
     Returns:
         Parallelized: the module to run and its synchronisation controls.
@@ -180,10 +179,13 @@ def apply_parallel(
                 return Parallelized(
                     model,
                     result.no_sync,
-                    result.step,
+                    functools.partial(result.step, clip_grad_norm=clip_grad_norm),
                     True,
                     what + ", per-bucket optimizer updates",
                     optimizer=optimizer,
+                    grad_norm=(
+                        _nothing if clip_grad_norm is None else lambda: result.total_norm().item()
+                    ),
                     settle=result.synchronize,
                     bucketers=(result,),
                 )
