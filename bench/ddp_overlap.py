@@ -65,10 +65,10 @@ from bench.harness.ddp_cases import (
     BASELINE,
     CLIPPED_CASES,
     CLIPPED_TAIL_CASE,
+    MAX_NORM,
     OPTIMIZER_BASELINE,
     OPTIMIZER_CASES,
     OPTIMIZERS,
-    clipped_optimizer_cases,
     optimizer_cases,
     rank_main,
     summarize,
@@ -186,7 +186,9 @@ def _profile_rank(rank: int, world_size: int, cfg: dict, root: str) -> None:
     enter_device(cfg, rank)
     workload = workload_of(cfg, rank)
     steps, finish = optimizer_cases(cfg, workload.new_model, workload.loss)
-    clipped_steps, clipped_finish = clipped_optimizer_cases(cfg, workload.new_model, workload.loss)
+    clipped_steps, clipped_finish = optimizer_cases(
+        cfg, workload.new_model, workload.loss, max_norm=MAX_NORM
+    )
     steps, finish = steps | clipped_steps, finish | clipped_finish
     for name in PROFILED:
         with ok.profile(str(Path(root) / name), wait=1, warmup=1, active=cfg["steps"]) as prof:

@@ -57,10 +57,20 @@ def _flat_allreduce(flat: torch.Tensor) -> None:
 
 
 def optimizer_cases(
-    cfg: dict, new_model: Callable[[], nn.Module], loss: Callable
+    cfg: dict, new_model: Callable[[], nn.Module], loss: Callable, *, max_norm: float | None = None
 ) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]]]:
-    """The cases with an optimizer step (``OPTIMIZER_CASES``) and what ends a block of steps."""
+    """The cases with an optimizer step and what ends a block of steps.
+
+    Without ``max_norm``, ``OPTIMIZER_CASES`` (and ``TAIL_CASE<N>`` with ``--tails``); with it,
+    ``CLIPPED_CASES`` (and ``CLIPPED_TAIL_CASE<N>``): the same cases clipping the global gradient
+    norm to ``max_norm``, DDP and the synchronous bucketer with ``clip_grad_norm_`` before the
+    step, the per-bucket ones with ``bucketer.step(clip_grad_norm=max_norm)``.
+    """
     make_optimizer = OPTIMIZERS[cfg["optimizer"]]
+
+    def clip(params: Callable[[], object]) -> None:
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params(), max_norm)
 
     def ddp_step(**ddp_kwargs) -> Callable[[], None]:
         ddp = DistributedDataParallel(new_model(), **ddp_kwargs)
@@ -68,6 +78,7 @@ def optimizer_cases(
 
         def step() -> None:
             loss(ddp).backward()
+            clip(ddp.parameters)
             ddp_opt.step()
             ddp_opt.zero_grad()
 
@@ -76,34 +87,27 @@ def optimizer_cases(
     sync_model = new_model()
     sync = ok.GradBucketer(sync_model)
     sync_opt = make_optimizer(sync_model.parameters())
-    overlap_model = new_model()
-    overlap = ok.GradBucketer(overlap_model, optimizer=make_optimizer(overlap_model.parameters()))
-    tails = {}
-    for tail in cfg.get("tails", []):
-        model = new_model()
-        bucketer = ok.GradBucketer(
-            model, optimizer=make_optimizer(model.parameters()), forward_order_tail=tail
-        )
-        tails[f"{TAIL_CASE}{tail}"] = (model, bucketer)
 
     def sync_step() -> None:
         loss(sync_model).backward()
         sync.wait()
+        clip(sync_model.parameters)
         sync_opt.step()
         sync_opt.zero_grad()
 
-    def overlap_step() -> None:
-        loss(overlap_model).backward()
-        overlap.step()
+    def per_bucket(tail: int | None = None) -> tuple[Callable[[], None], Callable[[], None]]:
+        model = new_model()
+        bucketer = ok.GradBucketer(
+            model, optimizer=make_optimizer(model.parameters()), forward_order_tail=tail
+        )
 
-    def tail_step(model: nn.Module, bucketer: ok.GradBucketer) -> Callable[[], None]:
         def step() -> None:
             loss(model).backward()
-            bucketer.step()
+            bucketer.step(clip_grad_norm=max_norm)
 
-        return step
+        return step, bucketer.synchronize
 
-    # ddp_opt is DDP set up as the bucketers are: the same bucket size, and gradients kept as
+    # The DDP case is set up as the bucketers are: the same bucket size, and gradients kept as
     # views of the buckets (otherwise DDP copies each into its bucket and back, every step).
     # ddp_opt_default keeps DDP's defaults (25 MiB buckets, copies): ~1.16x slower here, which
     # measures those two settings, not the bucketer (docs/ddp.md).
@@ -111,65 +115,17 @@ def optimizer_cases(
         bucket_cap_mb=default_bucket_mb(list(sync_model.parameters())),
         gradient_as_bucket_view=True,
     )
-    cases = (matched, sync_step, overlap_step, ddp_step())
-    steps = dict(zip(OPTIMIZER_CASES, cases, strict=True))
-    steps |= {name: tail_step(*pair) for name, pair in tails.items()}
-    finish = {"bucketer_overlap": overlap.synchronize}
-    finish |= {name: bucketer.synchronize for name, (_, bucketer) in tails.items()}
-    return steps, finish
-
-
-def clipped_optimizer_cases(
-    cfg: dict, new_model: Callable[[], nn.Module], loss: Callable
-) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]]]:
-    """``CLIPPED_CASES``: the optimizer cases with global-norm clipping to ``MAX_NORM``.
-
-    ``ddp_opt_clip`` and ``bucketer_opt_clip`` call ``clip_grad_norm_`` before the step;
-    ``bucketer_overlap_clip`` folds it into ``bucketer.step(clip_grad_norm=MAX_NORM)``, and
-    with ``--tails`` ``bucketer_overlap_clip@tail<N>`` with ``forward_order_tail=N``.
-    """
-    make_optimizer = OPTIMIZERS[cfg["optimizer"]]
-    ddp = DistributedDataParallel(new_model())
-    ddp_opt = make_optimizer(ddp.parameters())
-    sync_model = new_model()
-    sync = ok.GradBucketer(sync_model)
-    sync_opt = make_optimizer(sync_model.parameters())
-    overlap_model = new_model()
-    overlap = ok.GradBucketer(overlap_model, optimizer=make_optimizer(overlap_model.parameters()))
-
-    def ddp_step() -> None:
-        loss(ddp).backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
-        ddp_opt.step()
-        ddp_opt.zero_grad()
-
-    def sync_step() -> None:
-        loss(sync_model).backward()
-        sync.wait()
-        torch.nn.utils.clip_grad_norm_(sync_model.parameters(), MAX_NORM)
-        sync_opt.step()
-        sync_opt.zero_grad()
-
-    def overlap_step() -> None:
-        loss(overlap_model).backward()
-        overlap.step(clip_grad_norm=MAX_NORM)
-
-    def clipped_step(model: nn.Module, bucketer: ok.GradBucketer) -> Callable[[], None]:
-        def step() -> None:
-            loss(model).backward()
-            bucketer.step(clip_grad_norm=MAX_NORM)
-
-        return step
-
-    steps = dict(zip(CLIPPED_CASES, (ddp_step, sync_step, overlap_step), strict=True))
-    finish = {"bucketer_overlap_clip": overlap.synchronize}
+    overlap_step, overlap_finish = per_bucket()
+    names, tail_name = (
+        (OPTIMIZER_CASES, TAIL_CASE) if max_norm is None else (CLIPPED_CASES, CLIPPED_TAIL_CASE)
+    )
+    cases = [matched, sync_step, overlap_step]
+    if max_norm is None:
+        cases.append(ddp_step())
+    steps = dict(zip(names, cases, strict=True))
+    finish = {names[2]: overlap_finish}
     for tail in cfg.get("tails", []):
-        model = new_model()
-        bucketer = ok.GradBucketer(
-            model, optimizer=make_optimizer(model.parameters()), forward_order_tail=tail
-        )
-        steps[f"{CLIPPED_TAIL_CASE}{tail}"] = clipped_step(model, bucketer)
-        finish[f"{CLIPPED_TAIL_CASE}{tail}"] = bucketer.synchronize
+        steps[f"{tail_name}{tail}"], finish[f"{tail_name}{tail}"] = per_bucket(tail)
     return steps, finish
 
 
@@ -240,7 +196,7 @@ def _build_cases(
     if cfg.get("optimizer"):
         optimizer_steps, finish = optimizer_cases(cfg, new_model, loss)
         cases |= optimizer_steps
-        clipped_steps, clipped_finish = clipped_optimizer_cases(cfg, new_model, loss)
+        clipped_steps, clipped_finish = optimizer_cases(cfg, new_model, loss, max_norm=MAX_NORM)
         cases |= clipped_steps
         finish |= clipped_finish
     only = cfg.get("only")
