@@ -190,7 +190,7 @@ class FiniteCheck:
             return
         self._armed_step = step
         # What an aborted step found (a failed all-reduce raised first) is not this step's.
-        self._found = []
+        self._sums = []
         engine = Variable._execution_engine
         engine.queue_callback(lambda: engine.queue_callback(lambda: self.finish_step(step)))
 
