@@ -103,7 +103,10 @@ def _bucketer_run(rank, world_size, mode):
         nn.functional.mse_loss(model(x), y).backward()
         bucketer.wait()
 
-    report = _train_until_failure(rank, step, model, mode)
+    def grads_left():
+        return {"grads_left": [n for n, p in model.named_parameters() if p.grad is not None]}
+
+    report = _train_until_failure(rank, step, model, mode, after_failure=grads_left)
     return report and report | {"buckets": bucketer.num_buckets}
 
 
@@ -267,6 +270,8 @@ def test_bucketer_survivor_names_all_reduce_bucket_and_missing_rank(mode):
         report["message"],
     ), report["message"]
     assert report["missing"] == (1,)
+    # No un-averaged local gradient is left for a caller who catches the error and steps.
+    assert report["grads_left"] == []
     assert report["elapsed_s"] < TIMEOUT_S + GRACE_S + MARGIN_S
     # The other pending buckets do not each wait a timeout: the process can exit at once.
     assert report["buckets"] >= 8

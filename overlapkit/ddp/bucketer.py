@@ -30,7 +30,7 @@ from overlapkit.ddp.options import trainable_parameters, validate_bucket_mb
 from overlapkit.ddp.reducer import BucketReducer
 from overlapkit.ddp.tuning import attach_bucketer_tuner, wants_auto_bucket_mb
 from overlapkit.group.consistency import check_consistent
-from overlapkit.group.failures import FailureScope
+from overlapkit.group.failures import CollectiveFailure, FailureScope
 from overlapkit.group.process_group import resolve_process_group
 from overlapkit.optim.overlap_checks import resolve_overlap_options, validate_optimizer
 from overlapkit.optim.per_bucket import PerBucketStep
@@ -216,7 +216,9 @@ class GradBucketer:
             RuntimeError: no backward has produced gradients since the last ``wait()``.
             NonFiniteGradients: ``check_finite=True, on_nonfinite="raise"`` and a bucket held
                 NaN/Inf after the all-reduce (on every rank alike).
-            CollectiveFailure: an all-reduce failed: a rank died or is stuck (named).
+            CollectiveFailure: an all-reduce failed: a rank died or is stuck (named). Every
+                ``.grad`` of the step is then None, so an ``optimizer.step()`` after catching it
+                changes nothing (the ranks cannot drift apart), as with ``ok.ddp``.
         """
         if self._overlap is not None:
             raise RuntimeError(
@@ -231,8 +233,18 @@ class GradBucketer:
                 "the last wait() (or all ran inside no_sync()); call loss.backward() first"
             )
         missing, step = reducer.end_backward()
-        for b in reducer.launch_order:
-            reducer.finish_bucket(b, missing)
+        order = reducer.launch_order
+        for position, b in enumerate(order):
+            try:
+                reducer.finish_bucket(b, missing)
+            except CollectiveFailure:
+                # The buckets not finished hold un-averaged local gradients: a caller who
+                # catches this and steps must apply nothing, so the step's gradients go.
+                for rest in order[position:]:
+                    reducer.reset_bucket(rest)
+                for param in reducer.params:
+                    param.grad = None
+                raise
         reducer.end_step(step)
 
     def step(
