@@ -78,6 +78,9 @@ bench: $(STAMP)
 	$(PY) -m bench.profile_exposed --out runs/profile_exposed --json bench/results/profile_exposed.json
 	$(PY) -m bench.autotune --json bench/results/autotune.json
 	$(PY) -m bench.scaling --json bench/results/scaling.json
+	$(PY) -m bench.compress_hooks --json bench/results/compress_hooks.json
+	$(PY) -m bench.fsdp_compile --json bench/results/fsdp_compile.json
+	$(PY) -m bench.planner_ranking --json bench/results/planner_ranking.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check overlapkit tests recipes bench
