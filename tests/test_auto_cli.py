@@ -12,9 +12,12 @@ from hydra.utils import instantiate
 import overlapkit as ok
 from overlapkit.cli import main
 from overlapkit.planner.auto import auto_plan
+from overlapkit.planner.auto_cli import place_inside
 from overlapkit.planner.compute import measured_accelerator
+from overlapkit.planner.placement import plan as place
 from overlapkit.planner.run_config import train_lacks, train_overrides
 from overlapkit.planner.search import SearchSettings
+from overlapkit.planner.traffic import Workload
 from overlapkit.topology import load_topology
 from overlapkit.train.cli import check_job
 from overlapkit.train.launch import LauncherConfig
@@ -83,6 +86,21 @@ def test_manual_tp_across_nodes_warns_with_its_cost(capsys):
     assert "warning: tp=16 spans 2 scale-up domains" in capsys.readouterr().out
     doc = _json(capsys, ["plan", "--topology", "dgx-h100x2", "--tp", "16"])
     assert doc["warnings"] and "better: tp=8" in doc["warnings"][0]
+
+
+def test_tp_inside_a_domain_is_compared_at_the_same_sequences_per_step():
+    across = place(load_topology("dgx-h100x2"), tp=16, workload=Workload(params=8e9))
+    inside = place_inside(across, 8)
+    sequences = [
+        p.dims["dp"] * p.workload.micro_batch * p.workload.microbatches for p in (across, inside)
+    ]
+    assert inside.dims["tp"] == 8 and sequences[0] == sequences[1] == 8
+
+    def tp_s(placement):
+        return sum(c.total_s for c in placement.collectives() if c.dim == "tp")
+
+    # Half the all-reduces per rank (two replicas share the batch), none of them over the NICs.
+    assert tp_s(across) / tp_s(inside) > 2
 
 
 def test_manual_plan_with_a_model_is_compared_with_the_best(capsys):
