@@ -1,12 +1,13 @@
 """Does the auto-planner rank layouts the way they run? 4 gloo ranks on two emulated nodes.
 
-Two emulated nodes (``bench/two_nodes.py``: network namespaces joined by a veth pair limited to
-``--rate``) run two gloo ranks each, as ``bench/placement.py`` does. Every rank detects the
-topology (2 nodes x 2 ranks), fits the cost model to this machine (``placement.calibrated_
-topology``: the link, and the in-node path while both nodes use theirs), measures the model's
-own compute rate (every rank's forward and backward of a micro-batch, no communication: the
-planner's "achievable TFLOP/s" here) and what one collective call costs between busy ranks
-(the planner's ``collective_overhead_s``: milliseconds here, where four ranks share two
+Two emulated nodes (``bench.harness.two_nodes``: network namespaces joined by a veth pair
+limited to ``--rate``) run two gloo ranks each, as ``bench.placement`` does
+(``bench.harness.two_node_bench``). Every rank detects the topology (2 nodes x 2 ranks), fits
+the cost model to this machine (``two_node_bench.calibrated_topology``: the link, and the
+in-node path while both nodes use theirs), measures the model's own compute rate (every rank's
+forward and backward of a micro-batch, no communication: the planner's "achievable TFLOP/s"
+here) and what one collective call costs between busy ranks (the planner's
+``collective_overhead_s``: milliseconds here, where four ranks share two
 cores). Then, for each model (``gpt_tiny``, ``moe_tiny``), it
 trains every layout overlapkit-train can run on 4 ranks with overlapkit-train's own wrapping
 (``overlapkit.train.parallel.apply_parallel`` on ``overlapkit.train.mesh.build_layout``):
@@ -39,7 +40,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,8 +47,13 @@ import torch
 import torch.distributed as dist
 
 import overlapkit as ok
-from bench.harness.two_nodes import TwoNodes, unavailable_reason
-from bench.placement import REPO, add_two_node_arguments, calibrated_topology
+from bench.harness.json_report import write_json_report
+from bench.harness.two_node_bench import (
+    add_two_node_arguments,
+    calibrated_topology,
+    run_workers,
+    two_node_main,
+)
 from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.compute import measured_accelerator, overlap_efficiency
 from overlapkit.planner.group_costs import AxisCosts
@@ -333,30 +338,17 @@ def render(report: dict, args: argparse.Namespace) -> str:
 
 
 def launch(args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory(prefix="ovk-planner-ranking-") as scratch:
-        out = Path(scratch) / "report.json"
-        forwarded = [
-            "--worker", "--out", str(out), "--batch", str(args.batch),
-            "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-            "--models", *args.models,
-            "--calibrate-min", str(args.calibrate_min),
-            "--calibrate-max", str(args.calibrate_max),
-            "--calibrate-budget", str(args.calibrate_budget),
-            "--calibrate-steps", str(args.calibrate_steps),
-            "--latency-probes", str(args.latency_probes),
-            "--probe-work", str(args.probe_work),
-            "--collective-timeout", str(args.collective_timeout),
-        ]  # fmt: skip
-        with TwoNodes(rate=args.rate) as nodes:
-            nodes.torchrun(
-                ["-m", "bench.planner_ranking", *forwarded],
-                nproc_per_node=2,
-                timeout_s=args.timeout,
-                env={"OMP_NUM_THREADS": "1"},
-                autogroup_nice=-19,
-                cwd=REPO,
-            )
-        return json.loads(out.read_text())
+    """Run the workers on two emulated nodes; rank 0's report."""
+    forwarded = [
+        "--batch", str(args.batch),
+        "--rounds", str(args.rounds),
+        "--warmup", str(args.warmup),
+        "--models", *args.models,
+        "--calibrate-steps", str(args.calibrate_steps),
+        "--latency-probes", str(args.latency_probes),
+        "--probe-work", str(args.probe_work),
+    ]  # fmt: skip
+    return run_workers("bench.planner_ranking", args, forwarded)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -380,15 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"[planner_ranking] two emulated nodes are unavailable here ({reason}); skipped")
-        return 0
+def drive(args: argparse.Namespace) -> int:
+    """The driver: launch the workers, compare, print, write ``--json``; 1 on a disagreement."""
     load_before = os.getloadavg()[0]
     report = launch(args)
     report["load"] = f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after (1-minute)"
@@ -396,16 +381,16 @@ def main(argv: list[str] | None = None) -> int:
         result = report[name]
         result["comparison"] = compare(result["measured_s"], result["predicted_s"])
     print(render(report, args))
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"wrote {path}")
+    write_json_report(Path(args.json) if args.json else None, report)
     ok_all = all(
         report[n]["comparison"]["top_within_noise"] and report[n]["comparison"]["ordered_right"]
         for n in args.models
     )
     return 0 if ok_all else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return two_node_main("planner_ranking", argv, parse_args=parse_args, worker=worker, drive=drive)
 
 
 if __name__ == "__main__":
