@@ -6,9 +6,11 @@ limited to ``--rate``) run two gloo ranks each, as ``bench.placement`` does
 the cost model to this machine (``two_node_bench.calibrated_topology``: the link, and the
 in-node path while both nodes use theirs), measures the model's own compute rate (every rank's
 forward and backward of a micro-batch, no communication: the planner's "achievable TFLOP/s"
-here) and what one collective call costs between busy ranks (the planner's
-``collective_overhead_s``: milliseconds here, where four ranks share two
-cores). Then, for each model (``gpt_tiny``, ``moe_tiny``), it
+here), what the tensor-parallel plan's sharded tensors cost the host per layer at the same
+FLOPs (the plan on a one-rank mesh against the plain model: the planner's
+``tp_layer_dispatch_s``) and what one collective call costs between busy ranks (the planner's
+``collective_overhead_s``: milliseconds here, where four ranks share two cores). Then, for
+each model (``gpt_tiny``, ``moe_tiny``), it
 trains every layout overlapkit-train can run on 4 ranks with overlapkit-train's own wrapping
 (``overlapkit.train.parallel.apply_parallel`` on ``overlapkit.train.mesh.build_layout``):
 
@@ -45,6 +47,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import overlapkit as ok
 from bench.harness.json_report import write_json_report
@@ -62,8 +65,10 @@ from overlapkit.planner.model_spec import ModelSpec, gpt_spec
 from overlapkit.planner.step_time import StepOptions, predict_step
 from overlapkit.train.mesh import PlanConfig, build_layout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
-from overlapkit.train.parallel import apply_parallel
+from overlapkit.train.parallel import apply_parallel, apply_tensor_parallel
 
+TENSOR_PARALLEL = ("gpt_tiny",)
+"""The models with a tensor-parallel layout (moe_tiny's experts go over ep instead)."""
 SHAPE = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 MOE = dict(n_expert=4, top_k=2, expert_hidden=256)
 BUCKETER = functools.partial(ok.GradBucketer, bucket_mb=25)
@@ -126,24 +131,43 @@ def step(par, optimizer, inputs, targets) -> None:
     optimizer.step()
 
 
-def compute_rate(name: str, args: argparse.Namespace) -> float:
-    """FLOP/s of one rank's forward and backward of a micro-batch, no communication."""
-    model = make_model(name)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    inputs, targets = batch(dist.get_rank(), args)
-    times = []
+def _forward_backward_s(model: torch.nn.Module, inputs, targets) -> float:
+    start = time.perf_counter()
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+    return time.perf_counter() - start
+
+
+def compute_calibration(name: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(FLOP/s, tp dispatch s per layer pass) of one rank's forward and backward, no communication.
+
+    The rate: the plain model's micro-batch. The dispatch: the same model under
+    overlapkit-train's tensor-parallel plan (``apply_tensor_parallel``) on a mesh of this rank
+    alone, so the same FLOPs and no transfer, minus the plain time, per layer and pass (the
+    planner's ``StepOptions.tp_layer_dispatch_s``). The two alternate, every rank computes at
+    once (the cores are shared, as in the training steps), the slowest rank's medians count.
+    """
+    rank = dist.get_rank()
+    # new_group is collective: every rank creates every one-rank group.
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    plain = make_model(name)
+    sharded = make_model(name)
+    if name in TENSOR_PARALLEL:
+        apply_tensor_parallel(sharded, DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("tp",)))
+    inputs, targets = batch(rank, args)
+    times: dict[str, list[float]] = {"plain": [], "sharded": []}
     for i in range(args.calibrate_steps + 2):
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    # Every rank computes at once here (the cores are shared), as in the training steps.
-    tensor = torch.tensor(statistics.median(times), dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        for kind, model in (("plain", plain), ("sharded", sharded)):
+            elapsed = _forward_backward_s(model, inputs, targets)
+            if i >= 2:
+                times[kind].append(elapsed)
+    medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    plain_s, sharded_s = medians.tolist()
     spec = planner_spec(name)
     flops = spec.model_flops_per_token(SHAPE["block_size"]) * args.batch * SHAPE["block_size"]
-    return flops / tensor.item()
+    dispatch_s = max(0.0, sharded_s - plain_s) / (2 * SHAPE["n_layer"])
+    return flops / plain_s, dispatch_s if name in TENSOR_PARALLEL else 0.0
 
 
 def collective_overhead(topology: ok.Topology, args: argparse.Namespace) -> dict[str, float]:
@@ -180,9 +204,9 @@ def collective_overhead(topology: ok.Topology, args: argparse.Namespace) -> dict
 
 
 def predictions(
-    name: str, predictor: ok.Topology, rate: float, overhead_s: float, args
-) -> dict[str, float]:
-    """The planner's predicted step time of every layout, seconds."""
+    name: str, predictor: ok.Topology, rate: float, overhead_s: float, dispatch_s: float, args
+) -> dict[str, dict]:
+    """The planner's predicted step of every layout (``StepTime.to_dict``: seconds)."""
     spec = planner_spec(name)
     topology = predictor.with_accelerator(measured_accelerator(rate / 1e12, memory_GB=8))
     options = StepOptions(
@@ -192,12 +216,13 @@ def predictions(
         overlap_efficiency=overlap_efficiency(str(topology.library)),
         precision=FP32,
         collective_overhead_s=overhead_s,
+        tp_layer_dispatch_s=dispatch_s,
     )
     costs = AxisCosts(topology)
     out = {}
     for layout_name, (fields, _, _) in LAYOUTS[name].items():
         layout = TrainingLayout(micro_batch=args.batch, num_micro_batches=1, **fields)
-        out[layout_name] = predict_step(spec, layout, options, costs).step_s
+        out[layout_name] = predict_step(spec, layout, options, costs).to_dict()
     return out
 
 
@@ -243,10 +268,13 @@ def worker(args: argparse.Namespace) -> None:
         "collective_overhead_us": {tier: s * 1e6 for tier, s in overhead.items()},
     }
     for name in args.models:
-        rate = compute_rate(name, args)
+        rate, dispatch_s = compute_calibration(name, args)
+        predicted = predictions(name, predictor, rate, max(overhead.values()), dispatch_s, args)
         report[name] = {
             "compute_GFLOPs": rate / 1e9,
-            "predicted_s": predictions(name, predictor, rate, max(overhead.values()), args),
+            "tp_layer_dispatch_ms": dispatch_s * 1e3,
+            "predicted_s": {layout: step["step_s"] for layout, step in predicted.items()},
+            "predicted_parts": predicted,
             "measured_s": measure_model(name, topology, args),
         }
     if dist.get_rank() == 0:
@@ -310,7 +338,12 @@ def render(report: dict, args: argparse.Namespace) -> str:
         verdict = result["comparison"]
         lines += [
             "",
-            f"{name}: measured compute {result['compute_GFLOPs']:.3g} GFLOP/s per rank",
+            f"{name}: measured compute {result['compute_GFLOPs']:.3g} GFLOP/s per rank"
+            + (
+                f", tp dispatch {result['tp_layer_dispatch_ms']:.3g} ms per layer pass"
+                if name in TENSOR_PARALLEL
+                else ""
+            ),
             f"  {'layout':<6} {'measured (median)':>18} {'predicted':>10}",
         ]
         for layout_name, median in verdict["medians_s"].items():

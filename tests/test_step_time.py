@@ -110,3 +110,13 @@ def test_wave_quantization_penalises_a_last_wave_that_is_mostly_empty():
     assert wave_efficiency(128, 256 * 109, 108) == pytest.approx(109 / 216)
     assert wave_efficiency(128 * 108, 256, 108) == pytest.approx(1.0)
     assert wave_efficiency(100, 100, None) == 1.0
+
+
+def test_tp_dispatch_cost_is_paid_per_sharded_layer_pass_only_under_tp():
+    costs = AxisCosts(_free_comm(2))
+    options = dataclasses.replace(_options(), tp_layer_dispatch_s=1e-3)
+    for layout in (TrainingLayout(tp=2, num_micro_batches=3), TrainingLayout(dp=2)):
+        charged = predict_step(MODEL, layout, options, costs)
+        free = predict_step(MODEL, layout, _options(), costs)
+        expected = 3 * MODEL.layers * 2 * 1e-3 if layout.tp > 1 else 0.0
+        assert charged.compute_s - free.compute_s == pytest.approx(expected)
