@@ -123,12 +123,22 @@ def batch(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tens
     return idx[:, :-1], idx[:, 1:]
 
 
-def step(par, optimizer, inputs, targets) -> None:
+PHASES = ("forward", "backward", "finish_backward", "optimizer")
+
+
+def step(par, optimizer, inputs, targets) -> list[float]:
+    """One training step; seconds of its ``PHASES`` on this rank."""
+    marks = [time.perf_counter()]
     optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
     logits = par.model(inputs)
+    marks.append(time.perf_counter())
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    marks.append(time.perf_counter())
     par.finish_backward()
+    marks.append(time.perf_counter())
     optimizer.step()
+    marks.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(marks)]
 
 
 def _forward_backward_s(model: torch.nn.Module, inputs, targets) -> float:
@@ -145,29 +155,33 @@ def compute_calibration(name: str, args: argparse.Namespace) -> tuple[float, flo
     overlapkit-train's tensor-parallel plan (``apply_tensor_parallel``) on a mesh of this rank
     alone, so the same FLOPs and no transfer, minus the plain time, per layer and pass (the
     planner's ``StepOptions.tp_layer_dispatch_s``). The two alternate, every rank computes at
-    once (the cores are shared, as in the training steps), the slowest rank's medians count.
+    once (the cores are shared, as in the training steps); the dispatch is the median of the
+    paired differences; the slowest rank's medians count.
     """
     rank = dist.get_rank()
     # new_group is collective: every rank creates every one-rank group.
     alone = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
-    plain = make_model(name)
-    sharded = make_model(name)
+    models = [make_model(name)]
     if name in TENSOR_PARALLEL:
-        apply_tensor_parallel(sharded, DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("tp",)))
+        models.append(make_model(name))
+        mesh = DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("tp",))
+        apply_tensor_parallel(models[1], mesh)
     inputs, targets = batch(rank, args)
-    times: dict[str, list[float]] = {"plain": [], "sharded": []}
+    plain_s, extra_s = [], []
     for i in range(args.calibrate_steps + 2):
-        for kind, model in (("plain", plain), ("sharded", sharded)):
-            elapsed = _forward_backward_s(model, inputs, targets)
-            if i >= 2:
-                times[kind].append(elapsed)
-    medians = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
+        pair = [_forward_backward_s(m, inputs, targets) for m in models]
+        if i >= 2:
+            plain_s.append(pair[0])
+            if len(pair) == 2:  # paired: noise between steps hits both alike
+                extra_s.append(pair[1] - pair[0])
+    medians = torch.tensor(
+        [statistics.median(plain_s), statistics.median(extra_s or [0.0])], dtype=torch.float64
+    )
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    plain_s, sharded_s = medians.tolist()
+    plain_median, extra_median = medians.tolist()
     spec = planner_spec(name)
     flops = spec.model_flops_per_token(SHAPE["block_size"]) * args.batch * SHAPE["block_size"]
-    dispatch_s = max(0.0, sharded_s - plain_s) / (2 * SHAPE["n_layer"])
-    return flops / plain_s, dispatch_s if name in TENSOR_PARALLEL else 0.0
+    return flops / plain_median, max(0.0, extra_median) / (2 * SHAPE["n_layer"])
 
 
 def collective_overhead(topology: ok.Topology, args: argparse.Namespace) -> dict[str, float]:
@@ -226,7 +240,11 @@ def predictions(
     return out
 
 
-def measure_model(name: str, topology: ok.Topology, args: argparse.Namespace) -> dict:
+def measure_model(
+    name: str, topology: ok.Topology, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Each layout's step times (slowest rank, per round) and its phases' medians (ms, the
+    slowest rank's)."""
     rank = dist.get_rank()
     runs = {}
     for layout_name, (_, plan_config, factory) in LAYOUTS[name].items():
@@ -242,17 +260,25 @@ def measure_model(name: str, topology: ok.Topology, args: argparse.Namespace) ->
             par, optimizer, (x, y) = runs[layout_name]
             step(par, optimizer, x, y)
     times: dict[str, list[float]] = {n: [] for n in names}
+    phases: dict[str, list[list[float]]] = {n: [] for n in names}
     for round_index in range(args.rounds):
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for layout_name in order:
             par, optimizer, (x, y) = runs[layout_name]
             dist.barrier()
             start = time.perf_counter()
-            step(par, optimizer, x, y)
+            phases[layout_name].append(step(par, optimizer, x, y))
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[layout_name].append(elapsed.item())
-    return times
+    medians = {}
+    for layout_name, rows in phases.items():
+        median = torch.tensor(
+            [statistics.median(c) for c in zip(*rows, strict=True)], dtype=torch.float64
+        )
+        dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        medians[layout_name] = dict(zip(PHASES, (t * 1e3 for t in median.tolist()), strict=True))
+    return times, medians
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -275,8 +301,10 @@ def worker(args: argparse.Namespace) -> None:
             "tp_layer_dispatch_ms": dispatch_s * 1e3,
             "predicted_s": {layout: step["step_s"] for layout, step in predicted.items()},
             "predicted_parts": predicted,
-            "measured_s": measure_model(name, topology, args),
         }
+        report[name]["measured_s"], report[name]["measured_phases_ms"] = measure_model(
+            name, topology, args
+        )
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(report, indent=2))
     dist.barrier()
@@ -347,9 +375,12 @@ def render(report: dict, args: argparse.Namespace) -> str:
             f"  {'layout':<6} {'measured (median)':>18} {'predicted':>10}",
         ]
         for layout_name, median in verdict["medians_s"].items():
+            phases = " ".join(
+                f"{p} {ms:.0f}" for p, ms in result["measured_phases_ms"][layout_name].items()
+            )
             lines.append(
                 f"  {layout_name:<6} {median * 1e3:>15.1f} ms "
-                f"{result['predicted_s'][layout_name] * 1e3:>7.1f} ms"
+                f"{result['predicted_s'][layout_name] * 1e3:>7.1f} ms  ({phases} ms)"
             )
         lines.append(f"  {'pair':<12} {'measured':>9} {'noise':>7} {'predicted':>9}  order")
         for p in verdict["pairs"]:
@@ -395,7 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="models"
     )
-    parser.add_argument("--calibrate-steps", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--calibrate-steps", type=int, default=11, help=argparse.SUPPRESS)
     parser.add_argument("--latency-probes", type=int, default=30, help=argparse.SUPPRESS)
     parser.add_argument("--probe-work", type=int, default=2, help=argparse.SUPPRESS)
     add_two_node_arguments(parser, timeout_s=900)
