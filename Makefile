@@ -78,6 +78,8 @@ bench: $(STAMP)
 	$(PY) -m bench.profile_exposed --out runs/profile_exposed --json bench/results/profile_exposed.json
 	$(PY) -m bench.autotune --json bench/results/autotune.json
 	$(PY) -m bench.scaling --json bench/results/scaling.json
+	# Exits 1 when the planner orders a pair beyond the noise the other way (docs/auto-planner.md).
+	$(PY) -m bench.planner_ranking --rounds 9 --json bench/results/planner_ranking.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check overlapkit tests recipes bench
