@@ -36,13 +36,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -58,17 +56,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 import overlapkit as ok
-from bench.harness.two_nodes import TwoNodes, unavailable_reason
-from overlapkit.planner.calibrate import (
-    calibrate_collective,
-    fit_ring_all_reduce,
-    measure_all_reduce,
-    sizes_between,
+from bench.harness.json_report import write_json_report
+from bench.harness.two_node_bench import (
+    add_two_node_arguments,
+    calibrated_topology,
+    run_workers,
+    two_node_main,
 )
 from overlapkit.train.models import MLP, MLPConfig
 
-REPO = Path(__file__).resolve().parents[1]
-"""The checkout: the ranks run ``python -m bench.placement`` from here, wherever launch runs."""
 LAYOUTS = ("planned", "tp_across_link")
 WRONG_ORDER = ("pp", "ep", "cp", "tp", "dp")
 
@@ -166,38 +162,6 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def calibrated_topology(
-    topology: ok.Topology, min_bytes: int, max_bytes: int, budget_s: float
-) -> tuple[ok.Topology, dict]:
-    """The topology with the cost model fitted here (a collective: every rank calls it).
-
-    Scale-out from ``overlapkit calibrate``'s one-rank-per-node fit; scale-up from in-node
-    all-reduces measured while every node runs one (the emulated nodes share this machine's
-    cores). Returns the predictor topology and the fitted figures.
-    """
-    sizes = sizes_between(min_bytes, max_bytes)
-    calibration = calibrate_collective(sizes, budget_s=budget_s, progress=False)
-    if calibration.topology.nodes() != topology.nodes():
-        raise RuntimeError(
-            f"calibrated nodes {calibration.topology.nodes()} differ from the detected "
-            f"{topology.nodes()}"
-        )
-    busy_latency_us, busy_GBps = _scale_up_with_all_nodes_busy(topology, sizes, budget_s)
-    predictor = dataclasses.replace(
-        calibration.topology,
-        domains=tuple(
-            dataclasses.replace(d, bandwidth_GBps=busy_GBps, latency_us=busy_latency_us)
-            for d in calibration.topology.domains
-        ),
-    )
-    fits = {
-        f.tier: {"latency_us": f.latency_us, "bandwidth_GBps": f.bandwidth_GBps}
-        for f in calibration.fits
-    }
-    fits["scale_up_all_nodes_busy"] = {"latency_us": busy_latency_us, "bandwidth_GBps": busy_GBps}
-    return predictor, fits
-
-
 def measure(topology: ok.Topology, args: argparse.Namespace) -> dict:
     predictor, calibration = calibrated_topology(
         topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
@@ -263,21 +227,6 @@ def measure(topology: ok.Topology, args: argparse.Namespace) -> dict:
     }
 
 
-def _scale_up_with_all_nodes_busy(
-    topology: ok.Topology, sizes: list[int], budget_s: float
-) -> tuple[float, float]:
-    """Fitted (latency us, GB/s) of in-node all-reduces while every node runs one."""
-    # new_group is collective: every rank creates every node's group.
-    groups = [dist.new_group(list(ranks)) for ranks in topology.nodes()]
-    node = topology.devices[dist.get_rank()].node
-    measured = measure_all_reduce(sizes, group=groups[node], budget_s=budget_s, progress=False)
-    fit = torch.tensor(fit_ring_all_reduce(measured), dtype=torch.float64)
-    fits = [torch.zeros_like(fit) for _ in range(dist.get_world_size())]
-    dist.all_gather(fits, fit)
-    # The slowest node's figures: a step waits for it.
-    return max(f[0].item() for f in fits), min(f[1].item() for f in fits)
-
-
 def _replica_spread(run: dict) -> float:
     """Largest difference of a parameter between data-parallel replicas (0 when in sync)."""
     local = torch.cat([t.reshape(-1) for t in local_tensors(run["model"])])
@@ -320,36 +269,16 @@ def _timed_step(run: dict) -> float:
 
 def launch(args: argparse.Namespace) -> dict:
     """Run the workers on two emulated nodes; rank 0's report."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"two emulated nodes are unavailable here: {reason}")
-    with tempfile.TemporaryDirectory(prefix="ovk-placement-") as scratch:
-        out = Path(scratch) / "report.json"
-        forwarded = [
-            "--worker",
-            "--out", str(out),
-            "--width", str(args.width),
-            "--layers", str(args.layers),
-            "--batch", str(args.batch),
-            "--steps", str(args.steps),
-            "--warmup", str(args.warmup),
-            "--calibrate-min", str(args.calibrate_min),
-            "--calibrate-max", str(args.calibrate_max),
-            "--calibrate-budget", str(args.calibrate_budget),
-            "--collective-timeout", str(args.collective_timeout),
-        ]  # fmt: skip
-        if args.detect_only:
-            forwarded.append("--detect-only")
-        with TwoNodes(rate=args.rate) as nodes:
-            nodes.torchrun(
-                ["-m", "bench.placement", *forwarded],
-                nproc_per_node=2,
-                timeout_s=args.timeout,
-                env={"OMP_NUM_THREADS": "1"},
-                autogroup_nice=-19,
-                cwd=REPO,
-            )
-        report = json.loads(out.read_text())
+    forwarded = [
+        "--width", str(args.width),
+        "--layers", str(args.layers),
+        "--batch", str(args.batch),
+        "--steps", str(args.steps),
+        "--warmup", str(args.warmup),
+    ]  # fmt: skip
+    if args.detect_only:
+        forwarded.append("--detect-only")
+    report = run_workers("bench.placement", args, forwarded)
     report["link"] = {"rate": args.rate, "delay": "0ms"}
     return report
 
@@ -437,20 +366,6 @@ def to_benchmark_json(report: dict) -> dict:
     }
 
 
-def add_two_node_arguments(parser: argparse.ArgumentParser, *, timeout_s: float) -> None:
-    """The options every two-emulated-node benchmark takes: calibration, timeouts, output."""
-    parser.add_argument("--calibrate-min", type=int, default=256 * 1024, help=argparse.SUPPRESS)
-    parser.add_argument("--calibrate-max", type=int, default=16 * 2**20, help=argparse.SUPPRESS)
-    parser.add_argument("--calibrate-budget", type=float, default=0.2, help=argparse.SUPPRESS)
-    parser.add_argument("--collective-timeout", type=float, default=120, help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--timeout", type=float, default=timeout_s, help=f"whole run, seconds ({timeout_s:g})"
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="4gbit", help="link rate per direction (tc spelling)")
@@ -469,28 +384,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    reason = unavailable_reason()
-    if reason is not None:
-        # Like bench/harness/emulated_link.py: say so and leave, rather than fail `make bench`.
-        print(f"[placement] two emulated nodes are unavailable here ({reason}); skipped")
-        return 0
+def drive(args: argparse.Namespace) -> int:
+    """The driver: launch the workers, print what they measured, write ``--json``."""
     report = launch(args)
     report["load"] = " ".join(f"{load:.2f}" for load in os.getloadavg())
     if args.detect_only:
         print(json.dumps(report, indent=2))
         return 0
     print(render(report, args))
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(to_benchmark_json(report), indent=2))
-        print(f"wrote {path}")
+    write_json_report(Path(args.json) if args.json else None, to_benchmark_json(report))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return two_node_main("placement", argv, parse_args=parse_args, worker=worker, drive=drive)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Does the auto-planner rank layouts the way they run? 4 gloo ranks on two emulated nodes.
 
-Two emulated nodes (``bench/two_nodes.py``: network namespaces joined by a veth pair limited to
-``--rate``) run two gloo ranks each, as ``bench/placement.py`` does. Every rank detects the
-topology (2 nodes x 2 ranks), fits the cost model to this machine (``placement.calibrated_
-topology``: the link, and the in-node path while both nodes use theirs), measures the model's
-own compute rate (every rank's forward and backward of a micro-batch, no communication: the
-planner's "achievable TFLOP/s" here) and what one collective call costs between busy ranks
-(the planner's ``collective_overhead_s``: milliseconds here, where four ranks share two
-cores). Then, for each model (``gpt_tiny``, ``moe_tiny``), it
+Two emulated nodes (``bench.harness.two_nodes``: network namespaces joined by a veth pair
+limited to ``--rate``) run two gloo ranks each, as ``bench.placement`` does
+(``bench.harness.two_node_bench``). Every rank detects the topology (2 nodes x 2 ranks), fits
+the cost model to this machine (``two_node_bench.calibrated_topology``: the link, and the
+in-node path while both nodes use theirs), measures the model's own compute rate (every rank's
+forward and backward of a micro-batch, no communication: the planner's "achievable TFLOP/s"
+here), what the tensor-parallel plan's sharded tensors cost the host per layer at the same
+FLOPs (the plan on a one-rank mesh against the plain model: the planner's
+``tp_layer_dispatch_s``) and what one collective call costs between busy ranks (the planner's
+``collective_overhead_s``: milliseconds here, where four ranks share two cores). Then, for
+each model (``gpt_tiny``, ``moe_tiny``), it
 trains every layout overlapkit-train can run on 4 ranks with overlapkit-train's own wrapping
 (``overlapkit.train.parallel.apply_parallel`` on ``overlapkit.train.mesh.build_layout``):
 
@@ -39,16 +42,21 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import overlapkit as ok
-from bench.harness.two_nodes import TwoNodes, unavailable_reason
-from bench.placement import REPO, add_two_node_arguments, calibrated_topology
+from bench.harness.json_report import write_json_report
+from bench.harness.two_node_bench import (
+    add_two_node_arguments,
+    calibrated_topology,
+    run_workers,
+    two_node_main,
+)
 from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.compute import measured_accelerator, overlap_efficiency
 from overlapkit.planner.group_costs import AxisCosts
@@ -57,8 +65,10 @@ from overlapkit.planner.model_spec import ModelSpec, gpt_spec
 from overlapkit.planner.step_time import StepOptions, predict_step
 from overlapkit.train.mesh import PlanConfig, build_layout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
-from overlapkit.train.parallel import apply_parallel
+from overlapkit.train.parallel import apply_parallel, apply_tensor_parallel
 
+TENSOR_PARALLEL = ("gpt_tiny",)
+"""The models with a tensor-parallel layout (moe_tiny's experts go over ep instead)."""
 SHAPE = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 MOE = dict(n_expert=4, top_k=2, expert_hidden=256)
 BUCKETER = functools.partial(ok.GradBucketer, bucket_mb=25)
@@ -113,32 +123,65 @@ def batch(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tens
     return idx[:, :-1], idx[:, 1:]
 
 
-def step(par, optimizer, inputs, targets) -> None:
+PHASES = ("forward", "backward", "finish_backward", "optimizer")
+
+
+def step(par, optimizer, inputs, targets) -> list[float]:
+    """One training step; seconds of its ``PHASES`` on this rank."""
+    marks = [time.perf_counter()]
     optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
     logits = par.model(inputs)
+    marks.append(time.perf_counter())
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    marks.append(time.perf_counter())
     par.finish_backward()
+    marks.append(time.perf_counter())
     optimizer.step()
+    marks.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(marks)]
 
 
-def compute_rate(name: str, args: argparse.Namespace) -> float:
-    """FLOP/s of one rank's forward and backward of a micro-batch, no communication."""
-    model = make_model(name)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    inputs, targets = batch(dist.get_rank(), args)
-    times = []
+def _forward_backward_s(model: torch.nn.Module, inputs, targets) -> float:
+    start = time.perf_counter()
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+    return time.perf_counter() - start
+
+
+def compute_calibration(name: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(FLOP/s, tp dispatch s per layer pass) of one rank's forward and backward, no communication.
+
+    The rate: the plain model's micro-batch. The dispatch: the same model under
+    overlapkit-train's tensor-parallel plan (``apply_tensor_parallel``) on a mesh of this rank
+    alone, so the same FLOPs and no transfer, minus the plain time, per layer and pass (the
+    planner's ``StepOptions.tp_layer_dispatch_s``). The two alternate, every rank computes at
+    once (the cores are shared, as in the training steps); the dispatch is the median of the
+    paired differences; the slowest rank's medians count.
+    """
+    rank = dist.get_rank()
+    # new_group is collective: every rank creates every one-rank group.
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    models = [make_model(name)]
+    if name in TENSOR_PARALLEL:
+        models.append(make_model(name))
+        mesh = DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("tp",))
+        apply_tensor_parallel(models[1], mesh)
+    inputs, targets = batch(rank, args)
+    plain_s, extra_s = [], []
     for i in range(args.calibrate_steps + 2):
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        pair = [_forward_backward_s(m, inputs, targets) for m in models]
         if i >= 2:
-            times.append(time.perf_counter() - start)
-    # Every rank computes at once here (the cores are shared), as in the training steps.
-    tensor = torch.tensor(statistics.median(times), dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            plain_s.append(pair[0])
+            if len(pair) == 2:  # paired: noise between steps hits both alike
+                extra_s.append(pair[1] - pair[0])
+    medians = torch.tensor(
+        [statistics.median(plain_s), statistics.median(extra_s or [0.0])], dtype=torch.float64
+    )
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    plain_median, extra_median = medians.tolist()
     spec = planner_spec(name)
     flops = spec.model_flops_per_token(SHAPE["block_size"]) * args.batch * SHAPE["block_size"]
-    return flops / tensor.item()
+    return flops / plain_median, max(0.0, extra_median) / (2 * SHAPE["n_layer"])
 
 
 def collective_overhead(topology: ok.Topology, args: argparse.Namespace) -> dict[str, float]:
@@ -175,9 +218,9 @@ def collective_overhead(topology: ok.Topology, args: argparse.Namespace) -> dict
 
 
 def predictions(
-    name: str, predictor: ok.Topology, rate: float, overhead_s: float, args
-) -> dict[str, float]:
-    """The planner's predicted step time of every layout, seconds."""
+    name: str, predictor: ok.Topology, rate: float, overhead_s: float, dispatch_s: float, args
+) -> dict[str, dict]:
+    """The planner's predicted step of every layout (``StepTime.to_dict``: seconds)."""
     spec = planner_spec(name)
     topology = predictor.with_accelerator(measured_accelerator(rate / 1e12, memory_GB=8))
     options = StepOptions(
@@ -187,16 +230,21 @@ def predictions(
         overlap_efficiency=overlap_efficiency(str(topology.library)),
         precision=FP32,
         collective_overhead_s=overhead_s,
+        tp_layer_dispatch_s=dispatch_s,
     )
     costs = AxisCosts(topology)
     out = {}
     for layout_name, (fields, _, _) in LAYOUTS[name].items():
         layout = TrainingLayout(micro_batch=args.batch, num_micro_batches=1, **fields)
-        out[layout_name] = predict_step(spec, layout, options, costs).step_s
+        out[layout_name] = predict_step(spec, layout, options, costs).to_dict()
     return out
 
 
-def measure_model(name: str, topology: ok.Topology, args: argparse.Namespace) -> dict:
+def measure_model(
+    name: str, topology: ok.Topology, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Each layout's step times (slowest rank, per round) and its phases' medians (ms, the
+    slowest rank's)."""
     rank = dist.get_rank()
     runs = {}
     for layout_name, (_, plan_config, factory) in LAYOUTS[name].items():
@@ -212,17 +260,25 @@ def measure_model(name: str, topology: ok.Topology, args: argparse.Namespace) ->
             par, optimizer, (x, y) = runs[layout_name]
             step(par, optimizer, x, y)
     times: dict[str, list[float]] = {n: [] for n in names}
+    phases: dict[str, list[list[float]]] = {n: [] for n in names}
     for round_index in range(args.rounds):
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for layout_name in order:
             par, optimizer, (x, y) = runs[layout_name]
             dist.barrier()
             start = time.perf_counter()
-            step(par, optimizer, x, y)
+            phases[layout_name].append(step(par, optimizer, x, y))
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[layout_name].append(elapsed.item())
-    return times
+    medians = {}
+    for layout_name, rows in phases.items():
+        median = torch.tensor(
+            [statistics.median(c) for c in zip(*rows, strict=True)], dtype=torch.float64
+        )
+        dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        medians[layout_name] = dict(zip(PHASES, (t * 1e3 for t in median.tolist()), strict=True))
+    return times, medians
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -238,12 +294,17 @@ def worker(args: argparse.Namespace) -> None:
         "collective_overhead_us": {tier: s * 1e6 for tier, s in overhead.items()},
     }
     for name in args.models:
-        rate = compute_rate(name, args)
+        rate, dispatch_s = compute_calibration(name, args)
+        predicted = predictions(name, predictor, rate, max(overhead.values()), dispatch_s, args)
         report[name] = {
             "compute_GFLOPs": rate / 1e9,
-            "predicted_s": predictions(name, predictor, rate, max(overhead.values()), args),
-            "measured_s": measure_model(name, topology, args),
+            "tp_layer_dispatch_ms": dispatch_s * 1e3,
+            "predicted_s": {layout: step["step_s"] for layout, step in predicted.items()},
+            "predicted_parts": predicted,
         }
+        report[name]["measured_s"], report[name]["measured_phases_ms"] = measure_model(
+            name, topology, args
+        )
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(report, indent=2))
     dist.barrier()
@@ -305,13 +366,21 @@ def render(report: dict, args: argparse.Namespace) -> str:
         verdict = result["comparison"]
         lines += [
             "",
-            f"{name}: measured compute {result['compute_GFLOPs']:.3g} GFLOP/s per rank",
+            f"{name}: measured compute {result['compute_GFLOPs']:.3g} GFLOP/s per rank"
+            + (
+                f", tp dispatch {result['tp_layer_dispatch_ms']:.3g} ms per layer pass"
+                if name in TENSOR_PARALLEL
+                else ""
+            ),
             f"  {'layout':<6} {'measured (median)':>18} {'predicted':>10}",
         ]
         for layout_name, median in verdict["medians_s"].items():
+            phases = " ".join(
+                f"{p} {ms:.0f}" for p, ms in result["measured_phases_ms"][layout_name].items()
+            )
             lines.append(
                 f"  {layout_name:<6} {median * 1e3:>15.1f} ms "
-                f"{result['predicted_s'][layout_name] * 1e3:>7.1f} ms"
+                f"{result['predicted_s'][layout_name] * 1e3:>7.1f} ms  ({phases} ms)"
             )
         lines.append(f"  {'pair':<12} {'measured':>9} {'noise':>7} {'predicted':>9}  order")
         for p in verdict["pairs"]:
@@ -333,30 +402,17 @@ def render(report: dict, args: argparse.Namespace) -> str:
 
 
 def launch(args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory(prefix="ovk-planner-ranking-") as scratch:
-        out = Path(scratch) / "report.json"
-        forwarded = [
-            "--worker", "--out", str(out), "--batch", str(args.batch),
-            "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-            "--models", *args.models,
-            "--calibrate-min", str(args.calibrate_min),
-            "--calibrate-max", str(args.calibrate_max),
-            "--calibrate-budget", str(args.calibrate_budget),
-            "--calibrate-steps", str(args.calibrate_steps),
-            "--latency-probes", str(args.latency_probes),
-            "--probe-work", str(args.probe_work),
-            "--collective-timeout", str(args.collective_timeout),
-        ]  # fmt: skip
-        with TwoNodes(rate=args.rate) as nodes:
-            nodes.torchrun(
-                ["-m", "bench.planner_ranking", *forwarded],
-                nproc_per_node=2,
-                timeout_s=args.timeout,
-                env={"OMP_NUM_THREADS": "1"},
-                autogroup_nice=-19,
-                cwd=REPO,
-            )
-        return json.loads(out.read_text())
+    """Run the workers on two emulated nodes; rank 0's report."""
+    forwarded = [
+        "--batch", str(args.batch),
+        "--rounds", str(args.rounds),
+        "--warmup", str(args.warmup),
+        "--models", *args.models,
+        "--calibrate-steps", str(args.calibrate_steps),
+        "--latency-probes", str(args.latency_probes),
+        "--probe-work", str(args.probe_work),
+    ]  # fmt: skip
+    return run_workers("bench.planner_ranking", args, forwarded)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -370,7 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="models"
     )
-    parser.add_argument("--calibrate-steps", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--calibrate-steps", type=int, default=11, help=argparse.SUPPRESS)
     parser.add_argument("--latency-probes", type=int, default=30, help=argparse.SUPPRESS)
     parser.add_argument("--probe-work", type=int, default=2, help=argparse.SUPPRESS)
     add_two_node_arguments(parser, timeout_s=900)
@@ -380,15 +436,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"[planner_ranking] two emulated nodes are unavailable here ({reason}); skipped")
-        return 0
+def drive(args: argparse.Namespace) -> int:
+    """The driver: launch the workers, compare, print, write ``--json``; 1 on a disagreement."""
     load_before = os.getloadavg()[0]
     report = launch(args)
     report["load"] = f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after (1-minute)"
@@ -396,16 +445,16 @@ def main(argv: list[str] | None = None) -> int:
         result = report[name]
         result["comparison"] = compare(result["measured_s"], result["predicted_s"])
     print(render(report, args))
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"wrote {path}")
+    write_json_report(Path(args.json) if args.json else None, report)
     ok_all = all(
         report[n]["comparison"]["top_within_noise"] and report[n]["comparison"]["ordered_right"]
         for n in args.models
     )
     return 0 if ok_all else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return two_node_main("planner_ranking", argv, parse_args=parse_args, worker=worker, drive=drive)
 
 
 if __name__ == "__main__":

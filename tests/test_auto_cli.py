@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -13,9 +12,12 @@ from hydra.utils import instantiate
 import overlapkit as ok
 from overlapkit.cli import main
 from overlapkit.planner.auto import auto_plan
+from overlapkit.planner.auto_cli import place_inside
 from overlapkit.planner.compute import measured_accelerator
+from overlapkit.planner.placement import plan as place
 from overlapkit.planner.run_config import train_lacks, train_overrides
 from overlapkit.planner.search import SearchSettings
+from overlapkit.planner.traffic import Workload
 from overlapkit.topology import load_topology
 from overlapkit.train.cli import check_job
 from overlapkit.train.launch import LauncherConfig
@@ -84,6 +86,21 @@ def test_manual_tp_across_nodes_warns_with_its_cost(capsys):
     assert "warning: tp=16 spans 2 scale-up domains" in capsys.readouterr().out
     doc = _json(capsys, ["plan", "--topology", "dgx-h100x2", "--tp", "16"])
     assert doc["warnings"] and "better: tp=8" in doc["warnings"][0]
+
+
+def test_tp_inside_a_domain_is_compared_at_the_same_sequences_per_step():
+    across = place(load_topology("dgx-h100x2"), tp=16, workload=Workload(params=8e9))
+    inside = place_inside(across, 8)
+    sequences = [
+        p.dims["dp"] * p.workload.micro_batch * p.workload.microbatches for p in (across, inside)
+    ]
+    assert inside.dims["tp"] == 8 and sequences[0] == sequences[1] == 8
+
+    def tp_s(placement):
+        return sum(c.total_s for c in placement.collectives() if c.dim == "tp")
+
+    # Half the all-reduces per rank (two replicas share the batch), none of them over the NICs.
+    assert tp_s(across) / tp_s(inside) > 2
 
 
 def test_manual_plan_with_a_model_is_compared_with_the_best(capsys):
@@ -157,10 +174,14 @@ def test_overrides_for_a_layout_overlapkit_train_runs_compose_and_pass_its_check
 
 
 def test_layouts_overlapkit_train_lacks_say_what():
-    answer = auto_plan(load_topology("dgx-h100x4"), "llama3-70b", global_batch=64, seq_len=8192)
-    layout = dataclasses.replace(answer.best.layout, pp=2, dp=answer.best.layout.dp // 2)
+    # The search's best layout with pp fixed: what the winner's other sizes are is the cost
+    # model's business (its dp need not be even), so the test does not derive one from it.
+    answer = auto_plan(
+        load_topology("dgx-h100x4"), "llama3-70b", global_batch=64, seq_len=8192, fixed={"pp": 2}
+    )
+    layout = answer.best.layout
     assert "pipeline parallelism (pp=2)" in train_lacks(layout)
-    with pytest.raises(ValueError, match="lacks pipeline parallelism"):
+    with pytest.raises(ValueError, match=r"lacks .*pipeline parallelism \(pp=2\)"):
         train_overrides(layout, topology="dgx-h100x4", nodes=4, ranks_per_node=8, model=None)
 
 

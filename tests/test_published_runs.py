@@ -6,7 +6,13 @@ thousands of GPUs); here the published layouts are evaluated, which takes about 
 
 import pytest
 
-from overlapkit.planner.published_runs import TOLERANCE, check_run, published_runs
+from overlapkit.planner.compute import LAYER_OVER_MATMUL
+from overlapkit.planner.published_runs import (
+    TOLERANCE,
+    check_run,
+    fit_layer_over_matmul,
+    published_runs,
+)
 
 RUNS = published_runs()
 
@@ -32,3 +38,9 @@ def test_published_layout_fits_and_its_throughput_is_predicted(run):
 def test_most_published_runs_are_within_tolerance():
     inside = sum(not r.explained_miss for r in RUNS)
     assert inside >= 0.7 * len(RUNS)
+
+
+@pytest.mark.slow
+def test_layer_factor_is_the_least_squares_fit_to_the_published_runs():
+    # A change to the cost or step-time model moves the fit: refit, then recheck every row.
+    assert fit_layer_over_matmul(RUNS) == pytest.approx(LAYER_OVER_MATMUL, abs=0.005)

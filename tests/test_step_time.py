@@ -9,7 +9,7 @@ from overlapkit.planner import plan
 from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.cost import estimate
 from overlapkit.planner.gemm import wave_efficiency
-from overlapkit.planner.group_costs import GRID_STEPS, TRAFFIC_ORDER, AxisCosts
+from overlapkit.planner.group_costs import TRAFFIC_ORDER, AxisCosts
 from overlapkit.planner.model_spec import load_model
 from overlapkit.planner.step_time import StepOptions, predict_step
 from overlapkit.topology import bare_link, load_topology
@@ -83,16 +83,16 @@ def test_representative_group_is_a_group_of_the_placement():
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "all_to_all"])
-def test_costs_equal_the_cost_model_at_the_grid_sizes(collective):
+def test_costs_equal_the_cost_model_at_every_size(collective):
     topo = load_topology("dgx-h100x4")
     sizes = {"pp": 1, "dp": 4, "ep": 1, "cp": 1, "tp": 8}
     costs = AxisCosts(topo)
     group = next(r for r in plan(topo, tp=8, dp=4).groups("dp") if 0 in r)
-    for exponent in np.arange(20, 34) * GRID_STEPS:
-        nbytes = 2 ** (exponent / GRID_STEPS)
+    # 1 MiB to 8 GiB at 7 sizes per doubling: protocol and algorithm switch-overs included.
+    for nbytes in np.geomspace(2**20, 2**33, 92):
         exact = estimate(collective, nbytes=nbytes, topology=topo, group=list(group)).time_s
         assert costs.time_s(collective, nbytes, sizes, TRAFFIC_ORDER, ("dp",)) == pytest.approx(
-            exact, rel=1e-9
+            exact, rel=1e-12
         )
 
 
@@ -110,3 +110,13 @@ def test_wave_quantization_penalises_a_last_wave_that_is_mostly_empty():
     assert wave_efficiency(128, 256 * 109, 108) == pytest.approx(109 / 216)
     assert wave_efficiency(128 * 108, 256, 108) == pytest.approx(1.0)
     assert wave_efficiency(100, 100, None) == 1.0
+
+
+def test_tp_dispatch_cost_is_paid_per_sharded_layer_pass_only_under_tp():
+    costs = AxisCosts(_free_comm(2))
+    options = dataclasses.replace(_options(), tp_layer_dispatch_s=1e-3)
+    for layout in (TrainingLayout(tp=2, num_micro_batches=3), TrainingLayout(dp=2)):
+        charged = predict_step(MODEL, layout, options, costs)
+        free = predict_step(MODEL, layout, _options(), costs)
+        expected = 3 * MODEL.layers * 2 * 1e-3 if layout.tp > 1 else 0.0
+        assert charged.compute_s - free.compute_s == pytest.approx(expected)

@@ -13,6 +13,7 @@ The JSON document (keys fixed; extra keys are fine)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -385,10 +386,15 @@ def manual_warnings(args: argparse.Namespace, placement: Placement) -> list[str]
             inside = place_inside(placement, domain)
             note = ""
             if inside is not None:
-                inside_s = sum(c.total_s for c in inside.collectives() if c.dim == "tp")
+                comm = inside.collectives()
+                inside_s = sum(c.total_s for c in comm if c.dim == "tp")
+                grads_s = sum(c.total_s for c in comm if c.dim == "dp")
+                w = placement.workload
                 note = (
-                    f", {total / inside_s:.3g}x tp={domain} inside a domain "
-                    f"({format_seconds(inside_s)}); better: tp={domain} "
+                    f", {total / inside_s:.3g}x tp={domain} inside a domain for the same "
+                    f"{w.micro_batch * w.microbatches} sequences per step "
+                    f"({format_seconds(inside_s)}, and {format_seconds(grads_s)} of gradient "
+                    f"all-reduce that overlaps backward); better: tp={domain} "
                     f"dp={inside.dims['dp']} pp={inside.dims['pp']}"
                 )
             out.append(
@@ -416,9 +422,21 @@ def manual_warnings(args: argparse.Namespace, placement: Placement) -> list[str]
 
 
 def place_inside(placement: Placement, domain: int) -> Placement | None:
-    """The same world with tp shrunk to one domain, the rest to dp."""
+    """The same world and batch with tp shrunk to one domain, the rest to dp.
+
+    ``tp / domain`` times as many replicas share the step's sequences, so each runs that share
+    of the micro-batches (the workload is per replica). None when the sequences do not split
+    evenly, or the sizes do not place.
+    """
     sizes = placement.dims
-    tp = sizes["tp"]
+    factor = sizes["tp"] // domain
+    workload = placement.workload
+    if workload.microbatches % factor == 0:
+        workload = dataclasses.replace(workload, microbatches=workload.microbatches // factor)
+    elif workload.micro_batch % factor == 0:
+        workload = dataclasses.replace(workload, micro_batch=workload.micro_batch // factor)
+    else:
+        return None
     try:
         return place(
             placement.topology,
@@ -426,8 +444,8 @@ def place_inside(placement: Placement, domain: int) -> Placement | None:
             ep=sizes["ep"],
             cp=sizes["cp"],
             pp=sizes["pp"],
-            dp=sizes["dp"] * tp // domain,
-            workload=placement.workload,
+            dp=sizes["dp"] * factor,
+            workload=workload,
         )
     except PlacementError:
         return None

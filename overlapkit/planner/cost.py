@@ -663,15 +663,30 @@ def slowest_estimate(
     c = normalize_collective(collective)
     S = parse_size(nbytes, what="nbytes")
     _check_algorithm(c, algorithm)
-    ranks_of = [group_ranks(topology, [int(r) for r in group]) for group in groups]
-    if not ranks_of:
-        raise ValueError("groups is empty: there is no group to estimate")
-    load = _network_load(topology, ranks_of) if concurrent else None
-    shapes = dict.fromkeys(group_shape(topology, ranks, node_load=load) for ranks in ranks_of)
+    shapes = group_shapes(topology, groups, concurrent=concurrent)
     return max(
         (_estimate_shape(c, S, shape, topology, algorithm) for shape in shapes),
         key=lambda e: e.time_s,
     )
+
+
+def group_shapes(
+    topology: Topology, groups: Sequence[Sequence[int]], *, concurrent: bool = True
+) -> list[GroupShape]:
+    """The distinct ``group_shape`` of ``groups`` (groups that sit alike give one shape).
+
+    Args:
+        concurrent (bool): the groups run at the same time, so ranks of groups that cross
+            domains share their nodes' NICs (``group_shape``'s ``node_load``). Defaults to True.
+
+    Raises:
+        ValueError: no group, or a rank outside the topology.
+    """
+    ranks_of = [group_ranks(topology, [int(r) for r in group]) for group in groups]
+    if not ranks_of:
+        raise ValueError("groups is empty: there is no group to estimate")
+    load = _network_load(topology, ranks_of) if concurrent else None
+    return list(dict.fromkeys(group_shape(topology, ranks, node_load=load) for ranks in ranks_of))
 
 
 def _network_load(topology: Topology, groups: Sequence[Sequence[int]]) -> Counter:

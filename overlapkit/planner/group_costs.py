@@ -6,13 +6,11 @@ fastest. When that order keeps every block inside a domain (or a union of whole 
 groups of an axis are the ranks at positions ``base + j x stride`` of the physical order, where
 ``stride`` is the product of the sizes inside the axis; on a topology of equal domains and
 nodes every group of an axis then sits alike, so one representative group (``base = 0``) gives
-the axis's cost. ``AxisCosts`` builds that group and asks the cost model (``planner.cost``)
-for it on a grid of sizes (``GRID_STEPS`` per doubling) and interpolates linearly in between:
-the cost model is affine in the size between its protocol and algorithm switch-overs, so the
-interpolation is exact at the grid sizes and between switch-overs; within one grid step of a
-jump in the cost model (NCCL's size-dependent tuning tables) it lies between the two sides.
-The search prices tens of thousands of layouts with a few hundred estimates, and places only
-the few it shows.
+the axis's cost. ``AxisCosts`` describes that group once (``cost.group_shape``: the walk over
+its ranks, the slow part) and asks the cost model for each size on the shape
+(``cost.estimate_shape``: arithmetic only), caching every (collective, size, group) it was
+asked: the search prices thousands of layouts with a few hundred shapes and estimates, each
+the cost model's own figure (no interpolation), and places only the few it shows.
 
 Where a node has fewer NICs than ranks, concurrent groups share them (``group_shape``'s
 ``node_load``): the groups that share the representative's nodes are passed along with it.
@@ -23,12 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from overlapkit.planner.cost import estimate, slowest_estimate
+from overlapkit.planner.cost import GroupShape, estimate_shape, group_shapes
 from overlapkit.planner.grid import physical_order
 from overlapkit.topology.model import Topology
 
-GRID_STEPS = 4
-"""Sizes per doubling at which the cost model is asked (interpolated in between)."""
 TRAFFIC_ORDER = ("pp", "dp", "ep", "cp", "tp")
 HSDP_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
@@ -81,6 +77,7 @@ class AxisCosts:
         self._ranks_per_node = len(topology.nodes()[0])
         self._cache: dict[tuple, float] = {}
         self._shapes: dict[tuple, tuple[int, int]] = {}
+        self._group_shapes: dict[tuple, list[GroupShape]] = {}
         self.estimates = 0
         """How many cost-model estimates were made (cache misses)."""
 
@@ -100,13 +97,23 @@ class AxisCosts:
         stride, n = self.shape(sizes, order, axes)
         if n == 1 or nbytes <= 0:
             return 0.0
-        # Interpolate between the grid sizes around nbytes (the cost model is affine there).
-        position = math.log2(nbytes) * GRID_STEPS
-        low = math.floor(position)
-        below, above = 2 ** (low / GRID_STEPS), 2 ** ((low + 1) / GRID_STEPS)
-        t_below = self._grid(collective, low, below, stride, n)
-        t_above = self._grid(collective, low + 1, above, stride, n)
-        return t_below + (t_above - t_below) * (nbytes - below) / (above - below)
+        key = (collective, nbytes, stride, n)
+        cached = self._cache.get(key)
+        if cached is None:
+            self.estimates += 1
+            algorithm = self.algorithm if collective == "all_reduce" else None
+            cached = max(
+                estimate_shape(
+                    collective,
+                    nbytes=nbytes,
+                    shape=shape,
+                    topology=self.topology,
+                    algorithm=algorithm,
+                ).time_s
+                for shape in self._shapes_of(collective, stride, n)
+            )
+            self._cache[key] = cached
+        return cached
 
     def shape(
         self, sizes: Mapping[str, int], order: Sequence[str], axes: Sequence[str]
@@ -122,51 +129,25 @@ class AxisCosts:
             self._shapes[key] = cached
         return cached
 
-    def _grid(self, collective: str, index: int, nbytes: float, stride: int, n: int) -> float:
-        key = (collective, index, stride, n)
-        cached = self._cache.get(key)
-        if cached is None:
-            cached = self._estimate(collective, nbytes, stride, n)
-            self._cache[key] = cached
-        return cached
-
     def group(self, stride: int, n: int, *, base: int = 0) -> list[int]:
         """The ranks at physical positions ``base + j x stride``, ``j < n`` (one axis group)."""
         return [self._physical[base + j * stride] for j in range(n)]
 
-    def _estimate(self, collective: str, nbytes: float, stride: int, n: int) -> float:
-        self.estimates += 1
-        if collective == "send_recv":
-            return self._one(collective, nbytes, [self.group(stride, 2)])
+    def _shapes_of(self, collective: str, stride: int, n: int) -> list[GroupShape]:
+        """The shapes whose slowest decides: the representative group's, or a pair of it."""
+        pair = collective == "send_recv"
+        key = (pair, stride, n)
+        shapes = self._group_shapes.get(key)
+        if shapes is None:
+            shapes = group_shapes(self.topology, self._groups(stride, 2 if pair else n, pair))
+            self._group_shapes[key] = shapes
+        return shapes
+
+    def _groups(self, stride: int, n: int, pair: bool) -> list[list[int]]:
         group = self.group(stride, n)
         nics = self.topology.fabric.nics_per_node
         crosses = len({self.topology.domain_index(r) for r in group}) > 1
-        if not crosses or nics >= self._ranks_per_node:
-            return self._one(collective, nbytes, [group])
+        if pair or not crosses or nics >= self._ranks_per_node:
+            return [group]
         # Fewer NICs than ranks: the groups whose ranks share group 0's nodes load its NICs.
-        neighbours = [
-            self.group(stride, n, base=b) for b in range(min(stride, self._ranks_per_node))
-        ]
-        return self._one(collective, nbytes, neighbours)
-
-    def _one(self, collective: str, nbytes: float, groups: list[list[int]]) -> float:
-        if len(groups) == 1:
-            return estimate(
-                collective,
-                nbytes=nbytes,
-                topology=self.topology,
-                group=groups[0],
-                algorithm=self._algorithm_for(collective),
-            ).time_s
-        return slowest_estimate(
-            collective,
-            nbytes=nbytes,
-            topology=self.topology,
-            groups=groups,
-            algorithm=self._algorithm_for(collective),
-        ).time_s
-
-    def _algorithm_for(self, collective: str) -> str | None:
-        if self.algorithm is None or collective not in ("all_reduce",):
-            return None
-        return self.algorithm
+        return [self.group(stride, n, base=b) for b in range(min(stride, self._ranks_per_node))]

@@ -218,7 +218,7 @@ def validate(path: str | Path | None = None) -> list[Check]:
 
 
 def render_checks(checks: list[Check]) -> str:
-    """The table ``overlapkit estimate --validate`` prints (and the README shows)."""
+    """The table ``overlapkit estimate --validate`` prints (and docs/cost-model.md shows)."""
     header = (
         f"{'system (id)':<26} {'gpus':>4} {'collective':<14} {'size':>6} {'split':<8} "
         f"{'published':>9} {'predicted':>9} {'error':>7}  algorithm  source"

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from overlapkit.planner.candidate import RECOMPUTE, SHARDING, TrainingLayout
-from overlapkit.planner.compute import achievable_fraction, overlap_efficiency
+from overlapkit.planner.compute import LAYER_OVER_MATMUL, achievable_fraction, overlap_efficiency
 from overlapkit.planner.group_costs import (
     HSDP_ORDER,
     TRAFFIC_ORDER,
@@ -67,6 +67,8 @@ class SearchSettings:
     flash_attention: bool = True
     achievable: float | None = None
     """Fraction of dense peak; None: the GPU family's default (``planner.compute``)."""
+    layer_over_matmul: float = LAYER_OVER_MATMUL
+    """The family default's share of the best matmul (``planner.compute``; fitted)."""
     overlap_efficiency: float | None = None
     """None: the topology library's default."""
     tp_overlap: float = 0.0
@@ -89,9 +91,15 @@ class SearchSettings:
         return StepOptions(
             seq_len=seq_len,
             accelerator=accelerator,
-            achievable=achievable_fraction(accelerator) if achievable is None else achievable,
+            achievable=(
+                achievable_fraction(accelerator, layer_over_matmul=self.layer_over_matmul)
+                if achievable is None
+                else achievable
+            ),
             matmul_achievable=(
-                achievable_fraction(accelerator, dtype) if achievable is None else achievable
+                achievable_fraction(accelerator, dtype, layer_over_matmul=self.layer_over_matmul)
+                if achievable is None
+                else achievable
             ),
             overlap_efficiency=(
                 overlap_efficiency(str(topology.library))

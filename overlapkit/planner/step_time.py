@@ -7,7 +7,9 @@ the output layer on the last stage):
   attention's ``2 x seq x heads x (qk_dim + v_dim)`` per token), backward twice that,
   recomputation's extra forward (full: the whole layer; selective: the attention core), all
   divided by ``tp x cp`` and run at the achievable fraction of the device's dense peak
-  (``planner.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's.
+  (``planner.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's;
+  under tp, the host's dispatch of the sharded layers where it is not hidden
+  (``tp_layer_dispatch_s``).
 - **tp** (sequence parallel): all-gather before and reduce-scatter after attention and the
   MLP, in forward and backward (and in the recomputed forward), of the micro-batch's
   activations: on the critical path (``tp_overlap`` hides a share, as async TP does).
@@ -86,6 +88,13 @@ class StepOptions:
     """Seconds every collective call costs beyond what the cost model prices: its launch and
     the wait for the last rank to arrive. 0 by default (NCCL's launch is microseconds); where
     ranks share CPU cores it is milliseconds (bench/planner_ranking measures it)."""
+    tp_layer_dispatch_s: float = 0.0
+    """Host seconds each pass (forward or backward) through a tensor-parallel layer costs
+    beyond its FLOPs and collectives: the sharded tensors' per-operation dispatch (DTensor's
+    sharding propagation and redistribution). 0 by default: on GPUs the host runs ahead of the
+    kernels; where the host does the compute it adds to it, milliseconds per layer on this
+    project's CPU ranks (bench/planner_ranking measures it: the tensor-parallel model on a
+    one-rank mesh against the plain one, same FLOPs, no communication)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +237,8 @@ def predict_step(
     fwd += memory_bound / TRAFFIC_PASSES
     bwd += memory_bound * (TRAFFIC_PASSES - 1) / TRAFFIC_PASSES
     t_compute = fwd + bwd + extra + 3 * head_fwd
+    if tp > 1:  # forward, backward and the recomputed forward through each sharded layer
+        t_compute += n_layers * (2 + recomputed) * o.tp_layer_dispatch_s
     t_bwd = bwd + extra + 2 * head_fwd
 
     hsdp = lay.sharding == "hsdp"
