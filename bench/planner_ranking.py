@@ -61,7 +61,7 @@ from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.compute import measured_accelerator, overlap_efficiency
 from overlapkit.planner.group_costs import AxisCosts
 from overlapkit.planner.memory import FP32
-from overlapkit.planner.model_spec import ModelSpec, gpt_spec
+from overlapkit.planner.model_spec import ModelSpec, train_model_spec
 from overlapkit.planner.step_time import StepOptions, predict_step
 from overlapkit.train.mesh import PlanConfig, build_layout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
@@ -90,30 +90,17 @@ LAYOUTS = {
 }
 
 
+CONFIGS = {"gpt_tiny": GPTConfig(**SHAPE), "moe_tiny": MoEConfig(**SHAPE, **MOE)}
+
+
 def planner_spec(name: str) -> ModelSpec:
-    """gpt_tiny / moe_tiny as the planner describes them (GPT-2 shapes, tied, no dropout)."""
-    experts = (
-        {"experts": MOE["n_expert"], "topk": MOE["top_k"], "expert_hidden": MOE["expert_hidden"]}
-        if name == "moe_tiny"
-        else {}
-    )
-    return gpt_spec(
-        name=name,
-        layers=SHAPE["n_layer"],
-        hidden=SHAPE["n_embd"],
-        heads=SHAPE["n_head"],
-        vocab_size=SHAPE["vocab_size"],
-        seq_len=SHAPE["block_size"],
-        dropout=False,
-        **experts,
-    )
+    """gpt_tiny / moe_tiny as the planner describes them."""
+    return train_model_spec(CONFIGS[name], name=name)
 
 
 def make_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    if name == "moe_tiny":
-        return MoEGPT(MoEConfig(**SHAPE, **MOE))
-    return GPT(GPTConfig(**SHAPE))
+    return (MoEGPT if name == "moe_tiny" else GPT)(CONFIGS[name])
 
 
 def batch(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from overlapkit.planner.memory import (
     model_state_bytes,
     stage_params,
 )
-from overlapkit.planner.model_spec import ModelSpec, gpt_spec
+from overlapkit.planner.model_spec import ModelSpec, train_model_spec
 from overlapkit.train.models import GPT, GPTConfig
 from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
@@ -30,16 +30,8 @@ CONFIG = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
 
 def tiny_spec() -> ModelSpec:
-    """gpt_tiny as the planner describes it (GPT-2 shapes, tied embeddings, no dropout)."""
-    return gpt_spec(
-        name="gpt_tiny",
-        layers=CONFIG["n_layer"],
-        hidden=CONFIG["n_embd"],
-        heads=CONFIG["n_head"],
-        vocab_size=CONFIG["vocab_size"],
-        seq_len=CONFIG["block_size"],
-        dropout=False,
-    )
+    """gpt_tiny as the planner describes it."""
+    return train_model_spec(GPTConfig(**CONFIG), name="gpt_tiny")
 
 
 def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
@@ -134,15 +126,7 @@ def test_predicted_peak_bounds_cuda_max_memory_allocated_within_15_percent():
     """On a GPU: the predicted allocation (states + activations + logits, no allowance) of an
     fp32 gpt step against ``torch.cuda.max_memory_allocated`` (written here without a GPU)."""
     config = dict(CONFIG, n_embd=1024, n_head=16, block_size=1024, vocab_size=8192)
-    spec = gpt_spec(
-        name="gpt",
-        layers=config["n_layer"],
-        hidden=config["n_embd"],
-        heads=config["n_head"],
-        vocab_size=config["vocab_size"],
-        seq_len=config["block_size"],
-        dropout=False,
-    )
+    spec = train_model_spec(GPTConfig(**config), name="gpt")
     torch.cuda.reset_peak_memory_stats()
     model = GPT(GPTConfig(**config)).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt_neox", "gpt2", "deepseek_v3")
 
@@ -485,3 +485,39 @@ def gpt_spec(
     if experts:
         spec = dataclasses.replace(spec, experts=experts, topk=topk, moe_ffn_hidden=expert_hidden)
     return spec
+
+
+class TrainModelConfig(Protocol):
+    """The fields of overlapkit-train's ``GPTConfig`` (and ``MoEConfig``) the planner reads."""
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+
+
+def train_model_spec(config: TrainModelConfig, *, name: str) -> ModelSpec:
+    """An overlapkit-train transformer (``overlapkit/train/models``) as the planner describes it.
+
+    ``GPT``: GPT-2 shapes (separate q, k, v and output projections with biases, a GELU MLP of
+    ``4 x n_embd``, LayerNorm, learned positions, the head tied to the token embedding) and no
+    dropout. A config with ``n_expert`` (``MoEConfig``, moe_tiny) makes every MLP a mixture of
+    that many bias-free experts of ``expert_hidden``, ``top_k`` per token.
+
+    Example:
+        >>> train_model_spec(GPTConfig(n_layer=4, n_embd=128, block_size=64), name="gpt_tiny")
+    """
+    experts = getattr(config, "n_expert", 0)
+    return gpt_spec(
+        name=name,
+        layers=config.n_layer,
+        hidden=config.n_embd,
+        heads=config.n_head,
+        vocab_size=config.vocab_size,
+        seq_len=config.block_size,
+        dropout=False,
+        experts=experts,
+        topk=getattr(config, "top_k", 0) if experts else 0,
+        expert_hidden=getattr(config, "expert_hidden", 0) if experts else 0,
+    )
