@@ -506,7 +506,9 @@ def train_model_spec(config: TrainModelConfig, *, name: str) -> ModelSpec:
     that many bias-free experts of ``expert_hidden``, ``top_k`` per token.
 
     Example:
-        >>> train_model_spec(GPTConfig(n_layer=4, n_embd=128, block_size=64), name="gpt_tiny")
+        >>> from overlapkit.train.models import GPTConfig
+        >>> train_model_spec(GPTConfig(n_embd=128, block_size=64), name="gpt_tiny").params
+        834304
     """
     experts = getattr(config, "n_expert", 0)
     return gpt_spec(
