@@ -81,6 +81,15 @@ def test_fixed_layout_that_does_not_fit_is_listed_with_its_breakdown(capsys):
     assert any("not to fit" in w for w in doc["warnings"])
 
 
+def test_fixed_layout_where_nothing_fits_names_the_best_that_fits(capsys):
+    argv = ["plan", "--auto", "--topology", "dgx-h100x2", "--model", "llama3-70b", "--tp", "16"]
+    assert main([*argv, "--global-batch", "64", "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "why #1: nothing listed fits in 80 GB; #1 comes closest" in out
+    assert "warning: the best layout the planner finds that fits: " in out
+    assert "slower" not in out
+
+
 def test_manual_tp_across_nodes_warns_with_its_cost(capsys):
     assert main(["plan", "--topology", "dgx-h100x2", "--tp", "16"]) == 0
     assert "warning: tp=16 spans 2 scale-up domains" in capsys.readouterr().out

@@ -220,12 +220,20 @@ def _time_parts(candidate: Candidate) -> dict[str, float]:
 
 
 def why_best(ranked: list[Candidate]) -> list[str]:
-    """Why the first candidate wins: its lead over the best layout of other parallel sizes."""
+    """Why the first candidate wins: its lead over the best layout of other parallel sizes, or,
+    when none fits (sizes fixed), that it comes closest to fitting."""
     best = ranked[0]
     lines = []
     others = [c for c in ranked[1:] if c.layout.dims != best.layout.dims] or ranked[1:]
     others = [c for c in others if c.step.step_s > best.step.step_s * (1 + TIE)] or others
-    if others:
+    if not best.fits:
+        lines.append(
+            f"why #1: nothing listed fits in {best.memory_limit / 1e9:.3g} GB; #1 comes closest "
+            f"({best.memory.total / 1e9:.3g} GB per GPU"
+            + (f", #2 {ranked[1].memory.total / 1e9:.3g} GB" if len(ranked) > 1 else "")
+            + ")"
+        )
+    elif others:
         second = others[0]
         gap = second.step.step_s / best.step.step_s - 1
         parts = _time_parts(best)
@@ -360,11 +368,15 @@ def layout_warnings(
             free = None
         if free is not None:
             ratio = chosen.step.step_s / free.step.step_s
-            if ratio >= SLOW_FACTOR or (not chosen.fits and free.fits) or layout.tp > domain:
+            best = (
+                f"{free.layout.describe()} ({free.step.step_s:.4g} s per step, "
+                f"{free.memory.total / 1e9:.3g} GB per GPU)"
+            )
+            if not chosen.fits and free.fits:
+                out.append(f"the best layout the planner finds that fits: {best}")
+            elif ratio >= SLOW_FACTOR or (layout.tp > domain and ratio > 1 + TIE):
                 out.append(
-                    f"predicted {ratio:.3g}x slower than the best layout the planner finds: "
-                    f"{free.layout.describe()} ({free.step.step_s:.4g} s per step, "
-                    f"{free.memory.total / 1e9:.3g} GB per GPU)"
+                    f"predicted {ratio:.3g}x slower than the best layout the planner finds: {best}"
                 )
     return out
 

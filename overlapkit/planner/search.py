@@ -9,8 +9,8 @@ micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / s
 where it saves something: without flash attention) / full; sharding ddp, zero1, zero2, fsdp and
 hsdp (every proper ``dp_shard`` of dp). A size the caller fixes constrains the search instead
 of replacing it. Memory is checked first (cheap); only layouts that fit are timed, except with
-a parallel size fixed, where layouts that fit come first and the best that does not is
-reported when none fits.
+a parallel size fixed, where layouts that fit come first, fastest first, and when none fits
+the ones closest to fitting are reported (least memory per GPU, then the fastest).
 
 Candidates are priced analytically per group shape (``planner.group_costs``); the rank grid is
 built (``ok.plan``) only for the ones shown.
@@ -360,7 +360,8 @@ def search(
         candidates (int): how many to return. Defaults to 5.
 
     Returns:
-        SearchResult: best first; only layouts that fit, unless a parallel size is fixed.
+        SearchResult: best first; only layouts that fit, unless a parallel size is fixed
+            (then, when none fits, the closest to fitting: least memory per GPU first).
 
     Raises:
         PlanSearchError: (a ValueError) fixed sizes that do not divide the world, a global
@@ -476,12 +477,16 @@ TIE = 1e-3
 
 
 def _rank_key(candidate: Candidate) -> tuple:
+    # What does not fit comes after what does, the closest to fitting first (least memory per
+    # GPU, then the faster): with sizes fixed and nothing fitting, that is the variant to try.
+    if not candidate.fits:
+        return (True, candidate.memory.total, candidate.step.step_s)
     # Equal predictions (cp = 2 with twice the micro-batch computes the same as cp = 1) go
     # to the layout with fewer parallel dimensions, then to the less sharded one.
     lay = candidate.layout
     dims = sum(size > 1 for name, size in lay.dims.items() if name != "dp")
     return (
-        not candidate.fits,
+        False,
         round(math.log(candidate.step.step_s) / math.log1p(TIE)),
         dims,
         SHARDING.index(lay.sharding),
