@@ -90,6 +90,15 @@ def test_fixed_layout_where_nothing_fits_names_the_best_that_fits(capsys):
     assert "slower" not in out
 
 
+def test_the_printed_device_mesh_call_keeps_the_fixed_sizes(capsys):
+    argv = [*AUTO, "--global-batch", "64", "--seq-len", "4096", "--tp", "2", "--pp", "2"]
+    call = _json(capsys, argv)["run"]["device_mesh"]
+    assert ", tp=2, pp=2, auto=True)" in call
+    # It is runnable as printed: the same layout comes back.
+    placement = eval(call.removesuffix(".device_mesh()"), {"ok": ok})
+    assert (placement.training.tp, placement.training.pp) == (2, 2)
+
+
 def test_manual_tp_across_nodes_warns_with_its_cost(capsys):
     assert main(["plan", "--topology", "dgx-h100x2", "--tp", "16"]) == 0
     assert "warning: tp=16 spans 2 scale-up domains" in capsys.readouterr().out

@@ -186,11 +186,17 @@ def run_instructions(answer: AutoPlan) -> dict:
     layout = answer.best.layout
     topology = answer.topology
     lacks = train_lacks(layout)
+    # The sizes the user fixed go in too: without them ok.plan would search them freely.
+    fixed = "".join(
+        f", {key}={value!r}"
+        for key, value in answer.result.fixed.items()
+        if key != "recompute_layers"
+    )
     out: dict = {
         "mesh_dim_names": list(answer.placement.mesh_dim_names),
         "device_mesh": (
             f"ok.plan(ok.load_topology({topology.name!r}), model={answer.model.name!r}, "
-            f"global_batch={answer.global_batch}, seq_len={answer.seq_len}, auto=True)"
+            f"global_batch={answer.global_batch}, seq_len={answer.seq_len}{fixed}, auto=True)"
             ".device_mesh()"
         ),
         "overlapkit_train_lacks": lacks,
