@@ -9,7 +9,7 @@ from overlapkit.planner import plan
 from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.cost import estimate
 from overlapkit.planner.gemm import wave_efficiency
-from overlapkit.planner.group_costs import TRAFFIC_ORDER, AxisCosts
+from overlapkit.planner.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
 from overlapkit.planner.model_spec import load_model
 from overlapkit.planner.step_time import StepOptions, predict_step
 from overlapkit.topology import bare_link, load_topology
@@ -77,9 +77,22 @@ def test_representative_group_is_a_group_of_the_placement():
     placement = plan(topo, tp=8, pp=2, dp=2)
     costs = AxisCosts(topo)
     for axis in ("tp", "dp", "pp"):
-        stride, n = costs.shape(sizes, TRAFFIC_ORDER, (axis,))
-        group = tuple(costs.group(stride, n))
+        group = tuple(costs.group(costs.shape(sizes, TRAFFIC_ORDER, (axis,))))
         assert group in set(placement.groups(axis))
+
+
+def test_hsdp_replica_group_skips_the_shard_axis_between_its_axes():
+    topo = load_topology("dgx-h100x4")
+    sizes = {"pp": 1, "dp_replicate": 4, "dp_shard": 8, "ep": 1, "cp": 1, "tp": 1}
+    placement = plan(topo, dp=32, dp_shard=8)
+    costs = AxisCosts(topo)
+    replicas = tuple(costs.group(costs.shape(sizes, HSDP_ORDER, ("dp_replicate", "ep", "cp"))))
+    shard = tuple(costs.group(costs.shape(sizes, HSDP_ORDER, ("dp_shard",))))
+    assert replicas in set(placement.groups("dp_replicate"))
+    assert shard in set(placement.groups("dp_shard"))
+    # One replica per node: the replicas' all-reduce crosses the network, the shards' does not.
+    assert len({topo.devices[r].node for r in replicas}) == 4
+    assert len({topo.devices[r].node for r in shard}) == 1
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "all_to_all"])
