@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 import overlapkit as ok
 from overlapkit.cli import main
 from overlapkit.planner.auto import auto_plan
-from overlapkit.planner.auto_cli import place_inside
+from overlapkit.planner.auto_cli import place_inside, render_auto, run_instructions
 from overlapkit.planner.compute import measured_accelerator
 from overlapkit.planner.placement import plan as place
 from overlapkit.planner.run_config import train_lacks, train_overrides
@@ -189,6 +189,20 @@ def test_overrides_for_a_layout_overlapkit_train_runs_compose_and_pass_its_check
     launcher = LauncherConfig(nnodes=1, nproc_per_node=4, node_rank=0)
     check_job(cfg, launcher)  # what overlapkit-train checks before starting workers
     assert instantiate(cfg.train).grad_accum == best.num_micro_batches
+
+
+def test_a_tensor_parallel_winner_is_also_priced_as_overlapkit_train_runs_it():
+    fixed = {"tp": 2, "sharding": "ddp"}
+    answer = auto_plan(_cpu_topology(), tiny_spec(), global_batch=8, seq_len=64, fixed=fixed)
+    run = run_instructions(answer)
+    predicted = run["overlapkit_train_predicted"]
+    # The replicated head: more compute and more gradient bytes per rank, more memory.
+    assert predicted["step_time_s"] > answer.best.step.step_s
+    assert predicted["memory_gb_per_gpu"] > answer.best.memory.total / 1e9
+    text = render_auto(answer, [], 0.0)
+    assert "overlapkit-train keeps the embeddings and head whole on every tp rank" in text
+    dp_only = auto_plan(_cpu_topology(), tiny_spec(), global_batch=8, seq_len=64, fixed={"tp": 1})
+    assert "overlapkit_train_predicted" not in run_instructions(dp_only)
 
 
 def test_layouts_overlapkit_train_lacks_say_what():

@@ -8,12 +8,14 @@ import pytest
 from overlapkit.planner import plan
 from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.cost import estimate
+from overlapkit.planner.framework import MEGATRON, OVERLAPKIT_TRAIN
 from overlapkit.planner.gemm import wave_efficiency
 from overlapkit.planner.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
-from overlapkit.planner.model_spec import load_model
-from overlapkit.planner.step_time import StepOptions, predict_step
+from overlapkit.planner.model_spec import load_model, train_model_spec
+from overlapkit.planner.step_time import StepOptions, parameter_tensors, predict_step
 from overlapkit.topology import bare_link, load_topology
 from overlapkit.topology.accelerator import Accelerator
+from overlapkit.train.models import GPTConfig
 
 GPU = Accelerator(name="test", memory_GB=80, peak_bf16_tflops=1000, sms=None)
 MODEL = load_model("llama3-8b")
@@ -133,3 +135,50 @@ def test_tp_dispatch_cost_is_paid_per_sharded_layer_pass_only_under_tp():
         free = predict_step(MODEL, layout, _options(), costs)
         expected = 3 * MODEL.layers * 2 * 1e-3 if layout.tp > 1 else 0.0
         assert charged.compute_s - free.compute_s == pytest.approx(expected)
+
+
+def test_each_framework_makes_its_own_tp_collectives():
+    # Every call costs 1 ms on links too fast to add anything: tp_s counts the calls.
+    costs = AxisCosts(_free_comm(2))
+    layout = TrainingLayout(tp=2)
+    calls = {}
+    for framework in (MEGATRON, OVERLAPKIT_TRAIN):
+        options = _options(collective_overhead_s=1e-3, framework=framework)
+        calls[framework.name] = predict_step(MODEL, layout, options, costs).tp_s / 1e-3
+    # Megatron: all-gather and reduce-scatter around attention and the MLP, forward and
+    # backward; overlapkit-train: 2 all-reduces in forward, 4 in backward (q, k, v, mlp.0).
+    assert calls["megatron"] == pytest.approx(MODEL.layers * 8, rel=1e-6)
+    assert calls["overlapkit-train"] == pytest.approx(MODEL.layers * 6, rel=1e-6)
+
+
+def test_overlapkit_train_computes_and_reduces_the_replicated_head_on_every_tp_rank():
+    topo = load_topology("dgx-h100x2").with_accelerator(GPU)
+    costs = AxisCosts(topo)
+    for tp, more in ((1, False), (2, True)):
+        layout = TrainingLayout(tp=tp, dp=16 // tp)
+        split, whole = (
+            predict_step(MODEL, layout, _options(framework=f), costs)
+            for f in (MEGATRON, OVERLAPKIT_TRAIN)
+        )
+        assert (whole.compute_s > split.compute_s) == more
+        assert (whole.comm_total_s - whole.tp_s > split.comm_total_s - split.tp_s) == more
+
+
+def test_optimizer_host_cost_counts_plain_and_dtensor_parameters():
+    spec = train_model_spec(GPTConfig(n_embd=128, block_size=64), name="gpt_tiny")
+    costs = AxisCosts(_free_comm(4))
+    options = _options(optimizer_tensor_s=1e-3, optimizer_dtensor_s=1e-2, optimizer_param_s=0.0)
+    # gpt_tiny holds 68 parameter tensors: 48 in the blocks' linear layers (split under tp).
+    expected = {
+        TrainingLayout(dp=4): 68e-3,
+        TrainingLayout(dp=4, sharding="fsdp"): 68e-2,
+        TrainingLayout(dp=4, sharding="hsdp", dp_shard=2): 68e-2,
+        TrainingLayout(dp=2, tp=2): 20e-3 + 48e-2,
+    }
+    for layout, seconds in expected.items():
+        step = predict_step(
+            spec, layout, dataclasses.replace(options, framework=OVERLAPKIT_TRAIN), costs
+        )
+        assert step.optimizer_s == pytest.approx(seconds)
+    assert parameter_tensors(spec, TrainingLayout(tp=2), MEGATRON, layers=4, stage=0) == (68, 0)
+    assert _options().optimizer_tensor_s == _options().optimizer_dtensor_s == 0.0

@@ -20,6 +20,7 @@ import time
 from overlapkit.planner.auto import AutoPlan, auto_plan
 from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.explain import where
+from overlapkit.planner.framework import OVERLAPKIT_TRAIN
 from overlapkit.planner.group_costs import domain_size
 from overlapkit.planner.memory import PRECISIONS
 from overlapkit.planner.model_spec import ModelSpec, load_model
@@ -38,6 +39,7 @@ from overlapkit.planner.search import (
     PlanSearchError,
     SearchSettings,
     memory_text,
+    price,
     search,
     with_memory,
 )
@@ -213,7 +215,29 @@ def run_instructions(answer: AutoPlan) -> dict:
             model=answer.model.name,
         )
         out["overlapkit_train"] = ["overlapkit-train", *overrides]
+        if layout.tp > 1:
+            out["overlapkit_train_predicted"] = train_prediction(answer)
     return out
+
+
+def train_prediction(answer: AutoPlan) -> dict:
+    """The best layout priced as overlapkit-train runs it (``planner.framework``): under tp
+    its embeddings and head stay whole on every rank, and all-reduces replace sequence
+    parallelism's gathers and scatters. Seconds, GB (1e9 bytes)."""
+    settings = dataclasses.replace(answer.settings, framework=OVERLAPKIT_TRAIN)
+    candidate = price(
+        answer.topology,
+        answer.model,
+        answer.best.layout,
+        seq_len=answer.seq_len,
+        settings=settings,
+    )
+    return {
+        "framework": OVERLAPKIT_TRAIN.name,
+        "step_time_s": candidate.step.step_s,
+        "memory_gb_per_gpu": candidate.memory.total / 1e9,
+        "fits": candidate.fits,
+    }
 
 
 def _cell_dims(layout: TrainingLayout) -> str:
@@ -319,6 +343,16 @@ def render_auto(answer: AutoPlan, warnings: list[str], elapsed_s: float) -> str:
     lines.append("")
     if "overlapkit_train" in run:
         lines.append("run it: " + " ".join(run["overlapkit_train"]))
+        if "overlapkit_train_predicted" in run:
+            predicted = run["overlapkit_train_predicted"]
+            lines.append(
+                f"  overlapkit-train keeps the embeddings and head whole on every tp rank and "
+                f"all-reduces where Megatron's sequence parallelism gathers and scatters: "
+                f"{predicted['step_time_s']:.4g} s per step predicted "
+                f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
+                f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"
+                + ("" if predicted["fits"] else " (does not fit)")
+            )
         if answer.model.name not in TRAIN_MODELS:
             lines.append(
                 f"  (overlapkit-train's model zoo is {', '.join(TRAIN_MODELS)}: point "

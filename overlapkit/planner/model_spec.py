@@ -224,6 +224,35 @@ class ModelSpec:
         untied = 0 if self.tied_embeddings else self.vocab_size * self.hidden
         return self._norm_params(self.hidden) + untied
 
+    # -- parameter tensors ----------------------------------------------------------------
+    def layer_tensors(self, *, moe_layer: bool) -> tuple[int, int, int]:
+        """(split, other, expert) parameter tensors of one layer, as torchtitan and
+        overlapkit-train build them: separate ``q``, ``k``, ``v`` and output projections and
+        the MLP's linear layers with their biases (what tensor parallelism splits, shared
+        experts included); the norms and the router (``other``); the routed experts stacked in
+        one tensor per projection (``expert``). Where the host steps the optimizer tensor by
+        tensor, each costs it the same, whatever its size."""
+        other = 2 * (2 if self.norm == "layernorm" else 1)
+        if self.mla:
+            split = (3 if self.q_lora_rank else 1) + 4  # q (low-rank: a, norm, b); kv a, norm, b; o
+        else:
+            split = 4 + (3 if self.attention_bias else 0) + (1 if self.output_bias else 0)
+        mlp = 3 if self.gated_mlp else (2 + (2 if self.output_bias else 0))
+        if not moe_layer:
+            return split + mlp, other, 0
+        other += 2 if self.router_bias else 1
+        if self.shared_experts:
+            split += 3 if self.gated_mlp else 2
+        return split, other, 3 if self.gated_mlp else 2
+
+    def embedding_tensors(self) -> int:
+        """The token embedding and the learned positions."""
+        return 1 + (1 if self.position_embeddings else 0)
+
+    def head_tensors(self) -> int:
+        """The final norm and the (untied) output projection."""
+        return (2 if self.norm == "layernorm" else 1) + (0 if self.tied_embeddings else 1)
+
     def layer_params(self, index: int) -> tuple[int, int]:
         """(dense, expert) parameters of layer ``index`` (0-based)."""
         moe = self.is_moe and index >= self.dense_layers

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from overlapkit.planner.candidate import RECOMPUTE, SHARDING, TrainingLayout
 from overlapkit.planner.compute import LAYER_OVER_MATMUL, achievable_fraction, overlap_efficiency
+from overlapkit.planner.framework import MEGATRON, Framework
 from overlapkit.planner.group_costs import (
     HSDP_ORDER,
     TRAFFIC_ORDER,
@@ -76,6 +77,8 @@ class SearchSettings:
     fsdp_prefetch: int = 1
     accelerator: Accelerator | None = None
     """Overrides the topology's (a measured CPU, another memory size)."""
+    framework: Framework = MEGATRON
+    """What runs the layouts (``planner.framework``): Megatron-LM's splits by default."""
 
     def step_options(self, topology: Topology, seq_len: int) -> StepOptions:
         accelerator = self.accelerator or topology.accelerator
@@ -110,6 +113,19 @@ class SearchSettings:
             flash_attention=self.flash_attention,
             tp_overlap=self.tp_overlap,
             ep_overlap=self.ep_overlap,
+            framework=self.framework,
+        )
+
+    def memory(self, model: ModelSpec, layout: TrainingLayout, seq_len: int) -> MemoryBreakdown:
+        """``layout``'s peak memory per GPU under these settings, bytes."""
+        return memory_breakdown(
+            model,
+            layout,
+            seq_len=seq_len,
+            precision=self.precision,
+            flash_attention=self.flash_attention,
+            fsdp_prefetch=self.fsdp_prefetch,
+            vocab_parallel=self.framework.vocab_parallel,
         )
 
 
@@ -385,14 +401,7 @@ def search(
     sizes = _parallel_sizes(topology, model, seq_len, fixed)
 
     def measure(layout: TrainingLayout) -> MemoryBreakdown:
-        return memory_breakdown(
-            model,
-            layout,
-            seq_len=seq_len,
-            precision=settings.precision,
-            flash_attention=settings.flash_attention,
-            fsdp_prefetch=settings.fsdp_prefetch,
-        )
+        return settings.memory(model, layout, seq_len)
 
     if not sizes:
         raise PlanSearchError(_no_sizes_message(topology, model, seq_len, fixed))
@@ -441,6 +450,28 @@ def search(
         search_s=time.perf_counter() - start,
         estimates=costs.estimates,
         fixed=fixed,
+    )
+
+
+def price(
+    topology: Topology,
+    model: ModelSpec,
+    layout: TrainingLayout,
+    *,
+    seq_len: int,
+    settings: SearchSettings,
+    costs: AxisCosts | None = None,
+) -> Candidate:
+    """One layout's predicted step and memory under ``settings``, as the search prices it."""
+    options = settings.step_options(topology, seq_len)
+    step = predict_step(model, layout, options, costs or AxisCosts(topology))
+    return Candidate(
+        layout,
+        step,
+        settings.memory(model, layout, seq_len),
+        options.accelerator.memory_GB * 1e9,
+        seq_len,
+        options.accelerator.peak_tflops(settings.precision.matmul_dtype),
     )
 
 
