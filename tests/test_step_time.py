@@ -182,3 +182,16 @@ def test_optimizer_host_cost_counts_plain_and_dtensor_parameters():
         assert step.optimizer_s == pytest.approx(seconds)
     assert parameter_tensors(spec, TrainingLayout(tp=2), MEGATRON, layers=4, stage=0) == (68, 0)
     assert _options().optimizer_tensor_s == _options().optimizer_dtensor_s == 0.0
+
+
+def test_a_single_gradient_bucket_hides_behind_nothing():
+    spec = train_model_spec(GPTConfig(n_embd=128, block_size=64), name="gpt_tiny")
+    costs = AxisCosts(load_topology("cpu-gloox2").with_accelerator(GPU))
+    ideal = dataclasses.replace(_options(), overlap_efficiency=1.0)
+    # gpt_tiny's 0.8 M parameters are one bucket (Megatron's 40 M): ready when backward ends.
+    one = predict_step(spec, TrainingLayout(dp=4), ideal, costs)
+    assert one.dp_s == pytest.approx(one.comm_total_s) and one.dp_s > 0
+    # Under FSDP the first gather and the last reduce-scatter are exposed however long the
+    # compute is.
+    fsdp = predict_step(spec, TrainingLayout(dp=4, sharding="fsdp"), ideal, costs)
+    assert fsdp.fsdp_s > 0

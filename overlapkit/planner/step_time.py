@@ -29,7 +29,9 @@ behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica al
 Megatron-LM's buckets, or per block for hsdp),
 plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter; where
 the host steps tensor by tensor, a cost per parameter tensor, more for DTensors).
-Hidden communication uses ``overlap_efficiency`` of the window. Every collective is the cost
+Hidden communication uses ``overlap_efficiency`` of the window, and one of its collectives
+(the last gradient bucket, the first parameter gather, FSDP's first gather and last
+reduce-scatter) hides behind nothing. Every collective is the cost
 model's estimate on the group the layout's placement gives (``planner.group_costs``).
 """
 
@@ -280,6 +282,10 @@ def predict_step(
     def buckets(count: float, replicas: int) -> int:
         return max(1, math.ceil(count / max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * replicas)))
 
+    def pieces(chunks: int) -> int:
+        """The expert parameters' collectives: none in a dense model."""
+        return chunks if expert_params else 0
+
     # Tensor parallel: with sequence parallelism 2 all-gathers + 2 reduce-scatters per layer
     # pass; without, the framework's all-reduces of the replicated activations.
     tp_bytes = tokens / cp * model.hidden * act
@@ -340,8 +346,9 @@ def predict_step(
             *expert_shard,
         )
         per_mb = 2 * gather + scatter
-        first_block = gather / blocks
-        fsdp_mb = max(0.0, per_mb - o.overlap_efficiency * t_compute) + first_block
+        # The first block's gather precedes all compute, the last reduce-scatter follows it.
+        first_block, last_block = gather / blocks, scatter / blocks
+        fsdp_mb = max(last_block, per_mb - o.overlap_efficiency * t_compute) + first_block
         dp_total += m * per_mb
         if hsdp:
             z = lay.dp_shard
@@ -353,18 +360,19 @@ def predict_step(
                 "all_reduce", expert_shard_bytes, max(1, stage.layers), "dp_replicate", "cp"
             )
             dp_total += replica
-            dp_exposed += max(0.0, replica - window_last_bwd)
+            dp_exposed += _exposed(replica, blocks + pieces(stage.layers), window_last_bwd)
     else:
         g = p.grad_reduce_bytes
         grads = (dense_params * g, expert_params * g)
         z_dense, z_expert = lay.dp * lay.ep * cp, lay.dp * cp
         chunks = (buckets(dense_params, z_dense), buckets(expert_params, z_expert))
+        collectives = chunks[0] + pieces(chunks[1])
         if lay.sharding == "ddp":
             reduce = in_chunks("all_reduce", grads[0], chunks[0], *dense_axes) + in_chunks(
                 "all_reduce", grads[1], chunks[1], *expert_axes
             )
             dp_total += reduce
-            dp_exposed += max(0.0, reduce - window_last_bwd)
+            dp_exposed += _exposed(reduce, collectives, window_last_bwd)
         else:
             scatter = in_chunks("reduce_scatter", grads[0], chunks[0], *dense_axes) + in_chunks(
                 "reduce_scatter", grads[1], chunks[1], *expert_axes
@@ -375,11 +383,11 @@ def predict_step(
             )
             if lay.sharding == "zero1":
                 dp_total += scatter + gather
-                dp_exposed += max(0.0, scatter - window_last_bwd)
+                dp_exposed += _exposed(scatter, collectives, window_last_bwd)
             else:  # zero2: gradients reduce-scattered every micro-batch, behind its backward
                 dp_total += m * scatter + gather
-                fsdp_mb = max(0.0, scatter - o.overlap_efficiency * t_bwd)
-            dp_exposed += max(0.0, gather - window_first_fwd)
+                fsdp_mb = _exposed(scatter, collectives, o.overlap_efficiency * t_bwd)
+            dp_exposed += _exposed(gather, collectives, window_first_fwd)
 
     t_mb = t_compute + tp_exposed + cp_exposed + ep_exposed + pp_total + fsdp_mb
     bubble = (pp - 1) / v * t_mb
@@ -431,6 +439,20 @@ def predict_step(
         model_flops=model_flops,
         hardware_flops=model_flops + recompute_flops,
     )
+
+
+def _exposed(total: float, pieces: int, window: float) -> float:
+    """Seconds of ``total`` traffic, sent as ``pieces`` equal collectives, that a compute
+    ``window`` (already times the overlap efficiency) leaves exposed.
+
+    The pieces leave as their data becomes ready, ``window / pieces`` apart (gradient buckets
+    in backward), or must arrive before their part of the window starts (parameters ahead of a
+    forward); either way one piece has no compute left to hide behind: a single bucket, as a
+    small model's, is exposed whole.
+    """
+    if total <= 0:
+        return 0.0
+    return max(total / pieces, total - window * (pieces - 1) / pieces)
 
 
 def parameter_tensors(
