@@ -4,15 +4,18 @@ Two emulated nodes (``bench.harness.two_nodes``: network namespaces joined by a 
 limited to ``--rate``) run two gloo ranks each, as ``bench.placement`` does
 (``bench.harness.two_node_bench``). Every rank detects the topology (2 nodes x 2 ranks), fits
 the cost model to this machine (``two_node_bench.calibrated_topology``: the link, and the
-in-node path while both nodes use theirs), measures the model's own compute rate (every rank's
-forward and backward of a micro-batch, no communication: the planner's "achievable TFLOP/s"
-here), what the tensor-parallel plan's sharded tensors cost the host per layer at the same
-FLOPs (the plan on a one-rank mesh against the plain model: the planner's
-``tp_layer_dispatch_s``) and what one collective call costs between busy ranks (the planner's
-``collective_overhead_s``: milliseconds here, where four ranks share two cores). Then, for
-each model (``gpt_tiny``, ``moe_tiny``), it
-trains every layout overlapkit-train can run on 4 ranks with overlapkit-train's own wrapping
-(``overlapkit.train.parallel.apply_parallel`` on ``overlapkit.train.mesh.build_layout``):
+in-node path while both nodes use theirs) and measures the host terms the planner's
+``StepOptions`` take (``bench.harness.step_calibration``): the model's own compute rate (the
+planner's "achievable TFLOP/s" here), the tensor-parallel plan's dispatch per layer pass
+(``tp_layer_dispatch_s``), what one collective call costs between busy ranks
+(``collective_overhead_s``: milliseconds here, where four ranks share two cores), the AdamW
+step per plain and per DTensor parameter tensor and per parameter (``optimizer_tensor_s``,
+``optimizer_dtensor_s``, ``optimizer_param_s``) and the share of the compute that all-reduces
+over the link hide behind (``overlap_efficiency``). The planner prices each layout as
+overlapkit-train runs it (``planner.framework.OVERLAPKIT_TRAIN``). Then, for each model
+(``gpt_tiny``, ``moe_tiny``), it trains every layout overlapkit-train can run on 4 ranks with
+overlapkit-train's own wrapping (``overlapkit.train.parallel.apply_parallel`` on
+``overlapkit.train.mesh.build_layout``):
 
 - ``ddp``: ``ok.ddp`` over dp = 4 (``parallel=ddp``; the MoE model: ``ok.GradBucketer``)
 - ``fsdp``: ``ok.fsdp`` over dp = 4 (``parallel=fsdp``)
@@ -47,10 +50,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 import overlapkit as ok
 from bench.harness.json_report import write_json_report
+from bench.harness.step_calibration import (
+    collective_overhead,
+    compute_calibration,
+    one_rank_group,
+    optimizer_calibration,
+    overlap_calibration,
+)
 from bench.harness.two_node_bench import (
     add_two_node_arguments,
     calibrated_topology,
@@ -58,14 +67,15 @@ from bench.harness.two_node_bench import (
     two_node_main,
 )
 from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.compute import measured_accelerator, overlap_efficiency
+from overlapkit.planner.compute import measured_accelerator
+from overlapkit.planner.framework import OVERLAPKIT_TRAIN
 from overlapkit.planner.group_costs import AxisCosts
 from overlapkit.planner.memory import FP32
-from overlapkit.planner.model_spec import ModelSpec, gpt_spec
+from overlapkit.planner.model_spec import ModelSpec, train_model_spec
 from overlapkit.planner.step_time import StepOptions, predict_step
 from overlapkit.train.mesh import PlanConfig, build_layout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
-from overlapkit.train.parallel import apply_parallel, apply_tensor_parallel
+from overlapkit.train.parallel import apply_parallel
 
 TENSOR_PARALLEL = ("gpt_tiny",)
 """The models with a tensor-parallel layout (moe_tiny's experts go over ep instead)."""
@@ -90,30 +100,17 @@ LAYOUTS = {
 }
 
 
+CONFIGS = {"gpt_tiny": GPTConfig(**SHAPE), "moe_tiny": MoEConfig(**SHAPE, **MOE)}
+
+
 def planner_spec(name: str) -> ModelSpec:
-    """gpt_tiny / moe_tiny as the planner describes them (GPT-2 shapes, tied, no dropout)."""
-    experts = (
-        {"experts": MOE["n_expert"], "topk": MOE["top_k"], "expert_hidden": MOE["expert_hidden"]}
-        if name == "moe_tiny"
-        else {}
-    )
-    return gpt_spec(
-        name=name,
-        layers=SHAPE["n_layer"],
-        hidden=SHAPE["n_embd"],
-        heads=SHAPE["n_head"],
-        vocab_size=SHAPE["vocab_size"],
-        seq_len=SHAPE["block_size"],
-        dropout=False,
-        **experts,
-    )
+    """gpt_tiny / moe_tiny as the planner describes them."""
+    return train_model_spec(CONFIGS[name], name=name)
 
 
 def make_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    if name == "moe_tiny":
-        return MoEGPT(MoEConfig(**SHAPE, **MOE))
-    return GPT(GPTConfig(**SHAPE))
+    return (MoEGPT if name == "moe_tiny" else GPT)(CONFIGS[name])
 
 
 def batch(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,96 +138,50 @@ def step(par, optimizer, inputs, targets) -> list[float]:
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
-def _forward_backward_s(model: torch.nn.Module, inputs, targets) -> float:
-    start = time.perf_counter()
-    model.zero_grad()
-    torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
-    return time.perf_counter() - start
-
-
-def compute_calibration(name: str, args: argparse.Namespace) -> tuple[float, float]:
-    """(FLOP/s, tp dispatch s per layer pass) of one rank's forward and backward, no communication.
-
-    The rate: the plain model's micro-batch. The dispatch: the same model under
-    overlapkit-train's tensor-parallel plan (``apply_tensor_parallel``) on a mesh of this rank
-    alone, so the same FLOPs and no transfer, minus the plain time, per layer and pass (the
-    planner's ``StepOptions.tp_layer_dispatch_s``). The two alternate, every rank computes at
-    once (the cores are shared, as in the training steps); the dispatch is the median of the
-    paired differences; the slowest rank's medians count.
-    """
-    rank = dist.get_rank()
-    # new_group is collective: every rank creates every one-rank group.
-    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
-    models = [make_model(name)]
-    if name in TENSOR_PARALLEL:
-        models.append(make_model(name))
-        mesh = DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("tp",))
-        apply_tensor_parallel(models[1], mesh)
-    inputs, targets = batch(rank, args)
-    plain_s, extra_s = [], []
-    for i in range(args.calibrate_steps + 2):
-        pair = [_forward_backward_s(m, inputs, targets) for m in models]
-        if i >= 2:
-            plain_s.append(pair[0])
-            if len(pair) == 2:  # paired: noise between steps hits both alike
-                extra_s.append(pair[1] - pair[0])
-    medians = torch.tensor(
-        [statistics.median(plain_s), statistics.median(extra_s or [0.0])], dtype=torch.float64
-    )
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    plain_median, extra_median = medians.tolist()
+def calibrate(name: str, alone: dist.ProcessGroup, args: argparse.Namespace) -> dict:
+    """``name``'s host terms for the planner, measured here (``bench.harness.step_calibration``)."""
+    inputs, targets = batch(dist.get_rank(), args)
     spec = planner_spec(name)
     flops = spec.model_flops_per_token(SHAPE["block_size"]) * args.batch * SHAPE["block_size"]
-    return flops / plain_median, max(0.0, extra_median) / (2 * SHAPE["n_layer"])
-
-
-def collective_overhead(topology: ok.Topology, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds a tiny all-reduce between two ranks that come from computing takes.
-
-    On this shared machine a collective waits for its peers to be scheduled: with every rank
-    busy that costs milliseconds, not the microseconds an idle calibration measures, and a
-    layout with many collectives (tp's per layer, FSDP's per block, ep's per MoE layer) pays
-    it each time. Measured per tier: a node's two ranks, and one rank of each node (across the
-    link). The planner's ``StepOptions.collective_overhead_s``.
-    """
-    nodes = topology.nodes()
-    # new_group is collective: every rank creates every group, in the same order.
-    in_node = [dist.new_group(list(n)) for n in nodes]
-    across = [dist.new_group([nodes[0][i], nodes[1][i]]) for i in range(len(nodes[0]))]
-    rank = dist.get_rank()
-    node = topology.devices[rank].node
-    local = topology.devices[rank].local_index
-    work = torch.randn(256, 256)
-    probe = torch.zeros(1)
-    out = {}
-    for tier, group in (("scale_up", in_node[node]), ("scale_out", across[local])):
-        times = []
-        for _ in range(args.latency_probes):
-            for _ in range(args.probe_work):  # about a layer's compute between collectives
-                work = torch.tanh(work @ work)
-            start = time.perf_counter()
-            dist.all_reduce(probe, group=group)
-            times.append(time.perf_counter() - start)
-        median = torch.tensor(statistics.median(times), dtype=torch.float64)
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)
-        out[tier] = median.item()
-    return out
+    rate, dispatch_s = compute_calibration(
+        functools.partial(make_model, name),
+        inputs,
+        targets,
+        flops=flops,
+        layers=SHAPE["n_layer"],
+        tensor_parallel=name in TENSOR_PARALLEL,
+        alone=alone,
+        steps=args.calibrate_steps,
+    )
+    overlap = overlap_calibration(make_model(name), inputs, targets, trials=args.overlap_trials)
+    return {
+        "compute_GFLOPs": rate / 1e9,
+        "tp_layer_dispatch_s": dispatch_s,
+        "overlap": overlap,
+        **optimizer_calibration(make_model(name), alone=alone, steps=args.optimizer_steps),
+    }
 
 
 def predictions(
-    name: str, predictor: ok.Topology, rate: float, overhead_s: float, dispatch_s: float, args
+    name: str, predictor: ok.Topology, overhead_s: float, measured: dict, args
 ) -> dict[str, dict]:
-    """The planner's predicted step of every layout (``StepTime.to_dict``: seconds)."""
+    """The planner's predicted step of every layout (``StepTime.to_dict``: seconds), as
+    overlapkit-train runs it, with the host terms ``measured`` here (``calibrate``)."""
     spec = planner_spec(name)
-    topology = predictor.with_accelerator(measured_accelerator(rate / 1e12, memory_GB=8))
+    accelerator = measured_accelerator(measured["compute_GFLOPs"] / 1e3, memory_GB=8)
+    topology = predictor.with_accelerator(accelerator)
     options = StepOptions(
         seq_len=SHAPE["block_size"],
         accelerator=topology.accelerator,
-        achievable=1.0,  # the rate is the model's own, measured above
-        overlap_efficiency=overlap_efficiency(str(topology.library)),
+        achievable=1.0,  # the rate is the model's own, measured
+        overlap_efficiency=measured["overlap"]["overlap_efficiency"],
         precision=FP32,
+        framework=OVERLAPKIT_TRAIN,
         collective_overhead_s=overhead_s,
-        tp_layer_dispatch_s=dispatch_s,
+        tp_layer_dispatch_s=measured["tp_layer_dispatch_s"],
+        optimizer_tensor_s=measured["optimizer_tensor_s"],
+        optimizer_dtensor_s=measured["optimizer_dtensor_s"],
+        optimizer_param_s=measured["optimizer_param_s"],
     )
     costs = AxisCosts(topology)
     out = {}
@@ -287,18 +238,18 @@ def worker(args: argparse.Namespace) -> None:
     predictor, calibration = calibrated_topology(
         topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
     )
-    overhead = collective_overhead(topology, args)
+    overhead = collective_overhead(topology, probes=args.latency_probes, work=args.probe_work)
+    alone = one_rank_group()
     report = {
         "nodes": [list(n) for n in topology.nodes()],
         "calibration": calibration,
         "collective_overhead_us": {tier: s * 1e6 for tier, s in overhead.items()},
     }
     for name in args.models:
-        rate, dispatch_s = compute_calibration(name, args)
-        predicted = predictions(name, predictor, rate, max(overhead.values()), dispatch_s, args)
+        measured = calibrate(name, alone, args)
+        predicted = predictions(name, predictor, max(overhead.values()), measured, args)
         report[name] = {
-            "compute_GFLOPs": rate / 1e9,
-            "tp_layer_dispatch_ms": dispatch_s * 1e3,
+            "measured_terms": measured,
             "predicted_s": {layout: step["step_s"] for layout, step in predicted.items()},
             "predicted_parts": predicted,
         }
@@ -363,15 +314,22 @@ def render(report: dict, args: argparse.Namespace) -> str:
     )
     for name in args.models:
         result = report[name]
+        terms = result["measured_terms"]
+        overlap = terms["overlap"]
         verdict = result["comparison"]
         lines += [
             "",
-            f"{name}: measured compute {result['compute_GFLOPs']:.3g} GFLOP/s per rank"
+            f"{name}: measured compute {terms['compute_GFLOPs']:.3g} GFLOP/s per rank"
             + (
-                f", tp dispatch {result['tp_layer_dispatch_ms']:.3g} ms per layer pass"
+                f", tp dispatch {terms['tp_layer_dispatch_s'] * 1e3:.3g} ms per layer pass"
                 if name in TENSOR_PARALLEL
                 else ""
-            ),
+            )
+            + f"; AdamW {terms['optimizer_tensor_s'] * 1e6:.3g} us per tensor, "
+            f"{terms['optimizer_dtensor_s'] * 1e6:.3g} us per DTensor, "
+            f"{terms['optimizer_param_s'] * 1e9:.3g} ns per parameter; overlap efficiency "
+            f"{overlap['overlap_efficiency']:.2f} (all-reduces {overlap['comm_s'] * 1e3:.0f} ms, "
+            f"compute {overlap['window_s'] * 1e3:.0f} ms, both {overlap['both_s'] * 1e3:.0f} ms)",
             f"  {'layout':<6} {'measured (median)':>18} {'predicted':>10}",
         ]
         for layout_name, median in verdict["medians_s"].items():
@@ -411,6 +369,8 @@ def launch(args: argparse.Namespace) -> dict:
         "--calibrate-steps", str(args.calibrate_steps),
         "--latency-probes", str(args.latency_probes),
         "--probe-work", str(args.probe_work),
+        "--overlap-trials", str(args.overlap_trials),
+        "--optimizer-steps", str(args.optimizer_steps),
     ]  # fmt: skip
     return run_workers("bench.planner_ranking", args, forwarded)
 
@@ -429,6 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calibrate-steps", type=int, default=11, help=argparse.SUPPRESS)
     parser.add_argument("--latency-probes", type=int, default=30, help=argparse.SUPPRESS)
     parser.add_argument("--probe-work", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--overlap-trials", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer-steps", type=int, default=31, help=argparse.SUPPRESS)
     add_two_node_arguments(parser, timeout_s=900)
     args = parser.parse_args(argv)
     if args.rounds < 5:

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 import overlapkit as ok
 from overlapkit.cli import main
 from overlapkit.planner.auto import auto_plan
-from overlapkit.planner.auto_cli import place_inside
+from overlapkit.planner.auto_cli import place_inside, render_auto, run_instructions
 from overlapkit.planner.compute import measured_accelerator
 from overlapkit.planner.placement import plan as place
 from overlapkit.planner.run_config import train_lacks, train_overrides
@@ -79,6 +79,24 @@ def test_fixed_layout_that_does_not_fit_is_listed_with_its_breakdown(capsys):
     best = doc["candidates"][0]
     assert not best["fits"] and best["breakdown"]["memory"]["total_gb"] > 24
     assert any("not to fit" in w for w in doc["warnings"])
+
+
+def test_fixed_layout_where_nothing_fits_names_the_best_that_fits(capsys):
+    argv = ["plan", "--auto", "--topology", "dgx-h100x2", "--model", "llama3-70b", "--tp", "16"]
+    assert main([*argv, "--global-batch", "64", "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "why #1: nothing listed fits in 80 GB; #1 comes closest" in out
+    assert "warning: the best layout the planner finds that fits: " in out
+    assert "slower" not in out
+
+
+def test_the_printed_device_mesh_call_keeps_the_fixed_sizes(capsys):
+    argv = [*AUTO, "--global-batch", "64", "--seq-len", "4096", "--tp", "2", "--pp", "2"]
+    call = _json(capsys, argv)["run"]["device_mesh"]
+    assert ", tp=2, pp=2, auto=True)" in call
+    # It is runnable as printed: the same layout comes back.
+    placement = eval(call.removesuffix(".device_mesh()"), {"ok": ok})
+    assert (placement.training.tp, placement.training.pp) == (2, 2)
 
 
 def test_manual_tp_across_nodes_warns_with_its_cost(capsys):
@@ -159,7 +177,9 @@ def _cpu_topology():
 
 
 def test_overrides_for_a_layout_overlapkit_train_runs_compose_and_pass_its_checks():
-    answer = auto_plan(_cpu_topology(), tiny_spec(), global_batch=8, seq_len=64)
+    # Fixed to one it runs (the free best may be one it lacks, such as tp under FSDP).
+    fixed = {"tp": 2, "sharding": "ddp"}
+    answer = auto_plan(_cpu_topology(), tiny_spec(), global_batch=8, seq_len=64, fixed=fixed)
     best = answer.best.layout
     assert train_lacks(best) == []
     overrides = train_overrides(
@@ -171,6 +191,20 @@ def test_overrides_for_a_layout_overlapkit_train_runs_compose_and_pass_its_check
     launcher = LauncherConfig(nnodes=1, nproc_per_node=4, node_rank=0)
     check_job(cfg, launcher)  # what overlapkit-train checks before starting workers
     assert instantiate(cfg.train).grad_accum == best.num_micro_batches
+
+
+def test_a_tensor_parallel_winner_is_also_priced_as_overlapkit_train_runs_it():
+    fixed = {"tp": 2, "sharding": "ddp"}
+    answer = auto_plan(_cpu_topology(), tiny_spec(), global_batch=8, seq_len=64, fixed=fixed)
+    run = run_instructions(answer)
+    predicted = run["overlapkit_train_predicted"]
+    # The replicated head: more compute and more gradient bytes per rank, more memory.
+    assert predicted["step_time_s"] > answer.best.step.step_s
+    assert predicted["memory_gb_per_gpu"] > answer.best.memory.total / 1e9
+    text = render_auto(answer, [], 0.0)
+    assert "overlapkit-train keeps the embeddings and head whole on every tp rank" in text
+    dp_only = auto_plan(_cpu_topology(), tiny_spec(), global_batch=8, seq_len=64, fixed={"tp": 1})
+    assert "overlapkit_train_predicted" not in run_instructions(dp_only)
 
 
 def test_layouts_overlapkit_train_lacks_say_what():

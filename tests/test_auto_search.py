@@ -2,6 +2,8 @@
 
 import pytest
 
+from overlapkit.planner.candidate import TrainingLayout
+from overlapkit.planner.memory import memory_breakdown
 from overlapkit.planner.model_spec import load_model
 from overlapkit.planner.search import PlanSearchError, search, with_memory
 from overlapkit.topology import load_topology
@@ -33,6 +35,26 @@ def test_all_sizes_fixed_reports_the_best_variant_even_when_it_does_not_fit():
     fixed = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
     result = search(small, LLAMA8B, global_batch=8, seq_len=8192, fixed=fixed, candidates=1)
     assert not result.best.fits and result.best.memory.total > 16e9
+
+
+def test_fixed_sizes_where_nothing_fits_list_the_variant_closest_to_fitting():
+    model = load_model("llama3-70b")
+    fixed = {"tp": 16}
+    result = search(load_topology("dgx-h100x2"), model, global_batch=64, seq_len=4096, fixed=fixed)
+    # Every variant left free (micro-batch, recomputation; dp = 1 leaves no sharding choice).
+    needs = [
+        memory_breakdown(
+            model,
+            TrainingLayout(tp=16, micro_batch=mb, num_micro_batches=64 // mb, recompute=r),
+            seq_len=4096,
+        ).total
+        for mb in (1, 2, 4, 8, 16, 32, 64)
+        for r in ("none", "selective", "full")
+    ]
+    listed = [c.memory.total for c in result.candidates]
+    assert not any(c.fits for c in result.candidates)
+    assert listed == sorted(listed) and listed[0] == pytest.approx(min(needs))
+    assert max(needs) > 5 * min(needs)  # the fastest variant needs far more
 
 
 def test_a_model_that_fits_nowhere_is_refused_with_the_smallest_need():

@@ -11,9 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 import overlapkit as ok
 from overlapkit.planner.candidate import TrainingLayout
+from overlapkit.planner.framework import OVERLAPKIT_TRAIN
 from overlapkit.planner.memory import (
     FP32,
     layer_activation_bytes,
@@ -21,25 +24,21 @@ from overlapkit.planner.memory import (
     model_state_bytes,
     stage_params,
 )
-from overlapkit.planner.model_spec import ModelSpec, gpt_spec
-from overlapkit.train.models import GPT, GPTConfig
+from overlapkit.planner.model_spec import ModelSpec, train_model_spec
+from overlapkit.planner.step_time import parameter_tensors
+from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
+from overlapkit.train.models.moe import shard_experts
+from overlapkit.train.parallel import apply_tensor_parallel
 from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 
 CONFIG = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+MOE = dict(n_expert=4, top_k=2, expert_hidden=256)
 
 
 def tiny_spec() -> ModelSpec:
-    """gpt_tiny as the planner describes it (GPT-2 shapes, tied embeddings, no dropout)."""
-    return gpt_spec(
-        name="gpt_tiny",
-        layers=CONFIG["n_layer"],
-        hidden=CONFIG["n_embd"],
-        heads=CONFIG["n_head"],
-        vocab_size=CONFIG["vocab_size"],
-        seq_len=CONFIG["block_size"],
-        dropout=False,
-    )
+    """gpt_tiny as the planner describes it."""
+    return train_model_spec(GPTConfig(**CONFIG), name="gpt_tiny")
 
 
 def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
@@ -98,6 +97,36 @@ def test_fsdp_state_bytes_sum_to_the_prediction_over_the_shards():
     assert all(abs(r[0] - weights) / weights < 0.02 for r in per_rank)
 
 
+def _tensor_kinds(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+    """(plain, DTensor) parameters of overlapkit-train's tp, ep and FSDP wrappings of the
+    tiny models, on a mesh of both ranks."""
+    mesh = DeviceMesh("cpu", list(range(world_size)))
+
+    def kinds(model: torch.nn.Module) -> tuple[int, int]:
+        dtensors = sum(isinstance(p, DTensor) for p in model.parameters())
+        return len(list(model.parameters())) - dtensors, dtensors
+
+    tp = GPT(GPTConfig(**CONFIG))
+    apply_tensor_parallel(tp, mesh)
+    ep = MoEGPT(MoEConfig(**CONFIG, **MOE))
+    shard_experts(ep, mesh)
+    return {"tp": kinds(tp), "ep": kinds(ep), "fsdp": kinds(ok.fsdp(GPT(GPTConfig(**CONFIG))))}
+
+
+@pytest.mark.slow
+def test_plain_and_dtensor_parameter_counts_are_the_wrapped_models():
+    got = run_on_ranks(_tensor_kinds, 2)[0]
+    moe = train_model_spec(MoEConfig(**CONFIG, **MOE), name="moe_tiny")
+    layouts = {
+        "tp": (tiny_spec(), TrainingLayout(tp=2)),
+        "ep": (moe, TrainingLayout(ep=2)),
+        "fsdp": (tiny_spec(), TrainingLayout(dp=2, sharding="fsdp")),
+    }
+    for name, (spec, layout) in layouts.items():
+        predicted = parameter_tensors(spec, layout, OVERLAPKIT_TRAIN, layers=4, stage=0)
+        assert predicted == got[name], name
+
+
 def _saved_bytes_of_one_block(batch: int, seq: int) -> int:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CONFIG))
@@ -134,15 +163,7 @@ def test_predicted_peak_bounds_cuda_max_memory_allocated_within_15_percent():
     """On a GPU: the predicted allocation (states + activations + logits, no allowance) of an
     fp32 gpt step against ``torch.cuda.max_memory_allocated`` (written here without a GPU)."""
     config = dict(CONFIG, n_embd=1024, n_head=16, block_size=1024, vocab_size=8192)
-    spec = gpt_spec(
-        name="gpt",
-        layers=config["n_layer"],
-        hidden=config["n_embd"],
-        heads=config["n_head"],
-        vocab_size=config["vocab_size"],
-        seq_len=config["block_size"],
-        dropout=False,
-    )
+    spec = train_model_spec(GPTConfig(**config), name="gpt")
     torch.cuda.reset_peak_memory_stats()
     model = GPT(GPTConfig(**config)).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

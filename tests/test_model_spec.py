@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from overlapkit.planner.model_spec import builtin_names, gpt_spec, load_model
+from overlapkit.planner.model_spec import builtin_names, gpt_spec, load_model, train_model_spec
+from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
 
@@ -100,3 +101,24 @@ def test_unknown_builtin_name_suggests_the_nearest():
 def test_missing_config_file_is_a_file_not_found_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(tmp_path / "nope" / "config.json")
+
+
+@pytest.mark.parametrize(
+    ("model", "config"),
+    [
+        (GPT, GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)),
+        (
+            MoEGPT,
+            MoEConfig(
+                vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128, n_expert=4,
+                top_k=2, expert_hidden=256,
+            ),
+        ),
+    ],
+)  # fmt: skip
+def test_train_model_spec_counts_the_real_modules_parameters(model, config):
+    spec = train_model_spec(config, name="tiny")
+    real = model(config)
+    # Tied weights (the head is the token embedding) are one parameter, counted once.
+    assert spec.params == sum(p.numel() for p in real.parameters())
+    assert spec.is_moe == isinstance(real, MoEGPT)

@@ -8,12 +8,14 @@ import pytest
 from overlapkit.planner import plan
 from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.cost import estimate
+from overlapkit.planner.framework import MEGATRON, OVERLAPKIT_TRAIN
 from overlapkit.planner.gemm import wave_efficiency
-from overlapkit.planner.group_costs import TRAFFIC_ORDER, AxisCosts
-from overlapkit.planner.model_spec import load_model
-from overlapkit.planner.step_time import StepOptions, predict_step
+from overlapkit.planner.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
+from overlapkit.planner.model_spec import load_model, train_model_spec
+from overlapkit.planner.step_time import StepOptions, parameter_tensors, predict_step
 from overlapkit.topology import bare_link, load_topology
 from overlapkit.topology.accelerator import Accelerator
+from overlapkit.train.models import GPTConfig
 
 GPU = Accelerator(name="test", memory_GB=80, peak_bf16_tflops=1000, sms=None)
 MODEL = load_model("llama3-8b")
@@ -77,9 +79,22 @@ def test_representative_group_is_a_group_of_the_placement():
     placement = plan(topo, tp=8, pp=2, dp=2)
     costs = AxisCosts(topo)
     for axis in ("tp", "dp", "pp"):
-        stride, n = costs.shape(sizes, TRAFFIC_ORDER, (axis,))
-        group = tuple(costs.group(stride, n))
+        group = tuple(costs.group(costs.shape(sizes, TRAFFIC_ORDER, (axis,))))
         assert group in set(placement.groups(axis))
+
+
+def test_hsdp_replica_group_skips_the_shard_axis_between_its_axes():
+    topo = load_topology("dgx-h100x4")
+    sizes = {"pp": 1, "dp_replicate": 4, "dp_shard": 8, "ep": 1, "cp": 1, "tp": 1}
+    placement = plan(topo, dp=32, dp_shard=8)
+    costs = AxisCosts(topo)
+    replicas = tuple(costs.group(costs.shape(sizes, HSDP_ORDER, ("dp_replicate", "ep", "cp"))))
+    shard = tuple(costs.group(costs.shape(sizes, HSDP_ORDER, ("dp_shard",))))
+    assert replicas in set(placement.groups("dp_replicate"))
+    assert shard in set(placement.groups("dp_shard"))
+    # One replica per node: the replicas' all-reduce crosses the network, the shards' does not.
+    assert len({topo.devices[r].node for r in replicas}) == 4
+    assert len({topo.devices[r].node for r in shard}) == 1
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "all_to_all"])
@@ -120,3 +135,63 @@ def test_tp_dispatch_cost_is_paid_per_sharded_layer_pass_only_under_tp():
         free = predict_step(MODEL, layout, _options(), costs)
         expected = 3 * MODEL.layers * 2 * 1e-3 if layout.tp > 1 else 0.0
         assert charged.compute_s - free.compute_s == pytest.approx(expected)
+
+
+def test_each_framework_makes_its_own_tp_collectives():
+    # Every call costs 1 ms on links too fast to add anything: tp_s counts the calls.
+    costs = AxisCosts(_free_comm(2))
+    layout = TrainingLayout(tp=2)
+    calls = {}
+    for framework in (MEGATRON, OVERLAPKIT_TRAIN):
+        options = _options(collective_overhead_s=1e-3, framework=framework)
+        calls[framework.name] = predict_step(MODEL, layout, options, costs).tp_s / 1e-3
+    # Megatron: all-gather and reduce-scatter around attention and the MLP, forward and
+    # backward; overlapkit-train: 2 all-reduces in forward, 4 in backward (q, k, v, mlp.0).
+    assert calls["megatron"] == pytest.approx(MODEL.layers * 8, rel=1e-6)
+    assert calls["overlapkit-train"] == pytest.approx(MODEL.layers * 6, rel=1e-6)
+
+
+def test_overlapkit_train_computes_and_reduces_the_replicated_head_on_every_tp_rank():
+    topo = load_topology("dgx-h100x2").with_accelerator(GPU)
+    costs = AxisCosts(topo)
+    for tp, more in ((1, False), (2, True)):
+        layout = TrainingLayout(tp=tp, dp=16 // tp)
+        split, whole = (
+            predict_step(MODEL, layout, _options(framework=f), costs)
+            for f in (MEGATRON, OVERLAPKIT_TRAIN)
+        )
+        assert (whole.compute_s > split.compute_s) == more
+        assert (whole.comm_total_s - whole.tp_s > split.comm_total_s - split.tp_s) == more
+
+
+def test_optimizer_host_cost_counts_plain_and_dtensor_parameters():
+    spec = train_model_spec(GPTConfig(n_embd=128, block_size=64), name="gpt_tiny")
+    costs = AxisCosts(_free_comm(4))
+    options = _options(optimizer_tensor_s=1e-3, optimizer_dtensor_s=1e-2, optimizer_param_s=0.0)
+    # gpt_tiny holds 68 parameter tensors: 48 in the blocks' linear layers (split under tp).
+    expected = {
+        TrainingLayout(dp=4): 68e-3,
+        TrainingLayout(dp=4, sharding="fsdp"): 68e-2,
+        TrainingLayout(dp=4, sharding="hsdp", dp_shard=2): 68e-2,
+        TrainingLayout(dp=2, tp=2): 20e-3 + 48e-2,
+    }
+    for layout, seconds in expected.items():
+        step = predict_step(
+            spec, layout, dataclasses.replace(options, framework=OVERLAPKIT_TRAIN), costs
+        )
+        assert step.optimizer_s == pytest.approx(seconds)
+    assert parameter_tensors(spec, TrainingLayout(tp=2), MEGATRON, layers=4, stage=0) == (68, 0)
+    assert _options().optimizer_tensor_s == _options().optimizer_dtensor_s == 0.0
+
+
+def test_a_single_gradient_bucket_hides_behind_nothing():
+    spec = train_model_spec(GPTConfig(n_embd=128, block_size=64), name="gpt_tiny")
+    costs = AxisCosts(load_topology("cpu-gloox2").with_accelerator(GPU))
+    ideal = dataclasses.replace(_options(), overlap_efficiency=1.0)
+    # gpt_tiny's 0.8 M parameters are one bucket (Megatron's 40 M): ready when backward ends.
+    one = predict_step(spec, TrainingLayout(dp=4), ideal, costs)
+    assert one.dp_s == pytest.approx(one.comm_total_s) and one.dp_s > 0
+    # Under FSDP the first gather and the last reduce-scatter are exposed however long the
+    # compute is.
+    fsdp = predict_step(spec, TrainingLayout(dp=4, sharding="fsdp"), ideal, costs)
+    assert fsdp.fsdp_s > 0

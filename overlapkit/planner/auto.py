@@ -45,6 +45,8 @@ class AutoPlan:
     placement: Placement
     seq_len: int
     global_batch: int
+    settings: SearchSettings
+    """What the search assumed (precision, achievable fraction, framework)."""
 
     @property
     def best(self) -> Candidate:
@@ -119,7 +121,7 @@ def auto_plan(
         candidates=candidates,
     )
     placement = place_layout(topology, spec, result.best.layout, seq_len)
-    return AutoPlan(spec, topology, result, placement, seq_len, global_batch)
+    return AutoPlan(spec, topology, result, placement, seq_len, global_batch, settings)
 
 
 def plan(

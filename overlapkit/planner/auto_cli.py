@@ -20,6 +20,7 @@ import time
 from overlapkit.planner.auto import AutoPlan, auto_plan
 from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.explain import where
+from overlapkit.planner.framework import OVERLAPKIT_TRAIN
 from overlapkit.planner.group_costs import domain_size
 from overlapkit.planner.memory import PRECISIONS
 from overlapkit.planner.model_spec import ModelSpec, load_model
@@ -38,6 +39,7 @@ from overlapkit.planner.search import (
     PlanSearchError,
     SearchSettings,
     memory_text,
+    price,
     search,
     with_memory,
 )
@@ -186,11 +188,17 @@ def run_instructions(answer: AutoPlan) -> dict:
     layout = answer.best.layout
     topology = answer.topology
     lacks = train_lacks(layout)
+    # The sizes the user fixed go in too: without them ok.plan would search them freely.
+    fixed = "".join(
+        f", {key}={value!r}"
+        for key, value in answer.result.fixed.items()
+        if key != "recompute_layers"
+    )
     out: dict = {
         "mesh_dim_names": list(answer.placement.mesh_dim_names),
         "device_mesh": (
             f"ok.plan(ok.load_topology({topology.name!r}), model={answer.model.name!r}, "
-            f"global_batch={answer.global_batch}, seq_len={answer.seq_len}, auto=True)"
+            f"global_batch={answer.global_batch}, seq_len={answer.seq_len}{fixed}, auto=True)"
             ".device_mesh()"
         ),
         "overlapkit_train_lacks": lacks,
@@ -207,7 +215,29 @@ def run_instructions(answer: AutoPlan) -> dict:
             model=answer.model.name,
         )
         out["overlapkit_train"] = ["overlapkit-train", *overrides]
+        if layout.tp > 1:
+            out["overlapkit_train_predicted"] = train_prediction(answer)
     return out
+
+
+def train_prediction(answer: AutoPlan) -> dict:
+    """The best layout priced as overlapkit-train runs it (``planner.framework``): under tp
+    its embeddings and head stay whole on every rank, and all-reduces replace sequence
+    parallelism's gathers and scatters. Seconds, GB (1e9 bytes)."""
+    settings = dataclasses.replace(answer.settings, framework=OVERLAPKIT_TRAIN)
+    candidate = price(
+        answer.topology,
+        answer.model,
+        answer.best.layout,
+        seq_len=answer.seq_len,
+        settings=settings,
+    )
+    return {
+        "framework": OVERLAPKIT_TRAIN.name,
+        "step_time_s": candidate.step.step_s,
+        "memory_gb_per_gpu": candidate.memory.total / 1e9,
+        "fits": candidate.fits,
+    }
 
 
 def _cell_dims(layout: TrainingLayout) -> str:
@@ -220,12 +250,20 @@ def _time_parts(candidate: Candidate) -> dict[str, float]:
 
 
 def why_best(ranked: list[Candidate]) -> list[str]:
-    """Why the first candidate wins: its lead over the best layout of other parallel sizes."""
+    """Why the first candidate wins: its lead over the best layout of other parallel sizes, or,
+    when none fits (sizes fixed), that it comes closest to fitting."""
     best = ranked[0]
     lines = []
     others = [c for c in ranked[1:] if c.layout.dims != best.layout.dims] or ranked[1:]
     others = [c for c in others if c.step.step_s > best.step.step_s * (1 + TIE)] or others
-    if others:
+    if not best.fits:
+        lines.append(
+            f"why #1: nothing listed fits in {best.memory_limit / 1e9:.3g} GB; #1 comes closest "
+            f"({best.memory.total / 1e9:.3g} GB per GPU"
+            + (f", #2 {ranked[1].memory.total / 1e9:.3g} GB" if len(ranked) > 1 else "")
+            + ")"
+        )
+    elif others:
         second = others[0]
         gap = second.step.step_s / best.step.step_s - 1
         parts = _time_parts(best)
@@ -305,6 +343,16 @@ def render_auto(answer: AutoPlan, warnings: list[str], elapsed_s: float) -> str:
     lines.append("")
     if "overlapkit_train" in run:
         lines.append("run it: " + " ".join(run["overlapkit_train"]))
+        if "overlapkit_train_predicted" in run:
+            predicted = run["overlapkit_train_predicted"]
+            lines.append(
+                f"  overlapkit-train keeps the embeddings and head whole on every tp rank and "
+                f"all-reduces where Megatron's sequence parallelism gathers and scatters: "
+                f"{predicted['step_time_s']:.4g} s per step predicted "
+                f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
+                f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"
+                + ("" if predicted["fits"] else " (does not fit)")
+            )
         if answer.model.name not in TRAIN_MODELS:
             lines.append(
                 f"  (overlapkit-train's model zoo is {', '.join(TRAIN_MODELS)}: point "
@@ -360,11 +408,15 @@ def layout_warnings(
             free = None
         if free is not None:
             ratio = chosen.step.step_s / free.step.step_s
-            if ratio >= SLOW_FACTOR or (not chosen.fits and free.fits) or layout.tp > domain:
+            best = (
+                f"{free.layout.describe()} ({free.step.step_s:.4g} s per step, "
+                f"{free.memory.total / 1e9:.3g} GB per GPU)"
+            )
+            if not chosen.fits and free.fits:
+                out.append(f"the best layout the planner finds that fits: {best}")
+            elif ratio >= SLOW_FACTOR or (layout.tp > domain and ratio > 1 + TIE):
                 out.append(
-                    f"predicted {ratio:.3g}x slower than the best layout the planner finds: "
-                    f"{free.layout.describe()} ({free.step.step_s:.4g} s per step, "
-                    f"{free.memory.total / 1e9:.3g} GB per GPU)"
+                    f"predicted {ratio:.3g}x slower than the best layout the planner finds: {best}"
                 )
     return out
 

@@ -6,8 +6,10 @@ fastest. When that order keeps every block inside a domain (or a union of whole 
 groups of an axis are the ranks at positions ``base + j x stride`` of the physical order, where
 ``stride`` is the product of the sizes inside the axis; on a topology of equal domains and
 nodes every group of an axis then sits alike, so one representative group (``base = 0``) gives
-the axis's cost. ``AxisCosts`` describes that group once (``cost.group_shape``: the walk over
-its ranks, the slow part) and asks the cost model for each size on the shape
+the axis's cost. A group over several axes spans each with its own stride (HSDP's dense
+replicas, ``dp_replicate x ep x cp``, skip the ``dp_shard`` axis between them).
+``AxisCosts`` describes that group once (``cost.group_shape``: the walk over its ranks, the
+slow part) and asks the cost model for each size on the shape
 (``cost.estimate_shape``: arithmetic only), caching every (collective, size, group) it was
 asked: the search prices thousands of layouts with a few hundred shapes and estimates, each
 the cost model's own figure (no interpolation), and places only the few it shows.
@@ -91,13 +93,13 @@ class AxisCosts:
     ) -> float:
         """Seconds for one ``collective`` of ``nbytes`` over the groups of ``axes`` together.
 
-        ``axes`` must be adjacent in ``order`` (``("dp", "ep")``: the dense replicas). A group
-        of size 1 costs 0. ``send_recv`` costs one pair of neighbours along the axis.
+        ``axes`` are axes of ``order`` (``("dp", "ep")``: the dense replicas); a group of size
+        1 costs 0. ``send_recv`` costs one pair of neighbours along the axis.
         """
-        stride, n = self.shape(sizes, order, axes)
-        if n == 1 or nbytes <= 0:
+        spans = self.shape(sizes, order, axes)
+        if not spans or nbytes <= 0:
             return 0.0
-        key = (collective, nbytes, stride, n)
+        key = (collective, nbytes, spans)
         cached = self._cache.get(key)
         if cached is None:
             self.estimates += 1
@@ -110,44 +112,59 @@ class AxisCosts:
                     topology=self.topology,
                     algorithm=algorithm,
                 ).time_s
-                for shape in self._shapes_of(collective, stride, n)
+                for shape in self._shapes_of(collective, spans)
             )
             self._cache[key] = cached
         return cached
 
     def shape(
         self, sizes: Mapping[str, int], order: Sequence[str], axes: Sequence[str]
-    ) -> tuple[int, int]:
-        """(stride in the physical order, group size) of the groups of ``axes``."""
+    ) -> tuple[tuple[int, int], ...]:
+        """The groups of ``axes``: a (stride in the physical order, size) per run of adjacent
+        axes above size 1, outermost first; empty for a group of one rank."""
         key = (tuple(sizes.items()), tuple(order), tuple(axes))
         cached = self._shapes.get(key)
         if cached is None:
-            names = [a for a in order if a in axes]
-            n = math.prod(sizes[a] for a in names)
-            inner = order[order.index(names[-1]) + 1 :]
-            cached = (math.prod(sizes[a] for a in inner), n)
+            spans: list[tuple[int, int]] = []
+            for index, axis in enumerate(order):
+                if axis not in axes or sizes[axis] == 1:
+                    continue
+                stride = math.prod(sizes[a] for a in order[index + 1 :])
+                if spans and spans[-1][0] == stride * sizes[axis]:  # adjacent: one run
+                    spans[-1] = (stride, spans[-1][1] * sizes[axis])
+                else:
+                    spans.append((stride, sizes[axis]))
+            cached = tuple(spans)
             self._shapes[key] = cached
         return cached
 
-    def group(self, stride: int, n: int, *, base: int = 0) -> list[int]:
-        """The ranks at physical positions ``base + j x stride``, ``j < n`` (one axis group)."""
-        return [self._physical[base + j * stride] for j in range(n)]
+    def group(self, spans: Sequence[tuple[int, int]], *, base: int = 0) -> list[int]:
+        """The ranks at physical positions ``base + sum(j_k x stride_k)``, ``j_k < size_k``:
+        one group of the axes ``spans`` describes (``shape``)."""
+        positions = [base]
+        for stride, size in spans:
+            positions = [p + j * stride for p in positions for j in range(size)]
+        return [self._physical[p] for p in positions]
 
-    def _shapes_of(self, collective: str, stride: int, n: int) -> list[GroupShape]:
+    def _shapes_of(self, collective: str, spans: tuple[tuple[int, int], ...]) -> list[GroupShape]:
         """The shapes whose slowest decides: the representative group's, or a pair of it."""
         pair = collective == "send_recv"
-        key = (pair, stride, n)
+        if pair:  # one pair of neighbours along the (pipeline) axis
+            spans = ((spans[-1][0], 2),)
+        key = (pair, spans)
         shapes = self._group_shapes.get(key)
         if shapes is None:
-            shapes = group_shapes(self.topology, self._groups(stride, 2 if pair else n, pair))
+            shapes = group_shapes(self.topology, self._groups(spans, pair))
             self._group_shapes[key] = shapes
         return shapes
 
-    def _groups(self, stride: int, n: int, pair: bool) -> list[list[int]]:
-        group = self.group(stride, n)
+    def _groups(self, spans: tuple[tuple[int, int], ...], pair: bool) -> list[list[int]]:
+        group = self.group(spans)
         nics = self.topology.fabric.nics_per_node
         crosses = len({self.topology.domain_index(r) for r in group}) > 1
         if pair or not crosses or nics >= self._ranks_per_node:
             return [group]
-        # Fewer NICs than ranks: the groups whose ranks share group 0's nodes load its NICs.
-        return [self.group(stride, n, base=b) for b in range(min(stride, self._ranks_per_node))]
+        # Fewer NICs than ranks: the groups whose ranks share group 0's nodes load its NICs
+        # (those that start at the positions below the innermost stride, within a node).
+        inner = spans[-1][0]
+        return [self.group(spans, base=b) for b in range(min(inner, self._ranks_per_node))]

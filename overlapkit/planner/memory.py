@@ -161,13 +161,23 @@ def layers_per_stage(model: ModelSpec, layout: TrainingLayout) -> int:
     return math.ceil(model.layers / chunks) * layout.virtual_stages
 
 
-def stage_params(model: ModelSpec, layout: TrainingLayout, *, stage: int) -> StageParams:
-    """What one GPU of pipeline stage ``stage`` holds (layers dealt round-robin in chunks)."""
-    return _stage_params(model, layout.pp, layout.virtual_stages, layout.tp, layout.ep, stage)
+def stage_params(
+    model: ModelSpec, layout: TrainingLayout, *, stage: int, vocab_parallel: bool = True
+) -> StageParams:
+    """What one GPU of pipeline stage ``stage`` holds (layers dealt round-robin in chunks).
+
+    ``vocab_parallel``: the embedding and the head are split over tp, as Megatron-LM splits
+    them; False: every tp rank holds them whole (overlapkit-train, ``planner.framework``).
+    """
+    return _stage_params(
+        model, layout.pp, layout.virtual_stages, layout.tp, layout.ep, stage, vocab_parallel
+    )
 
 
 @lru_cache(maxsize=4096)
-def _stage_params(model: ModelSpec, pp: int, v: int, tp: int, ep: int, stage: int) -> StageParams:
+def _stage_params(
+    model: ModelSpec, pp: int, v: int, tp: int, ep: int, stage: int, vocab_parallel: bool
+) -> StageParams:
     per_chunk = math.ceil(model.layers / (pp * v))
     indices = [
         index
@@ -183,12 +193,13 @@ def _stage_params(model: ModelSpec, pp: int, v: int, tp: int, ep: int, stage: in
         dense, expert = dense + d / tp, expert + e / (tp * ep)
         dense_max, expert_max = max(dense_max, d / tp), max(expert_max, e / (tp * ep))
     # Embedding, head and norms are vocabulary-parallel over tp (Megatron).
+    vocab_tp = tp if vocab_parallel else 1
     if stage == 0:
-        dense += model.embedding_params() / tp
+        dense += model.embedding_params() / vocab_tp
     if stage == pp - 1:
-        dense += model.head_params() / tp
+        dense += model.head_params() / vocab_tp
         if model.tied_embeddings and pp > 1:  # the last stage keeps its own copy (Megatron)
-            dense += model.vocab_size * model.hidden / tp
+            dense += model.vocab_size * model.hidden / vocab_tp
     return StageParams(dense, expert, dense_max, expert_max, len(indices))
 
 
@@ -352,12 +363,17 @@ def memory_breakdown(
     flash_attention: bool = True,
     fsdp_prefetch: int = 1,
     reserved_gb: float = RESERVED_GB,
+    vocab_parallel: bool = True,
 ) -> MemoryBreakdown:
-    """Peak memory per GPU over the pipeline stages (see module doc), bytes."""
+    """Peak memory per GPU over the pipeline stages (see module doc), bytes.
+
+    ``vocab_parallel``: the embedding, the head and the logits split over tp (Megatron-LM);
+    False: whole on every tp rank (overlapkit-train, ``planner.framework``).
+    """
     stages = {0, layout.pp - 1}
     best: MemoryBreakdown | None = None
     for stage in sorted(stages):
-        params = stage_params(model, layout, stage=stage)
+        params = stage_params(model, layout, stage=stage, vocab_parallel=vocab_parallel)
         weights, grads, optimizer = model_state_bytes(params, layout, precision)
         moe_share = model.moe_layers / model.layers if model.is_moe else 0.0
         kinds = (False, True) if model.is_moe else (False,)
@@ -416,7 +432,8 @@ def memory_breakdown(
             )
         if stage == layout.pp - 1:
             tokens = layout.micro_batch * seq_len / layout.cp
-            buffers += tokens * model.vocab_size / layout.tp * (precision.activation_bytes + 4)
+            vocab_tp = layout.tp if vocab_parallel else 1
+            buffers += tokens * model.vocab_size / vocab_tp * (precision.activation_bytes + 4)
         allocated = weights + grads + optimizer + activations + buffers
         reserved = reserved_gb * 1e9 + FRAGMENTATION * allocated
         candidate = MemoryBreakdown(weights, grads, optimizer, activations, buffers, reserved)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt_neox", "gpt2", "deepseek_v3")
 
@@ -223,6 +223,35 @@ class ModelSpec:
         """Final norm and (untied) output projection."""
         untied = 0 if self.tied_embeddings else self.vocab_size * self.hidden
         return self._norm_params(self.hidden) + untied
+
+    # -- parameter tensors ----------------------------------------------------------------
+    def layer_tensors(self, *, moe_layer: bool) -> tuple[int, int, int]:
+        """(split, other, expert) parameter tensors of one layer, as torchtitan and
+        overlapkit-train build them: separate ``q``, ``k``, ``v`` and output projections and
+        the MLP's linear layers with their biases (what tensor parallelism splits, shared
+        experts included); the norms and the router (``other``); the routed experts stacked in
+        one tensor per projection (``expert``). Where the host steps the optimizer tensor by
+        tensor, each costs it the same, whatever its size."""
+        other = 2 * (2 if self.norm == "layernorm" else 1)
+        if self.mla:
+            split = (3 if self.q_lora_rank else 1) + 4  # q (low-rank: a, norm, b); kv a, norm, b; o
+        else:
+            split = 4 + (3 if self.attention_bias else 0) + (1 if self.output_bias else 0)
+        mlp = 3 if self.gated_mlp else (2 + (2 if self.output_bias else 0))
+        if not moe_layer:
+            return split + mlp, other, 0
+        other += 2 if self.router_bias else 1
+        if self.shared_experts:
+            split += 3 if self.gated_mlp else 2
+        return split, other, 3 if self.gated_mlp else 2
+
+    def embedding_tensors(self) -> int:
+        """The token embedding and the learned positions."""
+        return 1 + (1 if self.position_embeddings else 0)
+
+    def head_tensors(self) -> int:
+        """The final norm and the (untied) output projection."""
+        return (2 if self.norm == "layernorm" else 1) + (0 if self.tied_embeddings else 1)
 
     def layer_params(self, index: int) -> tuple[int, int]:
         """(dense, expert) parameters of layer ``index`` (0-based)."""
@@ -485,3 +514,41 @@ def gpt_spec(
     if experts:
         spec = dataclasses.replace(spec, experts=experts, topk=topk, moe_ffn_hidden=expert_hidden)
     return spec
+
+
+class TrainModelConfig(Protocol):
+    """The fields of overlapkit-train's ``GPTConfig`` (and ``MoEConfig``) the planner reads."""
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+
+
+def train_model_spec(config: TrainModelConfig, *, name: str) -> ModelSpec:
+    """An overlapkit-train transformer (``overlapkit/train/models``) as the planner describes it.
+
+    ``GPT``: GPT-2 shapes (separate q, k, v and output projections with biases, a GELU MLP of
+    ``4 x n_embd``, LayerNorm, learned positions, the head tied to the token embedding) and no
+    dropout. A config with ``n_expert`` (``MoEConfig``, moe_tiny) makes every MLP a mixture of
+    that many bias-free experts of ``expert_hidden``, ``top_k`` per token.
+
+    Example:
+        >>> from overlapkit.train.models import GPTConfig
+        >>> train_model_spec(GPTConfig(n_embd=128, block_size=64), name="gpt_tiny").params
+        834304
+    """
+    experts = getattr(config, "n_expert", 0)
+    return gpt_spec(
+        name=name,
+        layers=config.n_layer,
+        hidden=config.n_embd,
+        heads=config.n_head,
+        vocab_size=config.vocab_size,
+        seq_len=config.block_size,
+        dropout=False,
+        experts=experts,
+        topk=getattr(config, "top_k", 0) if experts else 0,
+        expert_hidden=getattr(config, "expert_hidden", 0) if experts else 0,
+    )

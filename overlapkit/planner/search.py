@@ -9,8 +9,8 @@ micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / s
 where it saves something: without flash attention) / full; sharding ddp, zero1, zero2, fsdp and
 hsdp (every proper ``dp_shard`` of dp). A size the caller fixes constrains the search instead
 of replacing it. Memory is checked first (cheap); only layouts that fit are timed, except with
-a parallel size fixed, where layouts that fit come first and the best that does not is
-reported when none fits.
+a parallel size fixed, where layouts that fit come first, fastest first, and when none fits
+the ones closest to fitting are reported (least memory per GPU, then the fastest).
 
 Candidates are priced analytically per group shape (``planner.group_costs``); the rank grid is
 built (``ok.plan``) only for the ones shown.
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from overlapkit.planner.candidate import RECOMPUTE, SHARDING, TrainingLayout
 from overlapkit.planner.compute import LAYER_OVER_MATMUL, achievable_fraction, overlap_efficiency
+from overlapkit.planner.framework import MEGATRON, Framework
 from overlapkit.planner.group_costs import (
     HSDP_ORDER,
     TRAFFIC_ORDER,
@@ -76,6 +77,8 @@ class SearchSettings:
     fsdp_prefetch: int = 1
     accelerator: Accelerator | None = None
     """Overrides the topology's (a measured CPU, another memory size)."""
+    framework: Framework = MEGATRON
+    """What runs the layouts (``planner.framework``): Megatron-LM's splits by default."""
 
     def step_options(self, topology: Topology, seq_len: int) -> StepOptions:
         accelerator = self.accelerator or topology.accelerator
@@ -110,6 +113,19 @@ class SearchSettings:
             flash_attention=self.flash_attention,
             tp_overlap=self.tp_overlap,
             ep_overlap=self.ep_overlap,
+            framework=self.framework,
+        )
+
+    def memory(self, model: ModelSpec, layout: TrainingLayout, seq_len: int) -> MemoryBreakdown:
+        """``layout``'s peak memory per GPU under these settings, bytes."""
+        return memory_breakdown(
+            model,
+            layout,
+            seq_len=seq_len,
+            precision=self.precision,
+            flash_attention=self.flash_attention,
+            fsdp_prefetch=self.fsdp_prefetch,
+            vocab_parallel=self.framework.vocab_parallel,
         )
 
 
@@ -360,7 +376,8 @@ def search(
         candidates (int): how many to return. Defaults to 5.
 
     Returns:
-        SearchResult: best first; only layouts that fit, unless a parallel size is fixed.
+        SearchResult: best first; only layouts that fit, unless a parallel size is fixed
+            (then, when none fits, the closest to fitting: least memory per GPU first).
 
     Raises:
         PlanSearchError: (a ValueError) fixed sizes that do not divide the world, a global
@@ -384,14 +401,7 @@ def search(
     sizes = _parallel_sizes(topology, model, seq_len, fixed)
 
     def measure(layout: TrainingLayout) -> MemoryBreakdown:
-        return memory_breakdown(
-            model,
-            layout,
-            seq_len=seq_len,
-            precision=settings.precision,
-            flash_attention=settings.flash_attention,
-            fsdp_prefetch=settings.fsdp_prefetch,
-        )
+        return settings.memory(model, layout, seq_len)
 
     if not sizes:
         raise PlanSearchError(_no_sizes_message(topology, model, seq_len, fixed))
@@ -443,6 +453,28 @@ def search(
     )
 
 
+def price(
+    topology: Topology,
+    model: ModelSpec,
+    layout: TrainingLayout,
+    *,
+    seq_len: int,
+    settings: SearchSettings,
+    costs: AxisCosts | None = None,
+) -> Candidate:
+    """One layout's predicted step and memory under ``settings``, as the search prices it."""
+    options = settings.step_options(topology, seq_len)
+    step = predict_step(model, layout, options, costs or AxisCosts(topology))
+    return Candidate(
+        layout,
+        step,
+        settings.memory(model, layout, seq_len),
+        options.accelerator.memory_GB * 1e9,
+        seq_len,
+        options.accelerator.peak_tflops(settings.precision.matmul_dtype),
+    )
+
+
 def _fewest_recomputed(
     layout: TrainingLayout,
     full: MemoryBreakdown,
@@ -476,12 +508,16 @@ TIE = 1e-3
 
 
 def _rank_key(candidate: Candidate) -> tuple:
+    # What does not fit comes after what does, the closest to fitting first (least memory per
+    # GPU, then the faster): with sizes fixed and nothing fitting, that is the variant to try.
+    if not candidate.fits:
+        return (True, candidate.memory.total, candidate.step.step_s)
     # Equal predictions (cp = 2 with twice the micro-batch computes the same as cp = 1) go
     # to the layout with fewer parallel dimensions, then to the less sharded one.
     lay = candidate.layout
     dims = sum(size > 1 for name, size in lay.dims.items() if name != "dp")
     return (
-        not candidate.fits,
+        False,
         round(math.log(candidate.step.step_s) / math.log1p(TIE)),
         dims,
         SHARDING.index(lay.sharding),

@@ -27,8 +27,11 @@ SC'21), plus the data-parallel gradient traffic that does not hide behind the la
 micro-batch's backward (ddp all-reduce; zero1 reduce-scatter, then the parameter all-gather
 behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica all-reduce; in
 Megatron-LM's buckets, or per block for hsdp),
-plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter).
-Hidden communication uses ``overlap_efficiency`` of the window. Every collective is the cost
+plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter; where
+the host steps tensor by tensor, a cost per parameter tensor, more for DTensors).
+Hidden communication uses ``overlap_efficiency`` of the window, and one of its collectives
+(the last gradient bucket, the first parameter gather, FSDP's first gather and last
+reduce-scatter) hides behind nothing. Every collective is the cost
 model's estimate on the group the layout's placement gives (``planner.group_costs``).
 """
 
@@ -38,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from overlapkit.planner.candidate import TrainingLayout
+from overlapkit.planner.framework import MEGATRON, Framework
 from overlapkit.planner.gemm import (
     layer_matmul_seconds,
     unfused_attention_seconds,
@@ -95,6 +99,21 @@ class StepOptions:
     kernels; where the host does the compute it adds to it, milliseconds per layer on this
     project's CPU ranks (bench/planner_ranking measures it: the tensor-parallel model on a
     one-rank mesh against the plain one, same FLOPs, no communication)."""
+    framework: Framework = MEGATRON
+    """What runs the layout (``planner.framework``): how tp splits the model, its collectives,
+    which parameters are DTensors. Megatron-LM's by default; ``OVERLAPKIT_TRAIN`` prices what
+    overlapkit-train runs."""
+    optimizer_tensor_s: float = 0.0
+    """Host seconds the optimizer step costs per plain parameter tensor, whatever its size
+    (torch's AdamW steps CPU tensors one by one, about ten operations each). 0 by default: on
+    GPUs the host launches the step's kernels ahead of them (bench/planner_ranking measures
+    it: AdamW over as many one-element tensors as the model has parameters)."""
+    optimizer_dtensor_s: float = 0.0
+    """The same per DTensor parameter (FSDP2's, and the tp / ep shards where
+    ``framework.dtensor_parameters``): every operation goes through DTensor's dispatch."""
+    optimizer_param_s: float | None = None
+    """Seconds the step's arithmetic costs per local parameter; None: memory-bound, 30 bytes
+    per parameter at the accelerator's memory bandwidth (0 without one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,9 +229,13 @@ def predict_step(
     if lay.recompute == "selective" and not o.flash_attention:
         extra = n_layers * attn_fwd  # the attention core's forward again (flash does it anyway)
     # The output layer runs on the last stage (all of them with pp = 1): it is the slowest.
+    fw = o.framework
+    vocab_tp = tp if fw.vocab_parallel else 1
     head_rows = max(1, round(tokens / cp))
-    head_flops = 2.0 * head_rows * model.hidden * model.vocab_size / tp
-    head_fwd = head_flops / (matmul_peak * wave_efficiency(head_rows, model.vocab_size // tp, sms))
+    head_flops = 2.0 * head_rows * model.hidden * model.vocab_size / vocab_tp
+    head_fwd = head_flops / (
+        matmul_peak * wave_efficiency(head_rows, model.vocab_size // vocab_tp, sms)
+    )
     # Kernels that are not matmuls (norms, activations, softmax, dropout) stream the layer's
     # saved activations: written in forward, read in backward, their gradients written.
     memory_bound = 0.0
@@ -259,11 +282,21 @@ def predict_step(
     def buckets(count: float, replicas: int) -> int:
         return max(1, math.ceil(count / max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * replicas)))
 
-    # Tensor parallel, sequence parallel: 2 all-gathers + 2 reduce-scatters per layer pass.
+    def pieces(chunks: int) -> int:
+        """The expert parameters' collectives: none in a dense model."""
+        return chunks if expert_params else 0
+
+    # Tensor parallel: with sequence parallelism 2 all-gathers + 2 reduce-scatters per layer
+    # pass; without, the framework's all-reduces of the replicated activations.
     tp_bytes = tokens / cp * model.hidden * act
-    passes = 2 + recomputed
-    tp_layer = 2 * (cost("all_gather", tp_bytes, "tp") + cost("reduce_scatter", tp_bytes, "tp"))
-    tp_total = n_layers * passes * tp_layer
+    if fw.sequence_parallel:
+        tp_fwd = 2 * (cost("all_gather", tp_bytes, "tp") + cost("reduce_scatter", tp_bytes, "tp"))
+        tp_bwd = tp_fwd
+    else:
+        all_reduce = cost("all_reduce", tp_bytes, "tp")
+        tp_fwd = fw.tp_forward_all_reduces * all_reduce
+        tp_bwd = fw.tp_backward_all_reduces * all_reduce
+    tp_total = n_layers * ((1 + recomputed) * tp_fwd + tp_bwd)
     tp_exposed = (1 - o.tp_overlap) * tp_total
 
     # Context parallel (ring attention), hidden behind each layer's attention.
@@ -284,8 +317,8 @@ def predict_step(
     pp_total = 2 * v * cost("send_recv", pp_bytes, "pp") if pp > 1 else 0.0
 
     # Data-parallel traffic of the heaviest stage's parameters.
-    stage = stage_params(model, lay, stage=0)
-    last = stage_params(model, lay, stage=pp - 1)
+    stage = stage_params(model, lay, stage=0, vocab_parallel=fw.vocab_parallel)
+    last = stage_params(model, lay, stage=pp - 1, vocab_parallel=fw.vocab_parallel)
     dense_params = max(stage.dense, last.dense)
     expert_params = max(stage.expert, last.expert)
     dense_axes, expert_axes = ("dp", "ep", "cp"), ("dp", "cp")
@@ -313,8 +346,9 @@ def predict_step(
             *expert_shard,
         )
         per_mb = 2 * gather + scatter
-        first_block = gather / blocks
-        fsdp_mb = max(0.0, per_mb - o.overlap_efficiency * t_compute) + first_block
+        # The first block's gather precedes all compute, the last reduce-scatter follows it.
+        first_block, last_block = gather / blocks, scatter / blocks
+        fsdp_mb = max(last_block, per_mb - o.overlap_efficiency * t_compute) + first_block
         dp_total += m * per_mb
         if hsdp:
             z = lay.dp_shard
@@ -326,18 +360,19 @@ def predict_step(
                 "all_reduce", expert_shard_bytes, max(1, stage.layers), "dp_replicate", "cp"
             )
             dp_total += replica
-            dp_exposed += max(0.0, replica - window_last_bwd)
+            dp_exposed += _exposed(replica, blocks + pieces(stage.layers), window_last_bwd)
     else:
         g = p.grad_reduce_bytes
         grads = (dense_params * g, expert_params * g)
         z_dense, z_expert = lay.dp * lay.ep * cp, lay.dp * cp
         chunks = (buckets(dense_params, z_dense), buckets(expert_params, z_expert))
+        collectives = chunks[0] + pieces(chunks[1])
         if lay.sharding == "ddp":
             reduce = in_chunks("all_reduce", grads[0], chunks[0], *dense_axes) + in_chunks(
                 "all_reduce", grads[1], chunks[1], *expert_axes
             )
             dp_total += reduce
-            dp_exposed += max(0.0, reduce - window_last_bwd)
+            dp_exposed += _exposed(reduce, collectives, window_last_bwd)
         else:
             scatter = in_chunks("reduce_scatter", grads[0], chunks[0], *dense_axes) + in_chunks(
                 "reduce_scatter", grads[1], chunks[1], *expert_axes
@@ -348,27 +383,37 @@ def predict_step(
             )
             if lay.sharding == "zero1":
                 dp_total += scatter + gather
-                dp_exposed += max(0.0, scatter - window_last_bwd)
+                dp_exposed += _exposed(scatter, collectives, window_last_bwd)
             else:  # zero2: gradients reduce-scattered every micro-batch, behind its backward
                 dp_total += m * scatter + gather
-                fsdp_mb = max(0.0, scatter - o.overlap_efficiency * t_bwd)
-            dp_exposed += max(0.0, gather - window_first_fwd)
+                fsdp_mb = _exposed(scatter, collectives, o.overlap_efficiency * t_bwd)
+            dp_exposed += _exposed(gather, collectives, window_first_fwd)
 
     t_mb = t_compute + tp_exposed + cp_exposed + ep_exposed + pp_total + fsdp_mb
     bubble = (pp - 1) / v * t_mb
     pipeline = m * t_mb + bubble
 
+    z_dense, z_expert = (
+        (1, 1)
+        if lay.sharding == "ddp"
+        else (lay.dp_shard, lay.dp_shard)
+        if hsdp
+        else (lay.dp * lay.ep * cp, lay.dp * cp)
+    )
+    local = dense_params / z_dense + expert_params / z_expert
     optimizer = 0.0
-    if bandwidth:
-        z_dense, z_expert = (
-            (1, 1)
-            if lay.sharding == "ddp"
-            else (lay.dp_shard, lay.dp_shard)
-            if hsdp
-            else (lay.dp * lay.ep * cp, lay.dp * cp)
-        )
-        local = dense_params / z_dense + expert_params / z_expert
+    if o.optimizer_param_s is not None:
+        optimizer = local * o.optimizer_param_s
+    elif bandwidth:
         optimizer = local * OPTIMIZER_BYTES_PER_PARAM / (bandwidth * 1e9)
+    if o.optimizer_tensor_s or o.optimizer_dtensor_s:
+        optimizer += max(
+            plain * o.optimizer_tensor_s + dtensors * o.optimizer_dtensor_s
+            for plain, dtensors in (
+                parameter_tensors(model, lay, fw, layers=stage.layers, stage=0),
+                parameter_tensors(model, lay, fw, layers=last.layers, stage=pp - 1),
+            )
+        )
 
     step = pipeline + dp_exposed + optimizer
     global_tokens = lay.global_batch * s
@@ -394,6 +439,47 @@ def predict_step(
         model_flops=model_flops,
         hardware_flops=model_flops + recompute_flops,
     )
+
+
+def _exposed(total: float, pieces: int, window: float) -> float:
+    """Seconds of ``total`` traffic, sent as ``pieces`` equal collectives, that a compute
+    ``window`` (already times the overlap efficiency) leaves exposed.
+
+    The pieces leave as their data becomes ready, ``window / pieces`` apart (gradient buckets
+    in backward), or must arrive before their part of the window starts (parameters ahead of a
+    forward); either way one piece has no compute left to hide behind: a single bucket, as a
+    small model's, is exposed whole.
+    """
+    if total <= 0:
+        return 0.0
+    return max(total / pieces, total - window * (pieces - 1) / pieces)
+
+
+def parameter_tensors(
+    model: ModelSpec, layout: TrainingLayout, framework: Framework, *, layers: int, stage: int
+) -> tuple[float, float]:
+    """(plain, DTensor) parameter tensors one GPU of pipeline stage ``stage`` holds, with its
+    ``layers`` layers (an MoE model's averaged over dense and MoE layers).
+
+    FSDP2 (fsdp, hsdp) makes every parameter a DTensor; otherwise the tp and ep shards are
+    DTensors where ``framework.dtensor_parameters``, the rest plain tensors.
+    """
+    share = model.moe_layers / model.layers if model.is_moe else 0.0
+    dense = model.layer_tensors(moe_layer=False)
+    moe = model.layer_tensors(moe_layer=True) if model.is_moe else dense
+    split, other, expert = ((1 - share) * d + share * e for d, e in zip(dense, moe, strict=True))
+    total = layers * (split + other + expert)
+    if stage == 0:
+        total += model.embedding_tensors()
+    if stage == layout.pp - 1:
+        total += model.head_tensors()
+    if layout.sharding in ("fsdp", "hsdp"):
+        return 0.0, total
+    dtensors = 0.0
+    if framework.dtensor_parameters:
+        dtensors += layers * split if layout.tp > 1 else 0.0
+        dtensors += layers * expert if layout.ep > 1 else 0.0
+    return total - dtensors, dtensors
 
 
 def tokens_per_s_per_gpu(layout: TrainingLayout, seq_len: int, step: StepTime) -> float:
