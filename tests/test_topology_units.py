@@ -1,4 +1,4 @@
-"""Sizes, bandwidths and durations as people write them."""
+"""Sizes, bandwidths, durations, rank lists and tables as people write and read them."""
 
 import pytest
 
@@ -8,6 +8,8 @@ from overlapkit.topology.units import (
     parse_bandwidth,
     parse_duration,
     parse_size,
+    rank_ranges,
+    text_table,
 )
 
 
@@ -88,3 +90,13 @@ def test_format_seconds_picks_a_readable_unit():
     assert format_seconds(0.1554) == "155.4 ms"
     assert format_seconds(3.2e-5) == "32 us"
     assert format_seconds(5.6) == "5.6 s"
+
+
+def test_rank_ranges_fold_consecutive_ranks():
+    assert rank_ranges([0, 1, 2, 3, 8, 9, 11]) == "0-3,8-9,11"
+    assert rank_ranges([]) == ""
+
+
+def test_text_table_aligns_columns_to_the_widest_cell_and_strips_trailing_space():
+    lines = text_table(["#", "ranks"], [["0", "0-7"], ["10", "8"]])
+    assert lines == ["  #   ranks", "  0   0-7", "  10  8"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from overlapkit.planner.grid import rail_aligned
 from overlapkit.planner.penalties import split_penalties
 from overlapkit.topology.model import FabricKind
-from overlapkit.topology.units import format_bytes, format_seconds, rank_ranges
+from overlapkit.topology.units import format_bytes, format_seconds, rank_ranges, text_table
 
 if TYPE_CHECKING:
     from overlapkit.planner.placement import Placement
@@ -52,14 +52,6 @@ def where(placement: Placement, axis: str) -> str:
         return text + "; not rail-aligned: peers on different rails meet at the spine (3 hops)"
     hops = max(topology.switch_hops(a, b) for g in groups for a, b in itertools.pairwise(g))
     return text + f"; {hops} switch hop(s) between neighbours"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
-    return [
-        "  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in [header, *rows]
-    ]
 
 
 def _summary(placement: Placement) -> list[str]:
@@ -99,7 +91,7 @@ def explain(
         [axis, str(size), str(placement.world_size // size), where(placement, axis)]
         for axis, size in reversed(placement.sizes.items())
     ]
-    lines += ["", *_table(["axis", "size", "groups", "where the groups live"], rows)]
+    lines += ["", *text_table(["axis", "size", "groups", "where the groups live"], rows)]
     lines += ["", *collectives_table(placement, algorithm=algorithm)]
     for dim, extra in split_penalties(placement, algorithm):
         lines.append(
@@ -143,7 +135,7 @@ def collectives_table(placement: Placement, *, algorithm: str | None = None) -> 
         ]
         for c in costs
     ]
-    lines += _table(
+    lines += text_table(
         ["dim", "collective", "group", "bytes", "calls", "algorithm", "each", "per step", "what"],
         rows,
     )
@@ -202,7 +194,7 @@ def compare_table(
         "compare: planned layout vs naive arange (init_device_mesh), predicted per step"
         + (" (the two layouts are identical here)" if same else "")
     ]
-    lines += _table(["dim", "planned", "arange", "arange/planned"], rows)
+    lines += text_table(["dim", "planned", "arange", "arange/planned"], rows)
     for axis in naive.sizes:
         if naive.sizes[axis] > 1:
             lines.append(f"  arange {axis}: {where(naive, axis)}")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from overlapkit.topology.detect import detect_topology
 from overlapkit.topology.loading import load_topology, preset_names
 from overlapkit.topology.model import FabricKind, Topology
-from overlapkit.topology.units import rank_ranges
+from overlapkit.topology.units import rank_ranges, text_table
 
 FABRIC_CHOICES = [k.value for k in FabricKind if k is not FabricKind.NONE]
 
@@ -69,14 +69,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
-    return [
-        "  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in [header, *rows]
-    ]
-
-
 def render(topology: Topology) -> str:
     """The readable table ``overlapkit topo`` prints."""
     fabric = topology.fabric
@@ -86,7 +78,7 @@ def render(topology: Topology) -> str:
         "",
         "scale-up domains (bandwidth per device and direction)",
     ]
-    lines += _table(
+    lines += text_table(
         ["#", "kind", "ranks", "spec GB/s", "achieved GB/s", "links", "latency", "in-network"],
         [
             [
@@ -111,11 +103,11 @@ def render(topology: Topology) -> str:
         + (", in-network reduction" if fabric.in_network_reduction else ""),
     ]
     lines += ["", "nodes"]
-    lines += _table(
+    lines += text_table(
         ["node", "ranks"], [[str(i), rank_ranges(r)] for i, r in enumerate(topology.nodes())]
     )
     lines += ["", "rails (ranks sending through NIC i of their node)"]
-    lines += _table(
+    lines += text_table(
         ["rail", "ranks"], [[str(i), rank_ranges(r)] for i, r in enumerate(topology.rails())]
     )
     return "\n".join(lines)

@@ -6,7 +6,7 @@ spelling); a bare number is GB/s. A lower-case ``b`` or the word ``bit`` means b
 ``B`` means bytes. Durations: ``5us``, ``2.5ms``, ``1e-6s``; a bare number is seconds.
 
 Internally sizes are bytes, bandwidths GB/s (10^9 bytes per second) and durations seconds.
-Rank lists print as ranges: ``[0, 1, 2, 3, 8, 9]`` is ``0-3,8-9``.
+Rank lists print as ranges: ``[0, 1, 2, 3, 8, 9]`` is ``0-3,8-9``; tables as aligned columns.
 """
 
 from __future__ import annotations
@@ -175,3 +175,13 @@ def rank_ranges(ranks: list[int] | tuple[int, ...]) -> str:
     if start is not None:
         parts.append(str(start) if start == previous else f"{start}-{previous}")
     return ",".join(parts)
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """``header`` and ``rows`` as lines of left-aligned columns, indented by two spaces (the
+    tables ``overlapkit topo`` and ``plan.explain()`` print)."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    return [
+        "  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
