@@ -214,7 +214,12 @@ def _train_one(rank: int, world_size: int, kind: str) -> dict:
     logging.getLogger("overlapkit.tuning").setLevel(logging.INFO)
     model = make_mlp(hidden=HIDDEN, layers=LAYERS)
     if kind.startswith("ddp"):
-        model = ok.ddp(model, bucket_mb="auto", gradient_as_bucket_view=kind == "ddp_view")
+        model = ok.ddp(
+            model,
+            bucket_mb="auto",
+            gradient_as_bucket_view=kind == "ddp_view",
+            static_graph=kind == "ddp_static",
+        )
         owner, current_mb = model, lambda: model.bucket_bytes_cap / MiB
     else:
         owner = ok.GradBucketer(model, bucket_mb="auto")
@@ -249,7 +254,7 @@ def _train_one(rank: int, world_size: int, kind: str) -> dict:
 def _train_bucket_auto(rank: int, world_size: int) -> dict:
     """ok.ddp and GradBucketer, one after the other in one spawn (a spawn costs seconds)."""
     runs = {}
-    for kind in ("ddp", "ddp_view", "bucketer"):
+    for kind in ("ddp", "ddp_view", "ddp_static", "bucketer"):
         runs[kind] = _train_one(rank, world_size, kind)
         logging.getLogger("overlapkit.tuning").handlers.clear()
     return runs
@@ -297,6 +302,15 @@ def test_ddp_auto_bucket_mb_agrees_across_ranks_settles_and_keeps_gradients_exac
 def test_ddp_auto_bucket_mb_with_gradients_as_bucket_views_keeps_gradients_exact(bucket_runs):
     # Each new reducer must adopt the gradients that live in the previous reducer's buckets.
     _check_bucket_auto(bucket_runs, "ddp_view", DDP_DISCARD_STEPS + DDP_MEASURE_STEPS, first_step=0)
+
+
+@pytest.mark.slow
+def test_ddp_auto_bucket_mb_with_static_graph_keeps_gradients_exact(bucket_runs):
+    # Each new reducer's first step is static_graph's delayed all-reduce of every gradient;
+    # before DDP's Python side was told so, no gradient was reduced after the first switch.
+    _check_bucket_auto(
+        bucket_runs, "ddp_static", DDP_DISCARD_STEPS + DDP_MEASURE_STEPS, first_step=0
+    )
 
 
 @pytest.mark.slow

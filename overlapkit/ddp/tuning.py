@@ -69,8 +69,12 @@ def set_ddp_bucket_mb(model: DistributedDataParallel, bucket_mb: float) -> None:
         parameters, expect_sparse_gradient, param_to_name_mapping, model.static_graph
     )
     if model.static_graph:
+        # As DDP._set_static_graph does: the new reducer's first step must be the delayed
+        # all-reduce of every gradient, which DDP's Python side queues only while this flag is
+        # False (without it the new reducer never reduced a gradient: each rank stepped alone).
         model.reducer._set_static_graph()
         model.logger._set_static_graph()
+        model._static_graph_delay_allreduce_enqueued = False
     for hook, state in model._comm_hooks:
         dist._register_comm_hook(model.reducer, state, hook)
     model._has_rebuilt_buckets = False
