@@ -21,6 +21,21 @@ def _namespaces() -> str:
 
 
 @needs_namespaces
+def test_namespaces_a_killed_run_left_are_removed_by_the_next_run():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = [f"ovk{dead.pid}a", f"ovk{dead.pid}b"]
+    for name in left:
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        with TwoNodes(rate="1gbit"):
+            assert not any(name in _namespaces().split() for name in left)
+    finally:
+        for name in left:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+@needs_namespaces
 def test_namespaces_and_link_are_removed_even_when_the_body_fails():
     with pytest.raises(RuntimeError, match="boom"), TwoNodes(rate="1gbit") as nodes:
         names = [node.namespace for node in nodes.nodes]

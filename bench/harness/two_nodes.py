@@ -12,14 +12,16 @@ through ``lo``.
 
 Namespace and link names carry this process's id, so parallel or leftover runs never collide.
 Everything is removed on exit: on success, on exceptions, and on SIGTERM/SIGHUP (turned into
-SystemExit so that ``finally`` runs). The torchrun processes are killed by their process group,
-which this module created.
+SystemExit so that ``finally`` runs). A run killed outright (SIGKILL) cannot clean up; the next
+one removes the namespaces whose process id is no longer alive (``remove_stale_namespaces``).
+The torchrun processes are killed by their process group, which this module created.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _SUBNET = "10.231.0"
+_OURS = re.compile(r"^ovk(?P<pid>\d+)[ab]$")
 _RDZV_PORT = 29400
 
 
@@ -52,6 +55,30 @@ def unavailable_reason() -> str | None:
     finally:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete the namespaces a killed ``TwoNodes`` left (``ovk<pid>a``/``b`` whose process is
+    gone; deleting a namespace deletes its veth end and the pair). Returns the names removed."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    stale = [
+        name
+        for name in (line.split()[0] for line in listing.stdout.splitlines() if line.strip())
+        if (match := _OURS.match(name)) and not _pid_alive(int(match["pid"]))
+    ]
+    for name in stale:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    return stale
 
 
 def _run(command: Sequence[str]) -> None:
@@ -88,6 +115,7 @@ class TwoNodes:
 
     def __enter__(self) -> TwoNodes:
         self._trap_signals()
+        remove_stale_namespaces()
         try:
             self._create()
         except BaseException:
