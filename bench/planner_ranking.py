@@ -59,6 +59,7 @@ from bench.harness.step_calibration import (
     one_rank_group,
     optimizer_calibration,
     overlap_calibration,
+    slowest_medians,
 )
 from bench.harness.two_node_bench import (
     add_two_node_arguments,
@@ -224,11 +225,8 @@ def measure_model(
             times[layout_name].append(elapsed.item())
     medians = {}
     for layout_name, rows in phases.items():
-        median = torch.tensor(
-            [statistics.median(c) for c in zip(*rows, strict=True)], dtype=torch.float64
-        )
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)
-        medians[layout_name] = dict(zip(PHASES, (t * 1e3 for t in median.tolist()), strict=True))
+        slowest = slowest_medians(list(zip(*rows, strict=True)))
+        medians[layout_name] = dict(zip(PHASES, (t * 1e3 for t in slowest), strict=True))
     return times, medians
 
 

@@ -63,7 +63,7 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, someone else's
-        return True
+        pass
     return True
 
 
