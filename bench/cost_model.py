@@ -31,8 +31,7 @@ from pathlib import Path
 
 from bench.harness.cpu_priority import prioritize
 from bench.harness.emulated_link import current_link, enter_emulated_link
-from overlapkit.planner import estimate
-from overlapkit.planner.calibrate import (
+from overlapkit.cost.calibrate import (
     Measurement,
     TierFit,
     calibrated_yaml,
@@ -41,6 +40,7 @@ from overlapkit.planner.calibrate import (
     sample_quantile,
     sizes_between,
 )
+from overlapkit.planner import estimate
 from overlapkit.topology import detect_topology, parse_topology_yaml
 from overlapkit.topology.units import format_bytes, format_seconds, parse_size
 from overlapkit.workers.local_ranks import run_on_ranks

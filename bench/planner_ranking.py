@@ -12,7 +12,7 @@ planner's "achievable TFLOP/s" here), the tensor-parallel plan's dispatch per la
 step per plain and per DTensor parameter tensor and per parameter (``optimizer_tensor_s``,
 ``optimizer_dtensor_s``, ``optimizer_param_s``) and the share of the compute that all-reduces
 over the link hide behind (``overlap_efficiency``). The planner prices each layout as
-overlapkit-train runs it (``planner.framework.OVERLAPKIT_TRAIN``). Then, for each model
+overlapkit-train runs it (``autoplan.framework.OVERLAPKIT_TRAIN``). Then, for each model
 (``gpt_tiny``, ``moe_tiny``), it trains every layout overlapkit-train can run on 4 ranks with
 overlapkit-train's own wrapping (``overlapkit.train.parallel.apply_parallel`` on
 ``overlapkit.train.mesh.build_layout``):
@@ -67,13 +67,14 @@ from bench.harness.two_node_bench import (
     run_workers,
     two_node_main,
 )
-from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.compute import measured_accelerator
-from overlapkit.planner.framework import OVERLAPKIT_TRAIN
-from overlapkit.planner.group_costs import AxisCosts
-from overlapkit.planner.memory import FP32
-from overlapkit.planner.model_spec import ModelSpec, train_model_spec
-from overlapkit.planner.step_time import StepOptions, predict_step
+from overlapkit.autoplan.compute import measured_accelerator
+from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
+from overlapkit.autoplan.group_costs import AxisCosts
+from overlapkit.autoplan.memory import FP32
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.models import train_model_spec
+from overlapkit.autoplan.step_time import StepOptions, predict_step
+from overlapkit.planner.layout import TrainingLayout
 from overlapkit.train.mesh import PlanConfig, build_layout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 from overlapkit.train.parallel import apply_parallel

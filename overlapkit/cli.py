@@ -19,9 +19,9 @@ from collections.abc import Iterator
 # not pay for matplotlib, DTensor or the profiler.
 COMMANDS = {
     "topo": "overlapkit.topology.cli",
-    "plan": "overlapkit.planner.cli",
+    "plan": "overlapkit.autoplan.cli",
     "estimate": "overlapkit.planner.cli",
-    "calibrate": "overlapkit.planner.cli",
+    "calibrate": "overlapkit.cost.cli",
     "report": "overlapkit.profiling.cli",
     "doctor": "overlapkit.doctor.cli",
 }

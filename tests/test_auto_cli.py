@@ -10,13 +10,13 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
 import overlapkit as ok
+from overlapkit.autoplan.auto import auto_plan
+from overlapkit.autoplan.auto_cli import place_inside, render_auto, run_instructions
+from overlapkit.autoplan.compute import measured_accelerator
+from overlapkit.autoplan.run_config import train_lacks, train_overrides
+from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.cli import main
-from overlapkit.planner.auto import auto_plan
-from overlapkit.planner.auto_cli import place_inside, render_auto, run_instructions
-from overlapkit.planner.compute import measured_accelerator
 from overlapkit.planner.placement import plan as place
-from overlapkit.planner.run_config import train_lacks, train_overrides
-from overlapkit.planner.search import SearchSettings
 from overlapkit.planner.traffic import Workload
 from overlapkit.topology import load_topology
 from overlapkit.train.cli import check_job

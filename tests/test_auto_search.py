@@ -1,11 +1,12 @@
-"""planner.search: the auto-planner's search, its constraints and its refusals."""
+"""autoplan.search: the auto-planner's search, its constraints and its refusals."""
 
 import pytest
 
-from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.memory import memory_breakdown
-from overlapkit.planner.model_spec import load_model
-from overlapkit.planner.search import PlanSearchError, search, with_memory
+from overlapkit.autoplan.memory import memory_breakdown
+from overlapkit.autoplan.models import load_model
+from overlapkit.autoplan.search import search
+from overlapkit.autoplan.settings import PlanSearchError, with_memory
+from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology import load_topology
 
 H100x4 = load_topology("dgx-h100x4")
@@ -85,8 +86,8 @@ def test_a_topology_without_accelerator_figures_is_refused_with_advice():
 
 
 def test_fp8_on_a_gpu_without_fp8_is_refused():
-    from overlapkit.planner.memory import FP8
-    from overlapkit.planner.search import SearchSettings
+    from overlapkit.autoplan.memory import FP8
+    from overlapkit.autoplan.settings import SearchSettings
 
     with pytest.raises(ValueError, match="no FP8 peak"):
         search(

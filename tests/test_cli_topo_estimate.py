@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from overlapkit.cost import cli as cost_cli
 from overlapkit.planner import cli as planner_cli
 from overlapkit.topology import cli as topology_cli
 from overlapkit.topology import load_topology
@@ -23,6 +24,7 @@ def _run(argv, capsys):
     subparsers = parser.add_subparsers(dest="command", required=True)
     topology_cli.register(subparsers)
     planner_cli.register(subparsers)
+    cost_cli.register(subparsers)
     args = parser.parse_args(argv)
     code = args.func(args)
     return code, capsys.readouterr().out

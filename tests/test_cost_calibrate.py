@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from overlapkit.planner import estimate
-from overlapkit.planner.calibrate import (
+from overlapkit.cost import estimate
+from overlapkit.cost.calibrate import (
     Measurement,
     TierFit,
     calibrate,

@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from overlapkit.planner import estimate, group_shape, pipeline
-from overlapkit.planner.cost import tree_network_volume
-from overlapkit.planner.libraries import NCCL
-from overlapkit.planner.nvls import (
+from overlapkit.cost import estimate, group_shape, pipeline
+from overlapkit.cost.algorithms import tree_network_volume
+from overlapkit.cost.libraries import NCCL
+from overlapkit.cost.nvls import (
     TREE_WARP_FACTOR,
     nvlink_generation,
     nvls_allreduce_GBps,

@@ -1,4 +1,4 @@
-"""NCCL's chunking, loops and pipeline fill (planner.pipeline) against its source and formulas."""
+"""NCCL's chunking, loops and pipeline fill (cost.pipeline) against its source and formulas."""
 
 import math
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from overlapkit.planner import estimate, group_shape, pipeline
-from overlapkit.planner.cost import estimate_shape
-from overlapkit.planner.libraries import GLOO, IDEAL
+from overlapkit.cost import estimate, group_shape, pipeline
+from overlapkit.cost.estimate import estimate_shape
+from overlapkit.cost.libraries import GLOO, IDEAL
 from overlapkit.topology import bare_link, load_topology
 
 GB = 1e9

@@ -40,18 +40,23 @@ LAYERS: dict[str, int] = {
     "overlapkit._version": 0,
     "overlapkit.lazy": 0,
     "overlapkit.validation": 0,
-    # 1: the wrappers, the planner and the profiler.
+    # 1: the wrappers, the profiler and the collective cost model (which sees a placement only
+    # through a Protocol: it imports neither placement nor the search).
     "overlapkit.ddp": 1,
     "overlapkit.fsdp": 1,
-    "overlapkit.planner": 1,
     "overlapkit.profiling": 1,
-    # 2: what is built from them: the checklist, the training entry point, framework adapters.
-    "overlapkit.doctor": 2,
-    "overlapkit.train": 2,
-    "overlapkit.integrations": 2,
-    # 3: the ``overlapkit`` command and the public surface ``import overlapkit as ok``.
-    "overlapkit.cli": 3,
-    "overlapkit": 3,
+    "overlapkit.cost": 1,
+    # 2: placement of the sizes a user chose, priced by the cost model; never the search.
+    "overlapkit.planner": 2,
+    # 3: the auto-planner, which chooses the sizes and places them.
+    "overlapkit.autoplan": 3,
+    # 4: what is built from them: the checklist, the training entry point, framework adapters.
+    "overlapkit.doctor": 4,
+    "overlapkit.train": 4,
+    "overlapkit.integrations": 4,
+    # 5: the ``overlapkit`` command and the public surface ``import overlapkit as ok``.
+    "overlapkit.cli": 5,
+    "overlapkit": 5,
 }
 
 ROOT = Path(overlapkit.__file__).parent

@@ -1,9 +1,8 @@
-"""planner.memory: Korthikanti's activation equations, ZeRO's state bytes, the pipeline's peak."""
+"""autoplan.memory: Korthikanti's activation equations, ZeRO's state bytes, the pipeline's peak."""
 
 import pytest
 
-from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.memory import (
+from overlapkit.autoplan.memory import (
     BF16,
     in_flight_micro_batches,
     layer_activation_bytes,
@@ -11,7 +10,8 @@ from overlapkit.planner.memory import (
     model_state_bytes,
     stage_params,
 )
-from overlapkit.planner.model_spec import gpt_spec, load_model
+from overlapkit.autoplan.models import gpt_spec, load_model
+from overlapkit.planner.layout import TrainingLayout
 
 # Korthikanti et al.'s GPT: 16-bit activations, dropout, no flash attention.
 S, B, H, A = 2048, 1, 12288, 96

@@ -2,7 +2,7 @@
 
 ``torch.cuda.max_memory_allocated`` needs a GPU; here the parameter, gradient and optimizer
 bytes of a real ``ok.ddp`` / ``ok.fsdp``-wrapped gpt_tiny after an AdamW step are compared with
-``planner.memory`` (fp32 training: 4 + 4 + 8 bytes per parameter), and one block's activations
+``autoplan.memory`` (fp32 training: 4 + 4 + 8 bytes per parameter), and one block's activations
 with the tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``).
 """
 
@@ -15,17 +15,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import overlapkit as ok
-from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.framework import OVERLAPKIT_TRAIN
-from overlapkit.planner.memory import (
+from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
+from overlapkit.autoplan.memory import (
     FP32,
     layer_activation_bytes,
     memory_breakdown,
     model_state_bytes,
     stage_params,
 )
-from overlapkit.planner.model_spec import ModelSpec, train_model_spec
-from overlapkit.planner.step_time import parameter_tensors
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.models import train_model_spec
+from overlapkit.autoplan.step_time import parameter_tensors
+from overlapkit.planner.layout import TrainingLayout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 from overlapkit.train.models.moe import shard_experts
 from overlapkit.train.parallel import apply_tensor_parallel

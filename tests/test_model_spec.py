@@ -1,11 +1,11 @@
-"""planner.model_spec: parameter counts against the published ones, FLOPs, config.json errors."""
+"""autoplan.model_spec: parameter counts against the published ones, FLOPs, config.json errors."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from overlapkit.planner.model_spec import builtin_names, gpt_spec, load_model, train_model_spec
+from overlapkit.autoplan.models import builtin_names, gpt_spec, load_model, train_model_spec
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"

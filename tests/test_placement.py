@@ -5,7 +5,8 @@ import math
 import pytest
 
 import overlapkit as ok
-from overlapkit.planner import PlacementError, Workload, estimate, naive_placement, plan
+from overlapkit.cost import estimate
+from overlapkit.planner import PlacementError, Workload, naive_placement, plan
 from overlapkit.planner.explain import where
 from overlapkit.planner.penalties import split_penalties
 from overlapkit.topology import load_topology, merge_views

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from overlapkit.cli import main
-from overlapkit.planner import Workload, estimate, plan
+from overlapkit.cost import estimate
+from overlapkit.planner import Workload, plan
 from overlapkit.topology import load_topology
 
 

@@ -1,4 +1,4 @@
-"""The cost model against published nccl-tests bus bandwidths (planner/data/published_busbw.tsv)."""
+"""The cost model against published nccl-tests bus bandwidths (cost/data/published_busbw.tsv)."""
 
 import dataclasses
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 
 from overlapkit.cli import main
-from overlapkit.planner import Workload, estimate, libraries, nvls, pipeline, plan
-from overlapkit.planner.nvls import RACK_EXPONENT, TREE_WARP_FACTOR
-from overlapkit.planner.published import (
+from overlapkit.cost import estimate, libraries, nvls, pipeline
+from overlapkit.cost.nvls import RACK_EXPONENT, TREE_WARP_FACTOR
+from overlapkit.cost.published import (
     TOLERANCE,
     load_measurements,
     predict,
@@ -16,6 +16,7 @@ from overlapkit.planner.published import (
     topology_for,
     validate,
 )
+from overlapkit.planner import Workload, plan
 from overlapkit.topology import load_topology
 
 CHECKS = validate()
@@ -237,7 +238,7 @@ def test_estimate_without_a_size_names_what_is_missing(capsys):
     ],
 )
 def test_a_malformed_measurements_file_names_the_row(tmp_path, edit, message):
-    from overlapkit.planner.published import default_path
+    from overlapkit.cost.published import default_path
 
     text = default_path().read_text(encoding="utf-8").replace(*edit, 1)
     path = tmp_path / "bad.tsv"

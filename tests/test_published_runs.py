@@ -6,8 +6,8 @@ thousands of GPUs); here the published layouts are evaluated, which takes about 
 
 import pytest
 
-from overlapkit.planner.compute import LAYER_OVER_MATMUL
-from overlapkit.planner.published_runs import (
+from overlapkit.autoplan.compute import LAYER_OVER_MATMUL
+from overlapkit.autoplan.published_runs import (
     TOLERANCE,
     check_run,
     fit_layer_over_matmul,

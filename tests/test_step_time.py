@@ -1,18 +1,18 @@
-"""planner.step_time, group_costs, gemm: the step-time model's parts on real cost-model groups."""
+"""autoplan.step_time, group_costs, gemm: the step-time model's parts on real cost-model groups."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
+from overlapkit.autoplan.framework import MEGATRON, OVERLAPKIT_TRAIN
+from overlapkit.autoplan.gemm import wave_efficiency
+from overlapkit.autoplan.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
+from overlapkit.autoplan.models import load_model, train_model_spec
+from overlapkit.autoplan.step_time import StepOptions, parameter_tensors, predict_step
+from overlapkit.cost.estimate import estimate
 from overlapkit.planner import plan
-from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.cost import estimate
-from overlapkit.planner.framework import MEGATRON, OVERLAPKIT_TRAIN
-from overlapkit.planner.gemm import wave_efficiency
-from overlapkit.planner.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
-from overlapkit.planner.model_spec import load_model, train_model_spec
-from overlapkit.planner.step_time import StepOptions, parameter_tensors, predict_step
+from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology import bare_link, load_topology
 from overlapkit.topology.accelerator import Accelerator
 from overlapkit.train.models import GPTConfig

@@ -1,6 +1,6 @@
 """What the planner's step-time model is told about this machine, measured on its ranks.
 
-``bench.planner_ranking`` predicts each layout with ``planner.step_time.StepOptions`` whose
+``bench.planner_ranking`` predicts each layout with ``autoplan.step_time.StepOptions`` whose
 host terms are measured here first, every rank at once (the cores are shared, as in the
 training steps), each figure the slowest rank's median:
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import overlapkit as ok
 from bench.harness.two_nodes import TwoNodes, unavailable_reason
-from overlapkit.planner.calibrate import (
+from overlapkit.cost.calibrate import (
     calibrate_collective,
     fit_ring_all_reduce,
     measure_all_reduce,

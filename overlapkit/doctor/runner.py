@@ -29,14 +29,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from overlapkit.cost.calibrate import fit_ring_all_reduce, measure_all_reduce, sizes_between
+from overlapkit.cost.estimate import estimate
 from overlapkit.ddp.bucket_size import default_bucket_mb
 from overlapkit.ddp.wrap import ddp
 from overlapkit.doctor import affinity, perf_checks, setup_checks
 from overlapkit.doctor.check import CHECK_NAMES, FAIL, Check
 from overlapkit.doctor.scaling import rank_counts
 from overlapkit.fsdp.wrap import fsdp
-from overlapkit.planner.calibrate import fit_ring_all_reduce, measure_all_reduce, sizes_between
-from overlapkit.planner.cost import estimate
 from overlapkit.profiling import profile
 from overlapkit.topology.detect import detect_topology, local_view
 from overlapkit.topology.loading import load_topology

@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from overlapkit.cost.estimate import estimate
 from overlapkit.doctor.check import FAIL, PASS, WARN, Check, worst
-from overlapkit.planner.cost import estimate
 from overlapkit.planner.explain import where
 from overlapkit.planner.grid import rail_aligned
 from overlapkit.planner.placement import PlacementError, plan

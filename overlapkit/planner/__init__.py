@@ -1,23 +1,22 @@
-"""Placement and cost: where parallel groups go on a topology, and what their collectives cost;
-the auto-planner that chooses the sizes (``plan(..., auto=True)``)."""
+"""Placement of the parallel sizes a user chose: axes -> rank grid -> ``DeviceMesh``, the groups'
+predicted communication per step (priced by ``overlapkit.cost``), validation, explanation.
 
-from overlapkit.planner.auto import plan
+The auto-planner that chooses the sizes (``ok.plan(..., auto=True)``) is ``overlapkit.autoplan``,
+above this package; ``plan`` here places the sizes it is given.
+"""
+
 from overlapkit.planner.axes import MeshAxis
-from overlapkit.planner.cost import COLLECTIVES, Estimate, estimate, group_shape, slowest_estimate
-from overlapkit.planner.placement import Placement, PlacementError, naive_placement
+from overlapkit.planner.layout import TrainingLayout
+from overlapkit.planner.placement import Placement, PlacementError, naive_placement, plan
 from overlapkit.planner.traffic import CollectiveCost, Workload
 
 __all__ = [
-    "COLLECTIVES",
     "CollectiveCost",
-    "Estimate",
     "MeshAxis",
     "Placement",
     "PlacementError",
+    "TrainingLayout",
     "Workload",
-    "estimate",
-    "group_shape",
     "naive_placement",
     "plan",
-    "slowest_estimate",
 ]

@@ -1,7 +1,9 @@
-"""``overlapkit plan``, ``overlapkit estimate`` and ``overlapkit calibrate``.
+"""``overlapkit estimate``, and what ``overlapkit plan`` shares with it: the topology and the
+parallel sizes a command takes, the placement they make, and how a placement is shown.
 
-Each command has its own ``_add_<command>`` function; ``add_topology_arguments`` is shared by
-every command that takes a topology, ``add_plan_arguments`` by those that take parallel sizes.
+``estimate`` is defined here rather than beside the cost model (``overlapkit/cost``) because
+``--group AXIS`` estimates a group of a placement. ``plan`` is defined by the auto-planner
+(``overlapkit/autoplan/cli.py``), which places the sizes given or searches them (``--auto``).
 """
 
 from __future__ import annotations
@@ -9,29 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from overlapkit.planner.auto_cli import (
-    add_auto_arguments,
-    manual_warnings,
-    run_auto,
-    run_validation,
-)
-from overlapkit.planner.calibrate import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_MIN_BYTES,
-    DEFAULT_OUTPUT,
-    calibrate,
-    render_calibration,
-)
-from overlapkit.planner.cost import ALGORITHMS, COLLECTIVES, Estimate, estimate
+from overlapkit.cost.estimate import ALGORITHMS, COLLECTIVES, Estimate, estimate
+from overlapkit.cost.published import render_checks, validate
 from overlapkit.planner.explain import (
     PICTURE_MAX_RANKS,
     compare_table,
     rank_grid_picture,
     same_layout,
 )
-from overlapkit.planner.model_spec import load_model
 from overlapkit.planner.placement import Placement, naive_placement, plan
-from overlapkit.planner.published import render_checks, validate
 from overlapkit.planner.traffic import MIXTRAL_EXPERT_FRACTION, Workload
 from overlapkit.topology.cli import FABRIC_CHOICES
 from overlapkit.topology.loading import load_topology
@@ -46,10 +34,8 @@ from overlapkit.topology.units import (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``plan``, ``estimate`` and ``calibrate`` to the ``overlapkit`` command."""
-    _add_plan(subparsers)
+    """Add ``estimate`` to the ``overlapkit`` command."""
     _add_estimate(subparsers)
-    _add_calibrate(subparsers)
 
 
 def add_topology_arguments(
@@ -145,16 +131,9 @@ def _size(value: int | None) -> int:
     return 1 if value is None else value
 
 
-def _add_plan(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "plan",
-        help="place tp/ep/cp/pp/dp on a topology: rank grid, groups, predicted comm",
-        description="Lay the parallel dimensions onto the topology (heaviest traffic "
-        "innermost, groups inside scale-up domains, dp/pp peers on one rail), and predict each "
-        "dimension's communication per step for a model of --params parameters.",
-    )
-    source = add_topology_arguments(parser, allow_link=False)
-    add_plan_arguments(parser)
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add what a manual ``plan`` takes beyond the sizes: ``--order``, ``--allow-split``, the
+    model's shape for the predicted communication, ``--algorithm`` and ``--compare``."""
     parser.add_argument(
         "--order",
         type=lambda text: tuple(a.strip() for a in text.split(",")),
@@ -193,29 +172,12 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="show the naive arange layout (init_device_mesh) beside the plan",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    add_auto_arguments(parser, source)
-    parser.set_defaults(func=run_plan)
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    if args.validate:
-        if not args.auto:
-            raise ValueError("--validate goes with --auto (overlapkit plan --auto --validate)")
-        return run_validation(args)
-    topology = topology_from_args(args, group_size=None)
-    if args.auto:
-        return run_auto(args, topology)
-    if args.model is not None:
-        model = load_model(args.model)
-        shape = {
-            "params": float(model.params),
-            "layers": model.layers,
-            "hidden": model.hidden,
-            "topk": max(1, model.topk),
-            "expert_fraction": model.expert_params / model.params if model.is_moe else 0.0,
-        }
-    else:
+def workload_from_args(args: argparse.Namespace, shape: dict | None = None) -> Workload:
+    """The ``Workload`` a manual plan explains: ``shape`` (params, layers, hidden, topk,
+    expert_fraction; from a model) or the ``--params ...`` flags, with the batch flags."""
+    if shape is None:
         shape = {
             "params": parse_size(args.params, what="--params"),
             "layers": args.layers,
@@ -223,15 +185,18 @@ def run_plan(args: argparse.Namespace) -> int:
             "topk": args.topk,
             "expert_fraction": args.expert_fraction,
         }
-    workload = Workload(
+    return Workload(
         dtype=args.dtype,
         seq_len=4096 if args.seq_len is None else args.seq_len,
         micro_batch=_size(args.micro_batch),
         microbatches=args.microbatches,
         **shape,
     )
-    placement = placement_from_args(args, topology, workload)
-    warnings = manual_warnings(args, placement)
+
+
+def show_placement(args: argparse.Namespace, placement: Placement, warnings: list[str]) -> None:
+    """Print a manual plan: its JSON document (``--json``) or its explanation, the warnings
+    and (``--compare``) the naive arange layout beside it."""
     naive = naive_placement(placement) if args.compare else None
     if args.json:
         doc = placement.to_dict(args.algorithm)
@@ -239,7 +204,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if naive is not None:
             doc["naive"] = naive.to_dict(args.algorithm)
         print(json.dumps(doc, indent=2))
-        return 0
+        return
     print(placement.explain(args.algorithm))
     for warning in warnings:
         print(f"warning: {warning}")
@@ -248,7 +213,6 @@ def run_plan(args: argparse.Namespace) -> int:
         if naive.world_size <= PICTURE_MAX_RANKS and not same_layout(naive, placement):
             lines += ["", "naive arange layout:", *rank_grid_picture(naive)]
         print("\n".join(lines))
-    return 0
 
 
 def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
@@ -339,105 +303,3 @@ def render_estimate(result: Estimate) -> str:
         lines.append("  candidates (fastest first)")
         lines += [f"    {a:<12} {p:<7} {format_seconds(t)}" for a, p, t in result.candidates]
     return "\n".join(lines)
-
-
-def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "calibrate",
-        help="measure all-reduce here and fit the cost model (writes a topology)",
-        description="Time all_reduce from --min-bytes to --max-bytes (doubling) like "
-        "nccl-tests, per tier, fit latency and bandwidth, write a topology YAML. Under torchrun "
-        "the job's ranks are measured; otherwise --ranks local gloo workers.",
-    )
-    parser.add_argument("--ranks", type=int, default=2, help="local workers (default 2)")
-    parser.add_argument(
-        "--min-bytes",
-        default=str(DEFAULT_MIN_BYTES),
-        metavar="SIZE",
-        help="smallest size (default 4KiB)",
-    )
-    parser.add_argument(
-        "--max-bytes",
-        default=str(DEFAULT_MAX_BYTES),
-        metavar="SIZE",
-        help="largest size (default 256MiB)",
-    )
-    parser.add_argument(
-        "--budget-s",
-        type=float,
-        default=0.25,
-        help="seconds to spend per size, about (default 0.25)",
-    )
-    parser.add_argument(
-        "--quantile",
-        type=float,
-        default=0.5,
-        help="quantile of each size's iterations to fit (default 0.5, the median; 0.25 on a "
-        "shared machine, where other work only adds time)",
-    )
-    parser.add_argument(
-        "--fit-min-bytes",
-        default="0",
-        metavar="SIZE",
-        help="fit only sizes >= SIZE, e.g. 1MiB for the bucket sizes the planner asks about "
-        "(default 0: every size)",
-    )
-    parser.add_argument(
-        "--output",
-        default=str(DEFAULT_OUTPUT),
-        metavar="FILE",
-        help=f"topology YAML to write (default {DEFAULT_OUTPUT})",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.set_defaults(func=run_calibrate)
-
-
-def run_calibrate(args: argparse.Namespace) -> int:
-    result = calibrate(
-        ranks=args.ranks,
-        min_bytes=int(parse_size(args.min_bytes, what="--min-bytes")),
-        max_bytes=int(parse_size(args.max_bytes, what="--max-bytes")),
-        budget_s=args.budget_s,
-        output=args.output,
-        progress=not args.no_progress,
-        quantile=args.quantile,
-        fit_min_bytes=int(parse_size(args.fit_min_bytes, what="--fit-min-bytes")),
-    )
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "backend": result.backend,
-                    "topology_file": args.output,
-                    "tiers": [
-                        {
-                            "tier": fit.tier,
-                            "ranks": list(fit.ranks),
-                            "latency_us": fit.latency_us,
-                            "bandwidth_GBps": fit.bandwidth_GBps,
-                            "sizes": [
-                                {
-                                    "bytes": m.nbytes,
-                                    "time_s": m.time_s,
-                                    "algbw_GBps": m.algbw_GBps,
-                                    "busbw_GBps": m.busbw_GBps,
-                                    "iterations": m.iterations,
-                                    "fit_time_s": fit.predict_s(m.nbytes),
-                                }
-                                for m in fit.measurements
-                            ],
-                        }
-                        for fit in result.fits
-                    ],
-                },
-                indent=2,
-            )
-        )
-    else:
-        print(render_calibration(result))
-        print(
-            f"wrote {args.output}; use it with: overlapkit estimate --topology {args.output} "
-            "--collective all_reduce --bytes 64MiB"
-        )
-    return 0

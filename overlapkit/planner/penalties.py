@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from overlapkit.planner.cost import estimate
+from overlapkit.cost.estimate import estimate
 from overlapkit.planner.grid import physical_order
 
 if TYPE_CHECKING:

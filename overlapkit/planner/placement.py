@@ -51,10 +51,10 @@ from overlapkit.planner.axes import (
     resolve_sizes,
     search,
 )
-from overlapkit.planner.candidate import TrainingLayout
 from overlapkit.planner.explain import explain as render_explanation
 from overlapkit.planner.explain import placement_dict
 from overlapkit.planner.grid import BlockViolation, axis_groups, physical_order, rank_grid
+from overlapkit.planner.layout import TrainingLayout
 from overlapkit.planner.penalties import split_penalties
 from overlapkit.planner.traffic import CollectiveCost, Workload, step_collectives
 from overlapkit.topology.model import Topology

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from overlapkit.planner.cost import Estimate, available_algorithms, slowest_estimate
+from overlapkit.cost.estimate import Estimate, available_algorithms, slowest_estimate
 from overlapkit.topology.model import Topology
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class CollectiveCost:
     what: str
     """What moves, for people."""
     nbytes: float
-    """Per call, as nccl-tests counts size (see ``planner.cost``), bytes."""
+    """Per call, as nccl-tests counts size (see ``cost``), bytes."""
     count: int
     """Calls per step on each rank."""
     axes: tuple[str, ...]

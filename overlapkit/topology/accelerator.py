@@ -13,7 +13,7 @@ its figures)::
 
 ``overlapkit plan --gpu-memory-gb`` overrides the memory (DGX A100 ships with 40 or 80 GB per
 GPU, H100 with 80 or 96). Peaks are the datasheet's dense figures; what a training step
-achieves of them is the planner's business (``planner.compute``).
+achieves of them is the planner's business (``autoplan.compute``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Accelerator:
     memory_bandwidth_GBps: float | None = None
     """Device memory bandwidth, GB/s."""
     sms: int | None = None
-    """Streaming multiprocessors: GEMM tiles run in waves of this many (``planner.gemm``)."""
+    """Streaming multiprocessors: GEMM tiles run in waves of this many (``autoplan.gemm``)."""
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -67,7 +67,7 @@ class DeviceKind(_Choice):
 
 
 class Library(_Choice):
-    """Which collective library's achieved-bandwidth model applies (see ``planner.libraries``)."""
+    """Which collective library's achieved-bandwidth model applies (see ``cost.libraries``)."""
 
     NCCL = "nccl"
     GLOO = "gloo"

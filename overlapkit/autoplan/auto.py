@@ -2,7 +2,7 @@
 
 ``ok.plan(topo, tp=8, pp=2)`` places the sizes it is given (``planner.placement.plan``).
 ``ok.plan(topo, model="llama3-8b", global_batch=512, seq_len=8192, auto=True)`` runs the
-auto-planner (``planner.search``): every layout of the model on the topology, pruned by memory,
+auto-planner (``autoplan.search``): every layout of the model on the topology, pruned by memory,
 ranked by predicted step time; the best is placed on the topology's rank grid and returned as a
 ``Placement`` whose ``training`` holds the whole choice (micro-batching, interleaving,
 recomputation, sharding) and whose ``workload`` the model and micro-batching, so
@@ -10,7 +10,7 @@ recomputation, sharding) and whose ``workload`` the model and micro-batching, so
 left unset is free; one that is given constrains the search.
 
 Sizes follow ``ok.plan``'s convention: ``world = pp x dp x ep x cp x tp``; Megatron-LM's and
-torchtitan's data-parallel size is ``dp x ep`` (``planner.candidate``).
+torchtitan's data-parallel size is ``dp x ep`` (``planner.layout``).
 """
 
 from __future__ import annotations
@@ -19,18 +19,15 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.memory import BF16, PRECISIONS, Precision
-from overlapkit.planner.model_spec import ModelSpec, load_model
+from overlapkit.autoplan.candidate import Candidate, SearchResult
+from overlapkit.autoplan.memory import BF16, PRECISIONS, Precision
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.models import load_model
+from overlapkit.autoplan.search import search
+from overlapkit.autoplan.settings import SearchSettings, with_memory
+from overlapkit.planner.layout import TrainingLayout
 from overlapkit.planner.placement import Placement
 from overlapkit.planner.placement import plan as place
-from overlapkit.planner.search import (
-    Candidate,
-    SearchResult,
-    SearchSettings,
-    search,
-    with_memory,
-)
 from overlapkit.planner.traffic import Workload
 from overlapkit.topology.model import Topology
 

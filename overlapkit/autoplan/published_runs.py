@@ -20,16 +20,13 @@ import math
 from dataclasses import dataclass
 from importlib import resources
 
-from overlapkit.planner.compute import LAYER_OVER_MATMUL
-from overlapkit.planner.memory import PRECISIONS
-from overlapkit.planner.model_spec import ModelSpec, gpt_spec, load_model
-from overlapkit.planner.search import (
-    Candidate,
-    PlanSearchError,
-    SearchSettings,
-    search,
-    with_memory,
-)
+from overlapkit.autoplan.candidate import Candidate
+from overlapkit.autoplan.compute import LAYER_OVER_MATMUL
+from overlapkit.autoplan.memory import PRECISIONS
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.models import gpt_spec, load_model
+from overlapkit.autoplan.search import search
+from overlapkit.autoplan.settings import PlanSearchError, SearchSettings, with_memory
 from overlapkit.topology.loading import load_topology
 
 TOLERANCE = 0.15
@@ -179,7 +176,7 @@ def _cell(row: dict, key: str):
 
 def published_runs() -> list[PublishedRun]:
     """Every row of ``data/published_runs.tsv``."""
-    text = resources.files("overlapkit.planner").joinpath("data/published_runs.tsv").read_text()
+    text = resources.files("overlapkit.autoplan").joinpath("data/published_runs.tsv").read_text()
     lines = [line for line in text.splitlines() if not line.startswith("#")]
     out = []
     for row in csv.DictReader(io.StringIO("\n".join(lines)), delimiter="\t"):

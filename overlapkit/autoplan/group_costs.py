@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from overlapkit.planner.cost import GroupShape, estimate_shape, group_shapes
+from overlapkit.cost.estimate import estimate_shape
+from overlapkit.cost.shape import GroupShape, group_shapes
 from overlapkit.planner.grid import physical_order
 from overlapkit.topology.model import Topology
 

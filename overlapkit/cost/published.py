@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from overlapkit.planner.cost import Estimate, estimate
+from overlapkit.cost.estimate import Estimate, estimate
 from overlapkit.topology.loading import PRESET_DIR, load_topology, parse_topology_yaml
 from overlapkit.topology.model import Topology
 from overlapkit.topology.units import parse_size
@@ -114,7 +114,7 @@ class Check:
 
 def default_path() -> Path:
     """The shipped measurements file."""
-    return Path(str(resources.files("overlapkit.planner") / "data" / "published_busbw.tsv"))
+    return Path(str(resources.files("overlapkit.cost") / "data" / "published_busbw.tsv"))
 
 
 def load_measurements(path: str | Path | None = None) -> list[Measurement]:

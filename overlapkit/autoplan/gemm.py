@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from overlapkit.planner.model_spec import ModelSpec
+from overlapkit.autoplan.model_spec import ModelSpec
 
 TILE = (128, 256)
 

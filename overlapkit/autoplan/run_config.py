@@ -12,7 +12,7 @@ context or pipeline parallelism, no activation recomputation and no ZeRO-1/2 opt
 
 from __future__ import annotations
 
-from overlapkit.planner.candidate import TrainingLayout
+from overlapkit.planner.layout import TrainingLayout
 
 TRAIN_MODELS = ("gpt_tiny", "moe_tiny", "mlp")
 """overlapkit-train's model zoo (``conf/model``)."""

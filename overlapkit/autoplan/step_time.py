@@ -7,7 +7,7 @@ the output layer on the last stage):
   attention's ``2 x seq x heads x (qk_dim + v_dim)`` per token), backward twice that,
   recomputation's extra forward (full: the whole layer; selective: the attention core), all
   divided by ``tp x cp`` and run at the achievable fraction of the device's dense peak
-  (``planner.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's;
+  (``autoplan.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's;
   under tp, the host's dispatch of the sharded layers where it is not hidden
   (``tp_layer_dispatch_s``).
 - **tp** (sequence parallel): all-gather before and reduce-scatter after attention and the
@@ -32,7 +32,7 @@ the host steps tensor by tensor, a cost per parameter tensor, more for DTensors)
 Hidden communication uses ``overlap_efficiency`` of the window, and one of its collectives
 (the last gradient bucket, the first parameter gather, FSDP's first gather and last
 reduce-scatter) hides behind nothing. Every collective is the cost
-model's estimate on the group the layout's placement gives (``planner.group_costs``).
+model's estimate on the group the layout's placement gives (``autoplan.group_costs``).
 """
 
 from __future__ import annotations
@@ -40,15 +40,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.framework import MEGATRON, Framework
-from overlapkit.planner.gemm import (
+from overlapkit.autoplan.framework import MEGATRON, Framework
+from overlapkit.autoplan.gemm import (
     layer_matmul_seconds,
     unfused_attention_seconds,
     wave_efficiency,
 )
-from overlapkit.planner.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
-from overlapkit.planner.memory import (
+from overlapkit.autoplan.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
+from overlapkit.autoplan.memory import (
     BF16,
     Precision,
     layer_activation_bytes,
@@ -56,7 +55,8 @@ from overlapkit.planner.memory import (
     recomputed_activation_bytes,
     stage_params,
 )
-from overlapkit.planner.model_spec import ModelSpec
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 
 BUCKET_PARAMS = 40_000_000
@@ -78,7 +78,7 @@ class StepOptions:
     seq_len: int
     accelerator: Accelerator
     achievable: float
-    """Fraction of the BF16 dense peak the layers' FLOPs run at (``planner.compute``)."""
+    """Fraction of the BF16 dense peak the layers' FLOPs run at (``autoplan.compute``)."""
     matmul_achievable: float | None = None
     """Fraction of the matmul precision's peak (FP8 runs); None: ``achievable``."""
     overlap_efficiency: float
@@ -100,7 +100,7 @@ class StepOptions:
     project's CPU ranks (bench/planner_ranking measures it: the tensor-parallel model on a
     one-rank mesh against the plain one, same FLOPs, no communication)."""
     framework: Framework = MEGATRON
-    """What runs the layout (``planner.framework``): how tp splits the model, its collectives,
+    """What runs the layout (``autoplan.framework``): how tp splits the model, its collectives,
     which parameters are DTensors. Megatron-LM's by default; ``OVERLAPKIT_TRAIN`` prices what
     overlapkit-train runs."""
     optimizer_tensor_s: float = 0.0

@@ -11,13 +11,13 @@ NCCL's own tuning model does (``src/graph/tuning.cc``, NVIDIA/nccl at b6475625, 
   4 bytes of data and polls flags (ring x1/4, tree x1/3.8); LL128 keeps 120 of every 128 bytes
   (x0.92, x0.7 with one rank per node); tree is x0.92 and has a medium-size correction table;
   a multi-node Simple ring's latency grows x1.4 ("plateau effect of ring"). NVLS (in-switch
-  reduction) is modelled from its data path and ``nvlsEfficiency`` in ``planner.nvls``.
+  reduction) is modelled from its data path and ``nvlsEfficiency`` in ``cost.nvls``.
 - gloo runs one ring algorithm; its figures come from ``overlapkit calibrate`` (measured), so it
   adds nothing on top of the topology.
 - "ideal" is a bare link at line rate: the arithmetic of docs/cost-model.md.
 
 NCCL's tuning model is ``latency + bytes / bandwidth``: it has no term for how much less than a
-full chunk a medium message moves per step, nor for the pipeline fill. ``planner.pipeline`` adds
+full chunk a medium message moves per step, nor for the pipeline fill. ``cost.pipeline`` adds
 them for a ``chunked`` library (NCCL); gloo and "ideal" add nothing.
 
 Left out of the NCCL model: per-channel bandwidth caps (``perChMax*Bws``, ``llMaxBws``), the
@@ -39,7 +39,7 @@ _NCCL_BASE_LATENCY_US = {TREE: (6.8, 14.0, 0.0), RING: (6.6, 14.0, 8.4), SWITCH:
 # tuning.cc hwLat (us per step) by link class, algorithm and protocol { LL, LL128, Simple }.
 # NVLS ("switch") has only Simple; its network entry is NVLS's 18 us (NVLS-tree uses 14 us).
 # Its NVLink entry (23 us) is the time its pipeline takes to fill at the smallest sizes NVLS
-# runs, which planner.pipeline charges by size (NVLS_FILL_LOOPS): 0 here.
+# runs, which cost.pipeline charges by size (NVLS_FILL_LOOPS): 0 here.
 _NCCL_STEP_LATENCY_US = {
     "nvlink": {TREE: (0.6, 1.25, 28.0), RING: (0.6, 1.9, 3.4), SWITCH: (0.0, 0.0, 0.0)},
     "pci": {TREE: (1.0, 1.9, 28.0), RING: (1.0, 2.5, 5.7), SWITCH: (0.0, 0.0, 0.0)},
@@ -135,7 +135,7 @@ _NCCL_STEP_SCALE = {
 }
 LL128_EFFICIENCY = 0.6
 """Fitted: the share of tuning.cc's LL128 bandwidth (0.92 of the link) LL128 reaches at the
-sizes it runs at, fitted with ``planner.pipeline.HALF_BYTES`` to the 8 x A100 and 4 x GB200
+sizes it runs at, fitted with ``cost.pipeline.HALF_BYTES`` to the 8 x A100 and 4 x GB200
 ring sweeps (where it runs 2-16 MiB): 0.55 of the link. With 0.92, LL128 would beat Simple up
 to 128 MiB on A100, where the sweep has Simple's shape from 32 MiB on."""
 
@@ -153,11 +153,11 @@ class LibraryModel:
     tree_chains_within_domain: bool = False
     """NCCL's tree is a chain inside a node and a double binary tree across nodes."""
     nvls_data_path: bool = False
-    """In-switch reduction runs at what NCCL's NVLS data path sustains (``planner.nvls``);
+    """In-switch reduction runs at what NCCL's NVLS data path sustains (``cost.nvls``);
     without it, every byte passes once each way at the link rate (ideal)."""
     chunked: bool = False
     """Below about 1 GiB the library pays for its chunking and pipeline fill
-    (``planner.pipeline``, NCCL's); without it, a collective costs latency plus bytes over
+    (``cost.pipeline``, NCCL's); without it, a collective costs latency plus bytes over
     bandwidth at every size."""
 
     def protocols(self, algorithm: str, *, intra_class: str | None) -> tuple[str, ...]:

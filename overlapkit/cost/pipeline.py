@@ -1,6 +1,6 @@
 """What NCCL's chunking costs at small and medium sizes: steps, loops and the pipeline fill.
 
-The alpha-beta formulas in ``planner.cost`` charge a collective ``latency + bytes / bandwidth``,
+The alpha-beta formulas in ``cost`` charge a collective ``latency + bytes / bandwidth``,
 with the topology's *achieved* bandwidth: what large messages reach. Below about 1 GiB NCCL moves
 less per step than at full size and its pipeline never fills for long, so it runs slower than
 that. This module adds that time, from how NCCL cuts the work (NVIDIA/nccl 5067397c, v2.30.7):
@@ -10,7 +10,7 @@ that. This module adds that time, from how NCCL cuts the work (NVIDIA/nccl 50673
   channel). A ring's channel count is twice the rings ``graph/search.cc`` ``ncclTopoCompute``
   finds, duplicated once more (``ncclTopoDupChannels``; ``connect.cc`` ``ncclTopoPostset``:
   ``nChannels * 2``): ``ring_channels``. NVLS runs ``nvlsChannels`` CTAs
-  (``transport/nvls.cc``: 16 on Hopper, 24 or 32 on Blackwell; ``planner.nvls.NVLS_CHANNELS``).
+  (``transport/nvls.cc``: 16 on Hopper, 24 or 32 on Blackwell; ``cost.nvls.NVLS_CHANNELS``).
 - **Chunks and loops.** A ring all-reduce channel loops over ``n x chunk`` bytes, ``2(n-1)``
   steps of one chunk each (``device/all_reduce.h`` ``runRing``); reduce-scatter and all-gather
   ``n-1`` steps; broadcast pipelines single chunks through ``n-1`` hops. The chunk is
@@ -43,9 +43,9 @@ that. This module adds that time, from how NCCL cuts the work (NVIDIA/nccl 50673
 
 NCCL's tuning model has no term for any of this (``graph/tuning.cc`` ``ncclTopoGetAlgoTime``:
 ``latency + bytes / bandwidth``; its ``treeCorrectionFactor`` table is the only size term, kept
-in ``planner.libraries``). ``HALF_BYTES``, ``RING_FILL_STEPS``, ``NVLS_FILL_LOOPS`` and
-``planner.libraries.LL128_EFFICIENCY`` are **fitted** to four published sweeps (rows marked
-``fit`` in ``planner/data/published_busbw.tsv``); the other rows only check them.
+in ``cost.libraries``). ``HALF_BYTES``, ``RING_FILL_STEPS``, ``NVLS_FILL_LOOPS`` and
+``cost.libraries.LL128_EFFICIENCY`` are **fitted** to four published sweeps (rows marked
+``fit`` in ``cost/data/published_busbw.tsv``); the other rows only check them.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ sizeof(T))`` elements, 16 KiB per head."""
 
 HALF_BYTES = {SIMPLE: 80 * KiB, LL128: 0, LL: 1024, NVLS: 6 * KiB}
 """Fitted half-performance length of one step, bytes (Hockney's n-half). Simple and LL are
-fitted with ``RING_FILL_STEPS`` and ``planner.libraries.LL128_EFFICIENCY`` to the 8 x A100 and
+fitted with ``RING_FILL_STEPS`` and ``cost.libraries.LL128_EFFICIENCY`` to the 8 x A100 and
 4 x GB200 ring sweeps, NVLS (per head and loop) with ``NVLS_FILL_LOOPS`` to the 8 x H200 and
 72 x GB200 NVL72 sweeps: the values that make the worst of those rows smallest (a grid search;
 rows marked ``fit`` in ``published_busbw.tsv``). LL128's fit is 0: its receivers poll a flag

@@ -8,9 +8,9 @@ Matmul FLOPS" table, ml-engineering ``compute/accelerator/README.md``: A100 SXM 
 TFLOPS = 85.9 %, H100 SXM 792.1 of 989 = 80.1 %, B200 1745 of 2250 = 77.6 %) times
 ``LAYER_OVER_MATMUL``, the share of that a whole layer keeps (norms, activations, softmax,
 launch gaps: kernels that are not large matmuls). ``LAYER_OVER_MATMUL`` is the one number
-fitted to the published runs (``planner/data/published_runs.tsv``): it minimises the squared
+fitted to the published runs (``autoplan/data/published_runs.tsv``): it minimises the squared
 log error of the 25 rows whose GPUs the presets describe (the power-capped H100 rows left out;
-``planner.published_runs.fit_layer_over_matmul``, rounded to two digits: 0.778 with the
+``autoplan.published_runs.fit_layer_over_matmul``, rounded to two digits: 0.778 with the
 medium-size cost model, 0.766 before it, whose slower 1-64 MiB collectives it compensates);
 ``overlapkit plan --auto --validate`` prints every run's error with it, and ``--achievable``
 overrides the product (from a measured matmul or step of your own: ``measured_accelerator``

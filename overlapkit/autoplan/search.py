@@ -2,7 +2,7 @@
 
 Enumerated (``TrainingLayout``): tp dividing a scale-up domain; cp dividing the sequence; ep
 dividing the experts (MoE models); pp with ``pp <= layers``; dp what is left of the world
-(``world = pp x dp x ep x cp x tp``, see ``planner.candidate``); every block of the traffic
+(``world = pp x dp x ep x cp x tp``, see ``planner.layout``); every block of the traffic
 order inside a domain or covering whole ones (``group_costs.blocks_intact``); micro-batch sizes
 dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``, the
 micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / selective (only
@@ -12,7 +12,7 @@ of replacing it. Memory is checked first (cheap); only layouts that fit are time
 a parallel size fixed, where layouts that fit come first, fastest first, and when none fits
 the ones closest to fitting are reported (least memory per GPU, then the fastest).
 
-Candidates are priced analytically per group shape (``planner.group_costs``); the rank grid is
+Candidates are priced analytically per group shape (``autoplan.group_costs``); the rank grid is
 built (``ok.plan``) only for the ones shown.
 """
 
@@ -22,28 +22,23 @@ import dataclasses
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
-from overlapkit.planner.candidate import RECOMPUTE, SHARDING, TrainingLayout
-from overlapkit.planner.compute import LAYER_OVER_MATMUL, achievable_fraction, overlap_efficiency
-from overlapkit.planner.framework import MEGATRON, Framework
-from overlapkit.planner.group_costs import (
+from overlapkit.autoplan.candidate import Candidate, SearchResult, memory_text
+from overlapkit.autoplan.group_costs import (
     HSDP_ORDER,
     TRAFFIC_ORDER,
     AxisCosts,
     blocks_intact,
     domain_size,
 )
-from overlapkit.planner.memory import (
-    BF16,
+from overlapkit.autoplan.memory import (
     MemoryBreakdown,
-    Precision,
     layers_per_stage,
-    memory_breakdown,
 )
-from overlapkit.planner.model_spec import ModelSpec
-from overlapkit.planner.step_time import StepOptions, StepTime, predict_step
-from overlapkit.topology.accelerator import Accelerator
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.settings import PlanSearchError, SearchSettings
+from overlapkit.autoplan.step_time import predict_step
+from overlapkit.planner.layout import RECOMPUTE, SHARDING, TrainingLayout
 from overlapkit.topology.model import Topology
 
 DIMS = ("tp", "pp", "dp", "cp", "ep")
@@ -54,153 +49,6 @@ MIN_TOKENS_PER_CP_RANK = 2048
 recipes use cp = 2 at 8,192 tokens; Llama 3 cp = 16 at 131,072: 4,096 and 8,192 per rank)."""
 MAX_HSDP_SHARD_DOMAINS = 8
 """Free search: an HSDP shard group spans at most this many scale-up domains."""
-
-
-class PlanSearchError(ValueError):
-    """No layout satisfies the request; the message says which constraint failed."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SearchSettings:
-    """What the search assumes about the training run (defaults: bf16, flash attention)."""
-
-    precision: Precision = BF16
-    flash_attention: bool = True
-    achievable: float | None = None
-    """Fraction of dense peak; None: the GPU family's default (``planner.compute``)."""
-    layer_over_matmul: float = LAYER_OVER_MATMUL
-    """The family default's share of the best matmul (``planner.compute``; fitted)."""
-    overlap_efficiency: float | None = None
-    """None: the topology library's default."""
-    tp_overlap: float = 0.0
-    ep_overlap: float = 0.0
-    fsdp_prefetch: int = 1
-    accelerator: Accelerator | None = None
-    """Overrides the topology's (a measured CPU, another memory size)."""
-    framework: Framework = MEGATRON
-    """What runs the layouts (``planner.framework``): Megatron-LM's splits by default."""
-
-    def step_options(self, topology: Topology, seq_len: int) -> StepOptions:
-        accelerator = self.accelerator or topology.accelerator
-        if accelerator is None:
-            raise PlanSearchError(
-                f"topology {topology.name!r} has no accelerator section (GPU memory, peak "
-                "TFLOP/s): add one to the topology file (see overlapkit/topology/accelerator.py)"
-                ", or pass accelerator= (a measured rate: planner.compute.measured_accelerator)"
-            )
-        dtype = self.precision.matmul_dtype
-        accelerator.peak_tflops(dtype)  # refuses fp8 where there is none
-        achievable = self.achievable
-        return StepOptions(
-            seq_len=seq_len,
-            accelerator=accelerator,
-            achievable=(
-                achievable_fraction(accelerator, layer_over_matmul=self.layer_over_matmul)
-                if achievable is None
-                else achievable
-            ),
-            matmul_achievable=(
-                achievable_fraction(accelerator, dtype, layer_over_matmul=self.layer_over_matmul)
-                if achievable is None
-                else achievable
-            ),
-            overlap_efficiency=(
-                overlap_efficiency(str(topology.library))
-                if self.overlap_efficiency is None
-                else self.overlap_efficiency
-            ),
-            precision=self.precision,
-            flash_attention=self.flash_attention,
-            tp_overlap=self.tp_overlap,
-            ep_overlap=self.ep_overlap,
-            framework=self.framework,
-        )
-
-    def memory(self, model: ModelSpec, layout: TrainingLayout, seq_len: int) -> MemoryBreakdown:
-        """``layout``'s peak memory per GPU under these settings, bytes."""
-        return memory_breakdown(
-            model,
-            layout,
-            seq_len=seq_len,
-            precision=self.precision,
-            flash_attention=self.flash_attention,
-            fsdp_prefetch=self.fsdp_prefetch,
-            vocab_parallel=self.framework.vocab_parallel,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A priced layout: its predicted step and memory."""
-
-    layout: TrainingLayout
-    step: StepTime
-    memory: MemoryBreakdown
-    memory_limit: float
-    """The GPU's memory, bytes."""
-    seq_len: int
-    peak_tflops: float
-    """The precision's dense peak, TFLOP/s (what MFU divides by)."""
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total <= self.memory_limit
-
-    @property
-    def tokens_per_s_per_gpu(self) -> float:
-        return self.layout.global_batch * self.seq_len / (self.step.step_s * self.layout.world_size)
-
-    @property
-    def model_tflops_per_gpu(self) -> float:
-        return self.step.model_flops / (self.step.step_s * self.layout.world_size) / 1e12
-
-    @property
-    def hardware_tflops_per_gpu(self) -> float:
-        return self.step.hardware_flops / (self.step.step_s * self.layout.world_size) / 1e12
-
-    @property
-    def mfu(self) -> float:
-        return self.model_tflops_per_gpu / self.peak_tflops
-
-    def to_dict(self) -> dict:
-        """One entry of ``overlapkit plan --auto --json``'s ``candidates`` (keys fixed)."""
-        lay = self.layout
-        return {
-            "dims": lay.dims,
-            "micro_batch": lay.micro_batch,
-            "num_micro_batches": lay.num_micro_batches,
-            "virtual_stages": lay.virtual_stages,
-            "recompute": lay.recompute,
-            "sharding": lay.sharding,
-            "dp_shard": lay.dp_shard,
-            "step_time_s": self.step.step_s,
-            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
-            "model_tflops_per_gpu": self.model_tflops_per_gpu,
-            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
-            "mfu": self.mfu,
-            "memory_gb_per_gpu": self.memory.total / 1e9,
-            "fits": self.fits,
-            "breakdown": {"time": self.step.to_dict(), "memory": self.memory.to_dict()},
-        }
-
-
-@dataclass(slots=True)
-class SearchResult:
-    """The ranked candidates (best first) and what the search did."""
-
-    candidates: list[Candidate]
-    searched: int
-    """Layouts considered (memory checked)."""
-    timed: int
-    """Layouts whose step time was predicted."""
-    search_s: float
-    estimates: int
-    """Cost-model estimates made (the rest came from the per-shape cache)."""
-    fixed: dict = field(default_factory=dict)
-
-    @property
-    def best(self) -> Candidate:
-        return self.candidates[0]
 
 
 def divisors(n: int) -> list[int]:
@@ -367,7 +215,7 @@ def search(
 
     Args:
         topology (Topology): with an accelerator section (or ``settings.accelerator``).
-        model (ModelSpec): ``planner.model_spec.load_model(...)``.
+        model (ModelSpec): ``autoplan.models.load_model(...)``.
         global_batch (int): sequences per step.
         seq_len (int): tokens per sequence.
         fixed (Mapping): sizes and choices the caller fixes (``{"tp": 8}``,
@@ -550,16 +398,6 @@ def _distinct(ranked: list[Candidate], count: int) -> list[Candidate]:
     return out
 
 
-def memory_text(memory: MemoryBreakdown) -> str:
-    """``weights 16.1, grads 1, ... GB``: the parts above 5 MB."""
-    parts = [
-        f"{name.removesuffix('_gb')} {value:.3g}"
-        for name, value in memory.to_dict().items()
-        if name != "total_gb" and value > 0.005
-    ]
-    return ", ".join(parts) + " GB"
-
-
 def _fixed_text(fixed: dict) -> str:
     return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items()) or "none fixed"
 
@@ -586,17 +424,3 @@ def _no_sizes_message(topology: Topology, model: ModelSpec, seq_len: int, fixed:
 def order_for(layout: TrainingLayout) -> tuple[str, ...]:
     """The mesh axis order the placement of ``layout`` uses."""
     return HSDP_ORDER if layout.sharding == "hsdp" else TRAFFIC_ORDER
-
-
-def with_memory(topology: Topology, gpu_memory_gb: float | None) -> Topology:
-    """``topology`` with its GPUs' memory set (``--gpu-memory-gb``)."""
-    if gpu_memory_gb is None:
-        return topology
-    if not gpu_memory_gb > 0:
-        raise ValueError(f"--gpu-memory-gb must be > 0, got {gpu_memory_gb!r}")
-    if topology.accelerator is None:
-        raise PlanSearchError(
-            f"--gpu-memory-gb: topology {topology.name!r} has no accelerator section to set the "
-            "memory of (peak TFLOP/s are needed too); add one to the topology file"
-        )
-    return topology.with_accelerator(topology.accelerator.with_memory(gpu_memory_gb))

@@ -39,8 +39,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.model_spec import ModelSpec
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.planner.layout import TrainingLayout
 
 RESERVED_GB = 2.0
 """CUDA context (~0.75 GB), NCCL buffers and cuBLAS workspaces per GPU, GB."""
@@ -167,7 +167,7 @@ def stage_params(
     """What one GPU of pipeline stage ``stage`` holds (layers dealt round-robin in chunks).
 
     ``vocab_parallel``: the embedding and the head are split over tp, as Megatron-LM splits
-    them; False: every tp rank holds them whole (overlapkit-train, ``planner.framework``).
+    them; False: every tp rank holds them whole (overlapkit-train, ``autoplan.framework``).
     """
     return _stage_params(
         model, layout.pp, layout.virtual_stages, layout.tp, layout.ep, stage, vocab_parallel
@@ -368,7 +368,7 @@ def memory_breakdown(
     """Peak memory per GPU over the pipeline stages (see module doc), bytes.
 
     ``vocab_parallel``: the embedding, the head and the logits split over tp (Megatron-LM);
-    False: whole on every tp rank (overlapkit-train, ``planner.framework``).
+    False: whole on every tp rank (overlapkit-train, ``autoplan.framework``).
     """
     stages = {0, layout.pp - 1}
     best: MemoryBreakdown | None = None

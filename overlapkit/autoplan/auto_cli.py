@@ -17,32 +17,26 @@ import dataclasses
 import json
 import time
 
-from overlapkit.planner.auto import AutoPlan, auto_plan
-from overlapkit.planner.candidate import TrainingLayout
-from overlapkit.planner.explain import where
-from overlapkit.planner.framework import OVERLAPKIT_TRAIN
-from overlapkit.planner.group_costs import domain_size
-from overlapkit.planner.memory import PRECISIONS
-from overlapkit.planner.model_spec import ModelSpec, load_model
-from overlapkit.planner.placement import Placement, PlacementError
-from overlapkit.planner.placement import plan as place
-from overlapkit.planner.published_runs import render_run_checks, validate
-from overlapkit.planner.run_config import (
+from overlapkit.autoplan.auto import AutoPlan, auto_plan
+from overlapkit.autoplan.candidate import Candidate, memory_text
+from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
+from overlapkit.autoplan.group_costs import domain_size
+from overlapkit.autoplan.memory import PRECISIONS
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.models import load_model
+from overlapkit.autoplan.published_runs import render_run_checks, validate
+from overlapkit.autoplan.run_config import (
     TRAIN_MODELS,
     torchtitan_config,
     train_lacks,
     train_overrides,
 )
-from overlapkit.planner.search import (
-    TIE,
-    Candidate,
-    PlanSearchError,
-    SearchSettings,
-    memory_text,
-    price,
-    search,
-    with_memory,
-)
+from overlapkit.autoplan.search import TIE, price, search
+from overlapkit.autoplan.settings import PlanSearchError, SearchSettings, with_memory
+from overlapkit.planner.explain import where
+from overlapkit.planner.layout import TrainingLayout
+from overlapkit.planner.placement import Placement, PlacementError
+from overlapkit.planner.placement import plan as place
 from overlapkit.topology.model import Topology
 from overlapkit.topology.units import format_seconds
 
@@ -86,13 +80,13 @@ def add_auto_arguments(
         type=float,
         metavar="F",
         help="fraction of the dense peak a layer's FLOPs run at (default: the GPU family's, "
-        "planner.compute), e.g. from a measured step",
+        "autoplan.compute), e.g. from a measured step",
     )
     source.add_argument(
         "--validate",
         action="store_true",
         help="with --auto, instead of a topology: predict every published training run the "
-        "planner is checked against (planner/data/published_runs.tsv)",
+        "planner is checked against (autoplan/data/published_runs.tsv)",
     )
 
 
@@ -221,7 +215,7 @@ def run_instructions(answer: AutoPlan) -> dict:
 
 
 def train_prediction(answer: AutoPlan) -> dict:
-    """The best layout priced as overlapkit-train runs it (``planner.framework``): under tp
+    """The best layout priced as overlapkit-train runs it (``autoplan.framework``): under tp
     its embeddings and head stay whole on every rank, and all-reduces replace sequence
     parallelism's gathers and scatters. Seconds, GB (1e9 bytes)."""
     settings = dataclasses.replace(answer.settings, framework=OVERLAPKIT_TRAIN)

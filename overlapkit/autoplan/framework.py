@@ -1,6 +1,6 @@
 """What a training framework runs for a layout, where frameworks differ in what a step costs.
 
-The step-time model (``planner.step_time``) prices a layout as the framework that runs it splits
+The step-time model (``autoplan.step_time``) prices a layout as the framework that runs it splits
 the model. Two are described:
 
 - ``MEGATRON`` (the default; what the published runs used): Megatron-LM's tensor parallelism

@@ -1,0 +1,94 @@
+"""A priced layout (``Candidate``: its predicted step and memory) and the search's ranked answer
+(``SearchResult``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from overlapkit.autoplan.memory import MemoryBreakdown
+from overlapkit.autoplan.step_time import StepTime
+from overlapkit.planner.layout import TrainingLayout
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A priced layout: its predicted step and memory."""
+
+    layout: TrainingLayout
+    step: StepTime
+    memory: MemoryBreakdown
+    memory_limit: float
+    """The GPU's memory, bytes."""
+    seq_len: int
+    peak_tflops: float
+    """The precision's dense peak, TFLOP/s (what MFU divides by)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory_limit
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.layout.global_batch * self.seq_len / (self.step.step_s * self.layout.world_size)
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.step.model_flops / (self.step.step_s * self.layout.world_size) / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.step.hardware_flops / (self.step.step_s * self.layout.world_size) / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_tflops_per_gpu / self.peak_tflops
+
+    def to_dict(self) -> dict:
+        """One entry of ``overlapkit plan --auto --json``'s ``candidates`` (keys fixed)."""
+        lay = self.layout
+        return {
+            "dims": lay.dims,
+            "micro_batch": lay.micro_batch,
+            "num_micro_batches": lay.num_micro_batches,
+            "virtual_stages": lay.virtual_stages,
+            "recompute": lay.recompute,
+            "sharding": lay.sharding,
+            "dp_shard": lay.dp_shard,
+            "step_time_s": self.step.step_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "mfu": self.mfu,
+            "memory_gb_per_gpu": self.memory.total / 1e9,
+            "fits": self.fits,
+            "breakdown": {"time": self.step.to_dict(), "memory": self.memory.to_dict()},
+        }
+
+
+@dataclass(slots=True)
+class SearchResult:
+    """The ranked candidates (best first) and what the search did."""
+
+    candidates: list[Candidate]
+    searched: int
+    """Layouts considered (memory checked)."""
+    timed: int
+    """Layouts whose step time was predicted."""
+    search_s: float
+    estimates: int
+    """Cost-model estimates made (the rest came from the per-shape cache)."""
+    fixed: dict = field(default_factory=dict)
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+
+def memory_text(memory: MemoryBreakdown) -> str:
+    """``weights 16.1, grads 1, ... GB``: the parts above 5 MB."""
+    parts = [
+        f"{name.removesuffix('_gb')} {value:.3g}"
+        for name, value in memory.to_dict().items()
+        if name != "total_gb" and value > 0.005
+    ]
+    return ", ".join(parts) + " GB"

@@ -1,0 +1,245 @@
+"""Where a ``ModelSpec`` comes from: a Hugging Face ``config.json``, a built-in name, a
+Megatron-LM GPT described by its shape, or an overlapkit-train model config.
+
+``from_hf_config`` reads the families ``model_spec.FAMILIES`` lists, field by field as each
+family's modelling code does; the built-in names (``autoplan/data/models.json``) are stored in the
+same config.json form, so both take one path (``load_model``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+from overlapkit.autoplan.model_spec import FAMILIES, ModelSpec
+
+
+def _require(config: dict, key: str, where: str, *, default: Any = ...) -> Any:
+    if key in config and config[key] is not None:
+        return config[key]
+    if default is not ...:
+        return default
+    raise ValueError(
+        f"{where}: missing {key!r} (model_type {config.get('model_type')!r} needs it); "
+        "use the model's config.json from its Hugging Face repository"
+    )
+
+
+def from_hf_config(
+    config: dict, *, name: str = "config.json", where: str | None = None
+) -> ModelSpec:
+    """A ``ModelSpec`` from a Hugging Face ``config.json`` mapping.
+
+    Raises:
+        ValueError: an unknown ``model_type`` (the known families listed) or a missing key
+            (named, with the file).
+    """
+    where = where or name
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        close = difflib.get_close_matches(str(family), FAMILIES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"{where}: model_type {family!r} is not supported{hint}; known: {', '.join(FAMILIES)}"
+        )
+    r = lambda key, default=...: _require(config, key, where, default=default)  # noqa: E731
+    if family == "gpt2":
+        hidden = r("n_embd")
+        heads = r("n_head")
+        return ModelSpec(
+            name=name,
+            family=family,
+            layers=r("n_layer"),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=heads,
+            head_dim=hidden // heads,
+            ffn_hidden=r("n_inner", 4 * hidden),
+            vocab_size=r("vocab_size"),
+            gated_mlp=False,
+            norm="layernorm",
+            attention_bias=True,
+            output_bias=True,
+            tied_embeddings=r("tie_word_embeddings", True),
+            position_embeddings=r("n_positions"),
+            dropout=r("resid_pdrop", 0.1) > 0,
+        )
+    hidden = r("hidden_size")
+    heads = r("num_attention_heads")
+    common = dict(
+        name=name,
+        family=family,
+        layers=r("num_hidden_layers"),
+        hidden=hidden,
+        heads=heads,
+        vocab_size=r("vocab_size"),
+        tied_embeddings=r("tie_word_embeddings", False),
+    )
+    if family == "gpt_neox":
+        return ModelSpec(
+            **common,
+            kv_heads=heads,
+            head_dim=hidden // heads,
+            ffn_hidden=r("intermediate_size"),
+            gated_mlp=False,
+            norm="layernorm",
+            attention_bias=r("attention_bias", True),
+            output_bias=r("attention_bias", True),
+            dropout=r("hidden_dropout", 0.0) > 0,
+        )
+    kv_heads = r("num_key_value_heads", heads)
+    head_dim = r("head_dim", hidden // heads)
+    if family == "deepseek_v3":
+        return ModelSpec(
+            **common,
+            kv_heads=kv_heads,
+            head_dim=r("qk_nope_head_dim"),
+            ffn_hidden=r("intermediate_size"),
+            experts=r("n_routed_experts"),
+            topk=r("num_experts_per_tok"),
+            moe_ffn_hidden=r("moe_intermediate_size"),
+            shared_experts=r("n_shared_experts", 0),
+            dense_layers=r("first_k_dense_replace", 0),
+            router_bias=r("topk_method", "") == "noaux_tc",
+            routing_group_limit=r("topk_group", 0) or 0,
+            q_lora_rank=r("q_lora_rank", 0) or 0,
+            kv_lora_rank=r("kv_lora_rank"),
+            qk_rope_head_dim=r("qk_rope_head_dim"),
+            v_head_dim=r("v_head_dim"),
+            attention_bias=r("attention_bias", False),
+        )
+    moe = {}
+    if family == "mixtral":
+        moe = dict(
+            experts=r("num_local_experts"),
+            topk=r("num_experts_per_tok"),
+            moe_ffn_hidden=r("intermediate_size"),
+        )
+    return ModelSpec(
+        **common,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_hidden=r("intermediate_size"),
+        attention_bias=family == "qwen2" or r("attention_bias", False),
+        dropout=r("attention_dropout", 0.0) > 0,
+        **moe,
+    )
+
+
+def _builtin_configs() -> dict[str, dict]:
+    text = resources.files("overlapkit.autoplan").joinpath("data/models.json").read_text("utf-8")
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+def builtin_names() -> list[str]:
+    """The model names ``load_model`` knows without a file."""
+    return sorted(_builtin_configs())
+
+
+def load_model(name_or_path: str | Path) -> ModelSpec:
+    """A built-in model by name, or a Hugging Face ``config.json`` file.
+
+    Raises:
+        ValueError: an unknown name (the nearest names suggested), a file that is not JSON, a
+            config missing a field.
+        FileNotFoundError: a path that does not exist.
+    """
+    text = str(name_or_path)
+    builtins = _builtin_configs()
+    if text in builtins:
+        config = builtins[text]
+        return from_hf_config(config, name=text, where=f"built-in model {text!r}")
+    if isinstance(name_or_path, Path) or text.endswith(".json") or "/" in text:
+        path = Path(text)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model config {text!r} does not exist")
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: not a JSON config.json ({err})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: a config.json must be a JSON object")
+        return from_hf_config(config, name=path.parent.name or path.stem, where=str(path))
+    close = difflib.get_close_matches(text, list(builtins), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise ValueError(
+        f"unknown model {text!r}.{hint} Built-in: {', '.join(sorted(builtins))}; or pass a "
+        "Hugging Face config.json"
+    )
+
+
+def gpt_spec(
+    *,
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab_size: int = 51200,
+    seq_len: int = 2048,
+    ffn_hidden: int | None = None,
+    dropout: bool = True,
+    experts: int = 0,
+    topk: int = 0,
+    expert_hidden: int = 0,
+) -> ModelSpec:
+    """A Megatron-LM GPT (GELU MLP of ``4 x hidden``, LayerNorm, tied embeddings, learned
+    positions, dropout), as its papers' tables describe models by layers, hidden and heads;
+    with ``experts``, every MLP a mixture of them (overlapkit-train's moe_tiny)."""
+    config = {
+        "model_type": "gpt2",
+        "n_layer": layers,
+        "n_embd": hidden,
+        "n_head": heads,
+        "n_inner": ffn_hidden,
+        "n_positions": seq_len,
+        "vocab_size": vocab_size,
+        "resid_pdrop": 0.1 if dropout else 0.0,
+    }
+    spec = from_hf_config(config, name=name)
+    if experts:
+        spec = dataclasses.replace(spec, experts=experts, topk=topk, moe_ffn_hidden=expert_hidden)
+    return spec
+
+
+class TrainModelConfig(Protocol):
+    """The fields of overlapkit-train's ``GPTConfig`` (and ``MoEConfig``) the planner reads."""
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+
+
+def train_model_spec(config: TrainModelConfig, *, name: str) -> ModelSpec:
+    """An overlapkit-train transformer (``overlapkit/train/models``) as the planner describes it.
+
+    ``GPT``: GPT-2 shapes (separate q, k, v and output projections with biases, a GELU MLP of
+    ``4 x n_embd``, LayerNorm, learned positions, the head tied to the token embedding) and no
+    dropout. A config with ``n_expert`` (``MoEConfig``, moe_tiny) makes every MLP a mixture of
+    that many bias-free experts of ``expert_hidden``, ``top_k`` per token.
+
+    Example:
+        >>> from overlapkit.train.models import GPTConfig
+        >>> train_model_spec(GPTConfig(n_embd=128, block_size=64), name="gpt_tiny").params
+        834304
+    """
+    experts = getattr(config, "n_expert", 0)
+    return gpt_spec(
+        name=name,
+        layers=config.n_layer,
+        hidden=config.n_embd,
+        heads=config.n_head,
+        vocab_size=config.vocab_size,
+        seq_len=config.block_size,
+        dropout=False,
+        experts=experts,
+        topk=getattr(config, "top_k", 0) if experts else 0,
+        expert_hidden=getattr(config, "expert_hidden", 0) if experts else 0,
+    )

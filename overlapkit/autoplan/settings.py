@@ -1,0 +1,103 @@
+"""What the auto-planner assumes about a training run (``SearchSettings``) and its refusal
+(``PlanSearchError``): precision, flash attention, achievable fraction of peak, overlap, and
+the framework that runs the layouts (``autoplan.framework``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overlapkit.autoplan.compute import LAYER_OVER_MATMUL, achievable_fraction, overlap_efficiency
+from overlapkit.autoplan.framework import MEGATRON, Framework
+from overlapkit.autoplan.memory import BF16, MemoryBreakdown, Precision, memory_breakdown
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.step_time import StepOptions
+from overlapkit.planner.layout import TrainingLayout
+from overlapkit.topology.accelerator import Accelerator
+from overlapkit.topology.model import Topology
+
+
+class PlanSearchError(ValueError):
+    """No layout satisfies the request; the message says which constraint failed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchSettings:
+    """What the search assumes about the training run (defaults: bf16, flash attention)."""
+
+    precision: Precision = BF16
+    flash_attention: bool = True
+    achievable: float | None = None
+    """Fraction of dense peak; None: the GPU family's default (``autoplan.compute``)."""
+    layer_over_matmul: float = LAYER_OVER_MATMUL
+    """The family default's share of the best matmul (``autoplan.compute``; fitted)."""
+    overlap_efficiency: float | None = None
+    """None: the topology library's default."""
+    tp_overlap: float = 0.0
+    ep_overlap: float = 0.0
+    fsdp_prefetch: int = 1
+    accelerator: Accelerator | None = None
+    """Overrides the topology's (a measured CPU, another memory size)."""
+    framework: Framework = MEGATRON
+    """What runs the layouts (``autoplan.framework``): Megatron-LM's splits by default."""
+
+    def step_options(self, topology: Topology, seq_len: int) -> StepOptions:
+        accelerator = self.accelerator or topology.accelerator
+        if accelerator is None:
+            raise PlanSearchError(
+                f"topology {topology.name!r} has no accelerator section (GPU memory, peak "
+                "TFLOP/s): add one to the topology file (see overlapkit/topology/accelerator.py)"
+                ", or pass accelerator= (a measured rate: autoplan.compute.measured_accelerator)"
+            )
+        dtype = self.precision.matmul_dtype
+        accelerator.peak_tflops(dtype)  # refuses fp8 where there is none
+        achievable = self.achievable
+        return StepOptions(
+            seq_len=seq_len,
+            accelerator=accelerator,
+            achievable=(
+                achievable_fraction(accelerator, layer_over_matmul=self.layer_over_matmul)
+                if achievable is None
+                else achievable
+            ),
+            matmul_achievable=(
+                achievable_fraction(accelerator, dtype, layer_over_matmul=self.layer_over_matmul)
+                if achievable is None
+                else achievable
+            ),
+            overlap_efficiency=(
+                overlap_efficiency(str(topology.library))
+                if self.overlap_efficiency is None
+                else self.overlap_efficiency
+            ),
+            precision=self.precision,
+            flash_attention=self.flash_attention,
+            tp_overlap=self.tp_overlap,
+            ep_overlap=self.ep_overlap,
+            framework=self.framework,
+        )
+
+    def memory(self, model: ModelSpec, layout: TrainingLayout, seq_len: int) -> MemoryBreakdown:
+        """``layout``'s peak memory per GPU under these settings, bytes."""
+        return memory_breakdown(
+            model,
+            layout,
+            seq_len=seq_len,
+            precision=self.precision,
+            flash_attention=self.flash_attention,
+            fsdp_prefetch=self.fsdp_prefetch,
+            vocab_parallel=self.framework.vocab_parallel,
+        )
+
+
+def with_memory(topology: Topology, gpu_memory_gb: float | None) -> Topology:
+    """``topology`` with its GPUs' memory set (``--gpu-memory-gb``)."""
+    if gpu_memory_gb is None:
+        return topology
+    if not gpu_memory_gb > 0:
+        raise ValueError(f"--gpu-memory-gb must be > 0, got {gpu_memory_gb!r}")
+    if topology.accelerator is None:
+        raise PlanSearchError(
+            f"--gpu-memory-gb: topology {topology.name!r} has no accelerator section to set the "
+            "memory of (peak TFLOP/s are needed too); add one to the topology file"
+        )
+    return topology.with_accelerator(topology.accelerator.with_memory(gpu_memory_gb))
