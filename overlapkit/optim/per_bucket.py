@@ -71,7 +71,6 @@ import atexit
 import logging
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -88,7 +87,8 @@ from overlapkit.optim.overlap_checks import (
     refuse_compiled_step,
     refuse_host_synced_lr,
 )
-from overlapkit.optim.protocols import BucketReduction, MissingGradients
+from overlapkit.optim.pending_step import PendingStep
+from overlapkit.optim.protocols import BucketReduction
 from overlapkit.optim.subset import (
     group_of,
     hyper_parameters,
@@ -117,34 +117,6 @@ def _synchronize_at_exit() -> None:
             logger.warning("%s: the last step's updates failed at exit: %s", CALLER, error)
 
 
-@dataclass
-class _Job:
-    """One ``step()``'s pending bucket updates."""
-
-    step: int
-    hyper: list[dict]
-    """Per user param group, its hyper-parameters at ``step()`` (without ``params``)."""
-    group_of: dict[int, int]
-    """``id(param)`` -> index of the user's param group holding it."""
-    missing: MissingGradients
-    """The reduction's parameters without a gradient this step (``end_backward()``)."""
-    to_land: list[int]
-    """Buckets whose reduction is not finished yet, in launch order."""
-    to_update: list[int]
-    """Buckets not updated yet (on CUDA: whose update is not issued yet)."""
-    gate: UpdateGate | None
-    """Clipping / GradScaler / NaN-Inf state: every update waits for every bucket."""
-    post_hooks: list[Callable]
-    """The optimizer's and the global step post-hooks, run once every update is applied."""
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Landed gradients by parameter index. Those of the optimizer's parameters are taken off
-    ``param.grad`` when their bucket lands (``step()`` includes ``zero_grad()``), so that a
-    user's ``optimizer.zero_grad()`` right after ``step()`` (nanoGPT's loop) finds nothing to
-    clear, and put back only for the update."""
-    events: dict[int, torch.Event] = field(default_factory=dict)
-    """On CUDA: per bucket, the side-stream event after its update."""
-
-
 class PerBucketStep:
     """The optimizer side of ``GradBucketer(optimizer=...)``; see the module docstring.
 
@@ -159,7 +131,7 @@ class PerBucketStep:
     ):
         self._reduction = reduction
         self.optimizer = optimizer
-        self._job: _Job | None = None
+        self._job: PendingStep | None = None
         self._handed: dict[int, tuple[torch.Tensor, int]] = {}
         self._norm: tuple[torch.Tensor, torch.Event | None] | None = None
         params = reduction.params
@@ -258,7 +230,7 @@ class PerBucketStep:
             )
         missing, step = reduction.end_backward()
         order = list(reduction.launch_order)
-        self._job = _Job(step, hyper, groups, missing, order, list(order), gate, post_hooks)
+        self._job = PendingStep(step, hyper, groups, missing, order, list(order), gate, post_hooks)
         if scaled is not None:
             scaled.hand_to_scaler()
         try:
