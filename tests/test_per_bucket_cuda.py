@@ -147,7 +147,7 @@ def _no_sync_and_overlap(rank, device):
                 bucketer.step(clip_grad_norm=1.0)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            events = bucketer._overlap._job.events
+            events = bucketer._overlap.job.events
             out[opt_name, step] = not all(e.query() for e in events.values())
         bucketer.remove()
     return out
@@ -173,7 +173,7 @@ def _lazy_state_is_recorded_on_the_compute_stream(rank, device):
     read = exp_avg.clone()  # ...then reads the state
     del exp_avg
     opt.state.clear()  # freed while the read is pending
-    with torch.cuda.stream(bucketer._overlap._stream):
+    with torch.cuda.stream(bucketer._overlap._path.stream):
         torch.full((1024, 1024), 7.0, device=device)  # would reuse the block at once
     torch.cuda.synchronize()
     return torch.equal(read.cpu(), expected)

@@ -25,23 +25,12 @@ first update the next forward needs. ``check_finite=True`` gates the same way, s
 ``on_nonfinite="skip"`` drops a whole step and ``"raise"`` raises before any update.
 
 **What runs where.** ``step()`` snapshots every param group's hyper-parameters (so an LR
-scheduler stepped right after it changes the *next* step, as with ``optimizer.step()``), then:
-
-- on CUDA, issues the updates on a side stream at once: the stream waits for each bucket's
-  all-reduce (NCCL work) and runs the optimizer; a module's forward pre-hook makes the compute
-  stream wait for the events of its buckets only. Nothing in ``step()`` waits on the host,
-  except what cannot be decided on the device: with ``check_finite`` or a GradScaler and an
-  optimizer that cannot take ``found_inf`` itself (not ``fused=True``), one host read of the
-  verdict, made where the next forward first needs an update; a bucket holding a parameter
-  this rank did not use, whose used-flags are read on the host at the same point (in
-  ``step()`` itself when a GradScaler needs every bucket there); ``error_if_nonfinite=True``,
-  which reads the norm in ``step()``, as torch does. With a scaler, the current stream waits
-  for the last bucket at ``step()``, so that ``scaler.update()`` reads the final ``found_inf``;
-- on CPU (gloo), applies on the training thread, never concurrently with user code: at
-  ``step()`` the buckets whose all-reduce already completed (without a gate; with one, their
-  norms); later, in a forward pre-hook, those the module needs. With a scaler or
-  ``error_if_nonfinite``, ``step()`` itself waits for every bucket, since ``scaler.update()``
-  (or the error) comes right after.
+scheduler stepped right after it changes the *next* step, as with ``optimizer.step()``), then
+hands the step to the issue path of the parameters' device (``overlapkit.optim.issue_paths``):
+on CUDA the updates are issued at once on a side stream, and each module's forward waits for
+its buckets' events; on CPU (gloo) they run on the training thread, at ``step()`` for the
+buckets already reduced, later in the forward pre-hook of the module that needs them. The first
+step (the bucket rebuild) lands and applies every bucket inside ``step()``, on either device.
 
 The forward pre-hook is one global module hook (``register_module_forward_pre_hook``): a
 module-level hook would make ``nn.TransformerEncoderLayer`` leave its eval fast path. Which
@@ -70,8 +59,6 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -81,14 +68,15 @@ from overlapkit.optim.clip import validate_clip_options
 from overlapkit.optim.forward_reads import reads_of
 from overlapkit.optim.gate import UpdateGate
 from overlapkit.optim.grad_scaling import ScaledStep, scaler_in_use
+from overlapkit.optim.issue_paths import CpuIssuePath, CudaIssuePath, IssuePath
 from overlapkit.optim.overlap_checks import (
     CALLER,
     SYNCHRONOUS_FORM,
     OverlapConflict,
     refuse_compiled_step,
-    refuse_host_synced_lr,
 )
-from overlapkit.optim.protocols import BucketReduction, MissingGradients
+from overlapkit.optim.pending_step import PendingStep
+from overlapkit.optim.protocols import BucketReduction
 from overlapkit.optim.subset import (
     group_of,
     hyper_parameters,
@@ -117,36 +105,12 @@ def _synchronize_at_exit() -> None:
             logger.warning("%s: the last step's updates failed at exit: %s", CALLER, error)
 
 
-@dataclass
-class _Job:
-    """One ``step()``'s pending bucket updates."""
-
-    step: int
-    hyper: list[dict]
-    """Per user param group, its hyper-parameters at ``step()`` (without ``params``)."""
-    group_of: dict[int, int]
-    """``id(param)`` -> index of the user's param group holding it."""
-    missing: MissingGradients
-    """The reduction's parameters without a gradient this step (``end_backward()``)."""
-    to_land: list[int]
-    """Buckets whose reduction is not finished yet, in launch order."""
-    to_update: list[int]
-    """Buckets not updated yet (on CUDA: whose update is not issued yet)."""
-    gate: UpdateGate | None
-    """Clipping / GradScaler / NaN-Inf state: every update waits for every bucket."""
-    post_hooks: list[Callable]
-    """The optimizer's and the global step post-hooks, run once every update is applied."""
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Landed gradients by parameter index. Those of the optimizer's parameters are taken off
-    ``param.grad`` when their bucket lands (``step()`` includes ``zero_grad()``), so that a
-    user's ``optimizer.zero_grad()`` right after ``step()`` (nanoGPT's loop) finds nothing to
-    clear, and put back only for the update."""
-    events: dict[int, torch.Event] = field(default_factory=dict)
-    """On CUDA: per bucket, the side-stream event after its update."""
-
-
 class PerBucketStep:
     """The optimizer side of ``GradBucketer(optimizer=...)``; see the module docstring.
+
+    Its per-bucket work (``job``, ``land``, ``decide``, ``update``, ``finish``, ``abandon``) is
+    public for its issue path (``overlapkit.optim.issue_paths``), which decides when and on which
+    stream each piece runs; the rest of the public methods are the bucketer's.
 
     Args:
         reduction (BucketReduction): the bucketer's reducer (its buckets, launch order, hooks).
@@ -159,13 +123,16 @@ class PerBucketStep:
     ):
         self._reduction = reduction
         self.optimizer = optimizer
-        self._job: _Job | None = None
+        self._job: PendingStep | None = None
         self._handed: dict[int, tuple[torch.Tensor, int]] = {}
-        self._norm: tuple[torch.Tensor, torch.Event | None] | None = None
         params = reduction.params
         self._device = params[0].device
-        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
-        self._compute: torch.cuda.Stream | None = None
+        # Chosen once: validate_optimizer refused parameters on more than one device.
+        self._path: IssuePath = (
+            CudaIssuePath(self, reduction, self._device)
+            if self._device.type == "cuda"
+            else CpuIssuePath(self, reduction)
+        )
         self._reads = weakref.WeakKeyDictionary(reads_of(model, list(params)))
         direct = optimizer.register_step_pre_hook(self._refuse_direct_step)
         self._own_hook_ids = (direct.id,)
@@ -228,8 +195,7 @@ class PerBucketStep:
         self._refuse_edited_gradients()
         hyper = hyper_parameters(optimizer)
         groups = group_of(optimizer)
-        if self._stream is not None:
-            refuse_host_synced_lr(hyper)
+        self._path.refuse(hyper)
         scaled = None
         if scaler is not None:
             takes_flags = getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -258,7 +224,7 @@ class PerBucketStep:
             )
         missing, step = reduction.end_backward()
         order = list(reduction.launch_order)
-        self._job = _Job(step, hyper, groups, missing, order, list(order), gate, post_hooks)
+        self._job = PendingStep(step, hyper, groups, missing, order, list(order), gate, post_hooks)
         if scaled is not None:
             scaled.hand_to_scaler()
         try:
@@ -266,42 +232,21 @@ class PerBucketStep:
                 # The first step rebuilds the buckets in rank 0's order: every update lands first.
                 self._run_now()
                 reduction.end_step(step)
-            elif self._stream is not None:
-                self._issue_at_step()
             else:
-                self._step_on_cpu()
+                self._path.at_step()
         except BaseException:
-            self._abandon()
+            self.abandon()
             raise
 
     def synchronize(self) -> None:
         """Apply every pending update (on CUDA: order the current stream after them)."""
-        job = self._job
-        if job is None:
-            return
-        if self._stream is None:
-            self.wait_for(set(job.to_land) | set(job.to_update))
-            return
-        self._guarded(self._issue_rest)
-        current = torch.cuda.current_stream(self._stream.device)
-        for event in job.events.values():
-            current.wait_event(event)
-        self._done()
+        if self._job is not None:
+            self._path.synchronize()
 
     def wait_for(self, buckets: set[int]) -> None:
         """Make the updates of ``buckets`` visible to the caller (apply them, or wait on CUDA)."""
-        job = self._job
-        if job is None:
-            return
-        if self._stream is not None:
-            if any(b not in job.events for b in buckets if b in job.to_update or b in job.to_land):
-                self._guarded(self._issue_rest)
-            current = torch.cuda.current_stream(self._stream.device)
-            for b in buckets:
-                if b in job.events:
-                    current.wait_event(job.events[b])
-            return
-        self._guarded(lambda: self._wait_for_on_cpu(buckets))
+        if self._job is not None:
+            self._path.wait_for(buckets)
 
     def total_norm(self) -> torch.Tensor:
         """The last clipped step's total gradient norm, a 0-dim tensor, ready to read.
@@ -314,20 +259,13 @@ class PerBucketStep:
         """
         job = self._job
         if job is not None and job.gate is not None and job.gate.clips and not job.gate.decided:
-            if self._stream is not None:
-                self._guarded(self._issue_rest)
-            else:
-                self._guarded(self._decide_on_cpu)
-        if self._norm is None:
+            self._path.decide_now()
+        norm = self._path.kept_norm()
+        if norm is None:
             raise RuntimeError(
                 "ok.GradBucketer.total_norm(): no step clipped yet; call "
                 "bucketer.step(clip_grad_norm=max_norm) first"
             )
-        norm, event = self._norm
-        if event is not None:
-            current = torch.cuda.current_stream(self._stream.device)
-            current.wait_event(event)
-            norm.record_stream(current)
         return norm
 
     def remove(self) -> None:
@@ -379,9 +317,14 @@ class PerBucketStep:
                     f"{SYNCHRONOUS_FORM}"
                 )
 
-    # -- the per-bucket work ----------------------------------------------------------------
+    # -- the per-bucket work, run by the issue path --------------------------------------------
 
-    def _land(self, b: int) -> None:
+    @property
+    def job(self) -> PendingStep | None:
+        """The step whose updates are pending; None between steps."""
+        return self._job
+
+    def land(self, b: int) -> None:
         """Finish bucket ``b``'s reduction, take its gradients; with a gate, unscale, measure."""
         job = self._job
         reduction = self._reduction
@@ -401,7 +344,7 @@ class PerBucketStep:
         if job.gate is not None:
             job.gate.landed(keys, grads, mine)
 
-    def _decide(self) -> None:
+    def decide(self) -> None:
         """Every bucket has landed: act on NaN/Inf, then the total norm and the skip."""
         job = self._job
         if self._reduction.settle_nonfinite(job.step):  # raises, or drops the step (skip)
@@ -414,11 +357,10 @@ class PerBucketStep:
             host_skip=scaled is not None and not scaled.takes_flags,
         )
         if job.gate.clips:
-            event = self._stream.record_event() if self._stream is not None else None
-            self._norm = (job.gate.total, event)
+            self._path.keep_norm(job.gate.total)
 
-    def _update(self, b: int) -> None:
-        """Clip bucket ``b``'s gradients (with a gate), update its parameters."""
+    def update(self, b: int) -> None:
+        """Clip bucket ``b``'s gradients (with a gate), update its parameters; ``b`` has landed."""
         job = self._job
         reduction = self._reduction
         job.to_update.remove(b)
@@ -435,27 +377,19 @@ class PerBucketStep:
             for i in indices:
                 reduction.params[i].grad = job.grads[i]
             step_subset(self.optimizer, mine, hyper=job.hyper, groups=job.group_of, flags=flags)
-            if self._stream is not None and torch.cuda.current_stream(self._device) == self._stream:
-                self._record_fresh_state(fresh)
+            self._path.updated(fresh)
         for p in mine:
             p.grad = None  # optimizer.zero_grad()'s default, for this bucket's parameters
         for i in indices:
             del job.grads[i]
 
-    def _record_fresh_state(self, params: list[torch.Tensor]) -> None:
-        # Optimizer state created lazily by this update lives in the side stream's pool but is
-        # read on the compute stream later (state_dict, the next step): tell the allocator.
-        for p in params:
-            for value in self.optimizer.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor) and value.is_cuda:
-                    value.record_stream(self._compute)
-
-    def _done(self) -> None:
+    def finish(self) -> None:
+        """Every update is applied (on CUDA: waited for): forget the step, run the post-hooks."""
         job, self._job = self._job, None
         if job is not None:
             run_step_hooks(self.optimizer, job.post_hooks)
 
-    def _abandon(self) -> None:
+    def abandon(self) -> None:
         """After an error: forget the step, leave every bucket ready for the next backward.
 
         Buckets not finished are reset without waiting (after a failed collective, waiting
@@ -472,149 +406,18 @@ class PerBucketStep:
                 p.grad = None
         job.grads.clear()
 
-    def _guarded(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except BaseException:
-            self._abandon()
-            raise
-
     def _run_now(self) -> None:
         """Land, decide and update every bucket now, on the current stream."""
         job = self._job
         for b in list(job.to_land):
-            self._land(b)
+            self.land(b)
             if job.gate is None:
-                self._update(b)
+                self.update(b)
         if job.gate is not None:
-            self._decide()
+            self.decide()
             for b in list(job.to_update):
-                self._update(b)
-        self._done()
-
-    # -- CPU ---------------------------------------------------------------------------------
-
-    def _step_on_cpu(self) -> None:
-        job = self._job
-        gate = job.gate
-        if gate is not None and (gate.scaled is not None or gate.error_if_nonfinite):
-            # scaler.update() (or the error) comes right after step(): decide now.
-            self._decide_on_cpu()
-            return
-        self._land_completed(set())
-
-    def _land_completed(self, skip: set[int]) -> None:
-        """Land (without a gate: and update) every bucket whose all-reduce has completed."""
-        job = self._job
-        for b in list(job.to_land):
-            if b not in skip and self._reduction.reduction_complete(b):
-                self._land(b)
-                if job.gate is None:
-                    self._update(b)
-        if job.gate is None and not job.to_update:
-            self._done()
-
-    def _decide_on_cpu(self) -> None:
-        job = self._job
-        for b in list(job.to_land):
-            self._land(b)
-        self._decide()
-
-    def _wait_for_on_cpu(self, buckets: set[int]) -> None:
-        job = self._job
-        if job.gate is None:
-            for b in [b for b in job.to_land if b in buckets]:
-                if b not in job.to_land:  # landed below, while waiting for an earlier one
-                    continue
-                if not self._reduction.reduction_complete(b):
-                    # Fill the wait with updates whose all-reduce has already finished.
-                    self._land_completed(buckets)
-                    if self._job is None:
-                        return
-                self._land(b)
-                self._update(b)
-        else:
-            if not job.gate.decided:
-                self._decide_on_cpu()
-            for b in [b for b in job.to_update if b in buckets]:
-                self._update(b)
-        if not job.to_update:
-            self._done()
-
-    # -- CUDA --------------------------------------------------------------------------------
-
-    def _issue_at_step(self) -> None:
-        job = self._job
-        stream = self._stream
-        self._compute = current = torch.cuda.current_stream(stream.device)
-        stream.wait_stream(current)
-        # Made on the compute stream, read on the side stream, freed with the job: keep their
-        # memory from being reused before the side stream is done with them.
-        for kept in job.missing.values():
-            if kept is not None:
-                kept.record_stream(stream)
-        for group in job.hyper:
-            for value in group.values():
-                if isinstance(value, torch.Tensor) and value.is_cuda:
-                    value.record_stream(stream)
-        gate = job.gate
-        if gate is not None and gate.scaled is not None:
-            for made_here in (gate.scaled.found_inf, gate.scaled.inv_scale, gate.scaled.grad_scale):
-                if made_here is not None:
-                    made_here.record_stream(stream)
-        # A bucket with a parameter this rank did not use reads its used-flags on the host; that
-        # waits for its all-reduce, so it is left to the first forward that needs an update,
-        # unless a scaler needs every bucket now.
-        defer = gate is None or gate.scaled is None
-        with torch.cuda.stream(stream):
-            for b in list(job.to_land):
-                if defer and self._needs_host_flags(b):
-                    continue
-                self._land(b)
-                if gate is None:
-                    self._update(b)
-                    job.events[b] = stream.record_event()
-            host_decision = gate is not None and (
-                self._reduction.checks_finite
-                or (gate.scaled is not None and not gate.scaled.takes_flags)
-            )
-            decide_now = gate is not None and (gate.error_if_nonfinite or not host_decision)
-            if decide_now and not job.to_land:
-                self._decide()
-                self._issue_updates()
-        if gate is not None and gate.scaled is not None:
-            # scaler.update() reads found_inf on this stream right after step().
-            current.wait_event(stream.record_event())
-        if job.post_hooks:
-            self.synchronize()  # post-hooks see every update applied
-
-    def _issue_rest(self) -> None:
-        """Issue what ``step()`` left for later: deferred buckets, the decision, the updates."""
-        job = self._job
-        if job is None or not (job.to_land or job.to_update):
-            return
-        stream = self._stream
-        with torch.cuda.stream(stream):
-            for b in list(job.to_land):
-                self._land(b)
-                if job.gate is None:
-                    self._update(b)
-                    job.events[b] = stream.record_event()
-            if job.gate is not None:
-                if not job.gate.decided:
-                    self._decide()
-                self._issue_updates()
-
-    def _issue_updates(self) -> None:
-        # Gated updates go in the order the next forward needs them: the last bucket of backward
-        # holds the first layers.
-        job = self._job
-        for b in sorted(job.to_update, reverse=True):
-            self._update(b)
-            job.events[b] = self._stream.record_event()
-
-    def _needs_host_flags(self, b: int) -> bool:
-        return any(i in self._job.missing for i in self._reduction.bucket_indices(b))
+                self.update(b)
+        self.finish()
 
 
 def _global_forward_pre_hook(scheduler: PerBucketStep) -> RemovableHandle:
