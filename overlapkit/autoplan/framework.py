@@ -19,6 +19,9 @@ the model. Two are described:
   DTensors, and so are the experts ``shard_experts`` splits over ep. Its MoE layers are not
   split over tp; that case is not modelled (overlapkit-train runs moe_tiny under ep).
 
+"Selective" recomputation is the framework's policy (``selective``, ``autoplan.selective``):
+for both, the attention core (Megatron-LM's ``--recompute-granularity selective``).
+
 DTensor parameters matter where the host runs the optimizer step tensor by tensor (CPU ranks:
 ``StepOptions.optimizer_dtensor_s``); on GPUs the difference is not priced (the defaults are 0).
 """
@@ -26,6 +29,8 @@ DTensor parameters matter where the host runs the optimizer step tensor by tenso
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from overlapkit.autoplan.selective import ATTENTION_CORE, SelectiveRecompute
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +49,8 @@ class Framework:
     """The embedding and the output layer split over tp; False: replicated on every tp rank."""
     dtensor_parameters: bool
     """The parameters split over tp or ep are DTensors (torch's ``parallelize_module``)."""
+    selective: SelectiveRecompute = ATTENTION_CORE
+    """What its selective recomputation recomputes, and so what it costs."""
 
 
 MEGATRON = Framework(

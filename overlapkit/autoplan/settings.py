@@ -86,6 +86,7 @@ class SearchSettings:
             flash_attention=self.flash_attention,
             fsdp_prefetch=self.fsdp_prefetch,
             vocab_parallel=self.framework.vocab_parallel,
+            selective=self.framework.selective,
         )
 
 
