@@ -110,7 +110,7 @@ def test_ok_plan_settings_keywords_reach_the_search():
     answer = auto_plan(topology, GPT, global_batch=32, seq_len=2048, **settings)
     assert not answer.settings.flash_attention and answer.settings.framework is OVERLAPKIT_TRAIN
     assert SearchSettings(framework="overlapkit-train").framework is OVERLAPKIT_TRAIN
-    assert set(FRAMEWORKS) == {"megatron", "overlapkit-train"}
+    assert set(FRAMEWORKS) == {"megatron", "overlapkit-train", "torchtitan"}
 
 
 def test_the_pinned_command_prices_exactly_the_same_winner(capsys):
@@ -211,14 +211,15 @@ class _RecomputesNothing:
     """A selective policy that keeps every activation and recomputes nothing."""
 
     name: str = "nothing"
+    tp_all_gathers_recomputed: int = 0
 
-    def kept_bytes_per_token(self, model, element_bytes, *, saved, moe_layer):
+    def kept_bytes_per_token(self, model, element_bytes, *, saved, moe_layer, tp, ep):
         return saved
 
     def rebuilt_bytes_per_token(self, model, element_bytes, *, moe_layer):
         return 0.0
 
-    def extra_forward_s(self, *, matmul_s, attention_s, flash):
+    def extra_forward_s(self, model, *, matmul_s, attention_s, flash):
         return 0.0
 
     def extra_flops_per_token(self, model, seq_len):
