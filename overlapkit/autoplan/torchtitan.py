@@ -25,7 +25,8 @@ and the named config's own choices never leak in:
   dispatcher);
 - **recomputation** as the ``activation-checkpoint:none|selective|full`` subcommand, and FSDP's
   ``fsdp_reshard_after_forward`` (``always`` with pp = 1, ``never`` under pp: torchtitan's own
-  default resolved, so that a named config cannot change it).
+  default resolved, so that a named config cannot change it; ``never`` for zero1/zero2, the
+  nearest torchtitan has).
 
 ``--module/--config`` name a config torchtitan registers for the model's shape
 (``REGISTERED``); for any other model the arguments carry the degrees, batch and
@@ -44,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from overlapkit.autoplan.memory import layers_per_stage
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.planner.placement import Placement
@@ -122,7 +124,9 @@ configs have no ``ModelSpec`` family here)."""
 class StageSplit:
     """torchtitan's split of the layers into pipeline stages (``torchtitan_stage_split``)."""
 
-    layers_per_stage: int
+    layers_per_stage: int | None
+    """``pipeline_parallel_layers_per_stage``; None: torchtitan's default, one stage per rank
+    for a single-stage schedule (1F1B), two for a looped one (Interleaved1F1B)."""
     first_weight: int
     """``pipeline_parallel_first_stage_less_layers``: the embedding counted as layers."""
     last_weight: int
@@ -135,34 +139,45 @@ class StageSplit:
         return [sum(self.stage_layers[r::pp]) for r in range(pp)]
 
 
-def torchtitan_stage_split(layers: int, stages: int) -> StageSplit | None:
-    """How torchtitan 0.3.0 splits ``layers`` into ``stages`` stages, or None when it cannot.
+def torchtitan_stage_split(layers: int, stages: int, *, pp: int) -> StageSplit | None:
+    """How torchtitan 0.3.0 splits ``layers`` into ``stages`` stages over ``pp`` ranks, or
+    None when it cannot.
 
     ``pipeline.pipeline_parallel._get_pipeline_metadata`` makes
-    ``ceil((layers + first + last) / layers_per_stage)`` stages, and
-    ``_generate_llm_fqn_per_model_part`` hands them ``(layers + first + last) // stages``
-    effective layers each (the first ``remainder`` one more), the first stage ``first`` fewer
-    transformer layers, the last ``last`` fewer; it refuses a weight above the per-stage count.
-    The default weights (1, 1) are tried first.
+    ``ceil((layers + first + last) / layers_per_stage)`` stages, or by default ``pp`` (one
+    stage per rank) or ``2 x pp`` (a looped schedule); ``_generate_llm_fqn_per_model_part``
+    hands them ``(layers + first + last) // stages`` effective layers each (the first
+    ``remainder`` one more), the first stage ``first`` fewer transformer layers, the last
+    ``last`` fewer, and refuses a weight above the per-stage count. The default weights
+    (1, 1) are tried first, then a count of layers per stage, then the default stage count.
     """
     for first, last in STAGE_WEIGHTS:
         effective = layers + first + last
         per_stage = math.ceil(effective / stages)
-        if stages > effective or math.ceil(effective / per_stage) != stages:
-            continue
-        base, extra = divmod(effective, stages)
-        if base < 1 or first > base or last > base:
-            continue
-        counts, left = [], layers
-        for index in range(stages):
-            share = base + (1 if index < extra else 0)
-            share -= first if index == 0 else last if index == stages - 1 else 0
-            take = min(share, left) if stages > 1 else layers
-            counts.append(take)
-            left -= take
-        if left == 0:
-            return StageSplit(per_stage, first, last, tuple(counts))
+        counts = _distribute(layers, stages, first, last)
+        if counts is not None and math.ceil(effective / per_stage) == stages:
+            return StageSplit(per_stage, first, last, counts)
+    default = _distribute(layers, stages, 1, 1)
+    if stages in (pp, 2 * pp) and default is not None:
+        return StageSplit(None, 1, 1, default)
     return None
+
+
+def _distribute(layers: int, stages: int, first: int, last: int) -> tuple[int, ...] | None:
+    """Transformer layers per stage as torchtitan hands them out (None: it refuses)."""
+    if stages == 1:
+        return (layers,)
+    effective = layers + first + last
+    base, extra = divmod(effective, stages)
+    if stages > effective or base < 1 or first > base or last > base:
+        return None
+    counts, left = [], layers
+    for index in range(stages):
+        share = base + (1 if index < extra else 0)
+        share -= first if index == 0 else last if index == stages - 1 else 0
+        counts.append(min(share, left))
+        left -= counts[-1]
+    return tuple(counts) if left == 0 else None
 
 
 def degrees(layout: TrainingLayout) -> dict[str, int]:
@@ -237,7 +252,8 @@ def torchtitan_run(
     for key, value in degrees(layout).items():
         args += [f"--parallelism.{key}", str(value)]
     pipelined = layout.pp > 1
-    args += ["--parallelism.fsdp_reshard_after_forward", "never" if pipelined else "always"]
+    keep = pipelined or layout.sharding in ("zero1", "zero2")
+    args += ["--parallelism.fsdp_reshard_after_forward", "never" if keep else "always"]
     args += [
         "--parallelism.pipeline_parallel_schedule",
         "Interleaved1F1B" if layout.virtual_stages > 1 else "1F1B",
@@ -246,22 +262,25 @@ def torchtitan_run(
     ]
     if pipelined:
         stages = layout.pp * layout.virtual_stages
-        split = torchtitan_stage_split(model.layers, stages)
+        split = torchtitan_stage_split(model.layers, stages, pp=layout.pp)
         if split is None:
             warnings.append(
                 f"torchtitan cannot split {model.layers} layers into {stages} stages (pp x v); "
                 "pass --parallelism.module_fqns_per_model_part of your own"
             )
         else:
+            if split.layers_per_stage is not None:
+                args += [
+                    "--parallelism.pipeline_parallel_layers_per_stage",
+                    str(split.layers_per_stage),
+                ]
             args += [
-                "--parallelism.pipeline_parallel_layers_per_stage",
-                str(split.layers_per_stage),
                 "--parallelism.pipeline_parallel_first_stage_less_layers",
                 str(split.first_weight),
                 "--parallelism.pipeline_parallel_last_stage_less_layers",
                 str(split.last_weight),
             ]
-            planned = math.ceil(model.layers / stages) * layout.virtual_stages
+            planned = layers_per_stage(model, layout)
             fullest = max(split.rank_layers(layout.pp))
             if fullest > planned:
                 warnings.append(
