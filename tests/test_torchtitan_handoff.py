@@ -234,6 +234,14 @@ def test_plan_auto_json_and_text_carry_the_torchtitan_arguments(capsys):
     assert "as torchtitan runs it" not in text  # already priced so
 
 
+def test_pyproject_and_the_makefile_pin_the_checked_release():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    pin = f"torchtitan=={TORCHTITAN_VERSION}"
+    assert f"torchtitan = [\"{pin}; python_version >= '3.11'\"]" in pyproject
+    assert f"TORCHTITAN := {pin}\n" in makefile
+
+
 # -- with torchtitan: its own parser, mesh and checks ---------------------------------------
 
 
