@@ -269,6 +269,8 @@ def test_a_gpt_shape_is_megatrons_gpt():
         (["--dp-shard", "2", "--sharding", "ddp"], "--dp-shard 2 goes with --sharding hsdp"),
         (["--framework", "overlapkit-train", "--pp", "2"], "pipeline parallelism (pp=2)"),
         (["--framework", "overlapkit-train", "--recompute", "full:2"], "recomputation (full)"),
+        (["--framework", "torchtitan", "--recompute", "full:2"], "recomputation of 2 layers"),
+        (["--framework", "torchtitan", "--sharding", "zero1"], "zero1 optimizer-state"),
         (["--model", "gpt:layers=8,hidden=1024"], "missing heads="),
         (["--model", "gpt:layers=8,hidden=1000,heads=16"], "hidden (1000)"),
         (["--model", "gpt:layers=8,hidden=1024,heads=16,depth=2"], "'depth=2'"),
