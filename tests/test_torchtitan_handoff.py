@@ -149,6 +149,8 @@ def test_the_hand_off_carries_every_choice_the_planner_made():
         ("llama3-8b", _layout(dp=8, dp_shard=2, cp=2, sharding="hsdp"), "hsdp with cp=2"),
         ("llama2-13b", _layout(dp=8, sharding="fsdp"), "registers no config for llama2-13b"),
         ("llama3-405b", _layout(dp=8, sharding="fsdp"), "llama3_405b trains in fp8"),
+        ("llama3-8b", _layout(tp=8, cp=3, sharding="fsdp"), "it must divide by tp x 2cp = 48"),
+        ("mixtral-8x7b", _layout(tp=16, sharding="fsdp"), "the 32 heads and the 8 kv heads"),
     ],
 )
 def test_what_torchtitan_cannot_express_is_a_warning_naming_it(model, layout, warned):

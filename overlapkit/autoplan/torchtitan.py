@@ -30,7 +30,9 @@ and the named config's own choices never leak in:
 
 ``--module/--config`` name a config torchtitan registers for the model's shape
 (``REGISTERED``); for any other model the arguments carry the degrees, batch and
-recomputation only, and a warning says so. What does not transfer is a warning naming it:
+recomputation only, and a warning says so. What torchtitan's start-up checks would refuse
+(``seq_len`` not divisible by ``tp x 2cp``, tp not dividing the heads) is a warning, and so is
+what does not transfer:
 full recomputation of some layers (torchtitan's full AC wraps every block), experts split
 over tp (0.3.0 has no expert tensor parallelism), ZeRO-1/2, ep or cp with ddp or hsdp (the
 shard group torchtitan then uses), a named config that trains at another precision, a stage
@@ -300,8 +302,26 @@ def torchtitan_run(
     if pipelined or layout.ep > 1:
         args.append("--training.disable_cuda_graphs")
     args.append(f"activation-checkpoint:{layout.recompute}")
+    warnings += _refused_at_start(layout, model, seq_len)
     warnings += _untransferred(layout, model, placement)
     return TorchtitanRun(args, config, warnings)
+
+
+def _refused_at_start(layout: TrainingLayout, model: ModelSpec, seq_len: int) -> list[str]:
+    """What torchtitan's start-up checks refuse (``Trainer.__init__``, ``update_from_config``)."""
+    out = []
+    divisor = layout.tp * (2 * layout.cp if layout.cp > 1 else 1)
+    if seq_len % divisor:
+        out.append(
+            f"torchtitan refuses --seq-len {seq_len}: it must divide by tp x 2cp = {divisor} "
+            "(sequence parallelism, and context parallelism's head-tail load balancing)"
+        )
+    if layout.tp > 1 and (model.heads % layout.tp or model.kv_heads % layout.tp):
+        out.append(
+            f"torchtitan refuses tp={layout.tp}: it must divide the {model.heads} heads and "
+            f"the {model.kv_heads} kv heads"
+        )
+    return out
 
 
 def _untransferred(
