@@ -17,7 +17,8 @@ shape it trains. For each case, in torchtitan 0.3.0's order:
 4. ``Trainer.__init__``'s checks, copied from ``torchtitan/trainer.py`` (they are inline there):
    ``seq_len`` divisible by ``tp x 2cp``, the global batch by ``local x batch degree``;
 5. with pp > 1: ``get_schedule_class``, ``_get_pipeline_metadata`` (stage count against
-   pp and the schedule) and ``_generate_llm_fqn_per_model_part`` (the split itself), and
+   pp and the schedule) and ``_generate_llm_fqn_per_model_part`` (the split itself) or the
+   ``module_fqns_per_model_part`` given (as many stages per rank, every module once), and
    torch's ``ScheduleInterleaved1F1B`` rule that the micro-batches divide into rounds;
 6. with cp > 1 under the spmd_types / full_dtensor backends: ``validate_config`` on the model
    built on the meta device (CP needs FlexAttention there).
@@ -38,6 +39,8 @@ import sys
 import types
 
 KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+_META_MODELS: dict = {}
+"""A named config's model, built once on the meta device."""
 
 
 def _kernels_stand_in() -> None:
@@ -134,8 +137,21 @@ def _case(args: list[str], world_size: int) -> dict:
         }
         if dims.pp_enabled:
             schedule = get_schedule_class(parallelism.pipeline_parallel_schedule)
+            # As pipeline_llm: the metadata's checks, then the modules named or generated.
             stages, layers, first, last = _get_pipeline_metadata(dims, parallelism, model_config)
-            parts = _generate_llm_fqn_per_model_part(stages, layers, first, last)
+            parts = parallelism.module_fqns_per_model_part
+            if parts is None:
+                parts = _generate_llm_fqn_per_model_part(stages, layers, first, last)
+            else:
+                every = ["tok_embeddings", *(f"layers.{i}" for i in range(layers)), "norm"]
+                per_rank, extra = divmod(len(parts), dims.pp)
+                looped = issubclass(schedule, PipelineScheduleMulti)
+                if (
+                    [n for p in parts for n in p] != [*every, "lm_head"]
+                    or extra
+                    or (per_rank != 1 if not looped else per_rank < 2)
+                ):
+                    raise ValueError(f"module_fqns_per_model_part: {len(parts)} stages {parts}")
             micro = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
             if schedule is ScheduleInterleaved1F1B and micro % max(1, micro // dims.pp):
                 raise ValueError(f"{micro} micro-batches do not divide into rounds of {dims.pp}")
@@ -146,8 +162,11 @@ def _case(args: list[str], world_size: int) -> dict:
                 "stage_layers": [sum(n.startswith("layers.") for n in p) for p in parts],
             }
         if dims.cp_enabled and parallelism.spmd_backend in ("full_dtensor", "spmd_types"):
-            with torch.device("meta"):
-                validate_config(dims, model_config.build())
+            named = tuple(args[args.index(flag) + 1] for flag in ("--module", "--config"))
+            if named not in _META_MODELS:  # its attention modules are what is checked
+                with torch.device("meta"):
+                    _META_MODELS[named] = model_config.build()
+            validate_config(dims, _META_MODELS[named])
         return out
     finally:
         dist.destroy_process_group()

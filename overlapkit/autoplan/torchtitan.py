@@ -20,7 +20,8 @@ and the named config's own choices never leak in:
 - **pipeline**: the schedule (``1F1B``, or ``Interleaved1F1B`` with virtual stages) and
   ``pipeline_parallel_layers_per_stage`` with the first and last stage's weights: torchtitan
   counts the embedding and the head as that many layers each and makes
-  ``ceil((layers + weights) / layers_per_stage)`` stages (``torchtitan_stage_split``);
+  ``ceil((layers + weights) / layers_per_stage)`` stages (``torchtitan_stage_split``); where
+  no value makes ``pp x v`` of them, the same split as ``module_fqns_per_model_part``;
   ``disable_cuda_graphs`` where torchtitan requires it (pp > 1; ep > 1 with the default token
   dispatcher);
 - **recomputation** as the ``activation-checkpoint:none|selective|full`` subcommand, and FSDP's
@@ -127,8 +128,8 @@ class StageSplit:
     """torchtitan's split of the layers into pipeline stages (``torchtitan_stage_split``)."""
 
     layers_per_stage: int | None
-    """``pipeline_parallel_layers_per_stage``; None: torchtitan's default, one stage per rank
-    for a single-stage schedule (1F1B), two for a looped one (Interleaved1F1B)."""
+    """``pipeline_parallel_layers_per_stage``; None: no value gives the stage count, the
+    split goes as ``module_fqns_per_model_part`` (``module_names``)."""
     first_weight: int
     """``pipeline_parallel_first_stage_less_layers``: the embedding counted as layers."""
     last_weight: int
@@ -140,29 +141,42 @@ class StageSplit:
         """Layers each pipeline rank holds (stage ``s`` runs on rank ``s % pp``)."""
         return [sum(self.stage_layers[r::pp]) for r in range(pp)]
 
+    def module_names(self) -> list[str]:
+        """Each stage's modules as torchtitan names them, comma-separated: the embedding in
+        the first, the final norm and the head in the last."""
+        out, first = [], 0
+        for index, count in enumerate(self.stage_layers):
+            names = [f"layers.{i}" for i in range(first, first + count)]
+            if index == 0:
+                names.insert(0, "tok_embeddings")
+            if index == len(self.stage_layers) - 1:
+                names += ["norm", "lm_head"]
+            out.append(",".join(names))
+            first += count
+        return out
 
-def torchtitan_stage_split(layers: int, stages: int, *, pp: int) -> StageSplit | None:
-    """How torchtitan 0.3.0 splits ``layers`` into ``stages`` stages over ``pp`` ranks, or
-    None when it cannot.
+
+def torchtitan_stage_split(layers: int, stages: int) -> StageSplit | None:
+    """How torchtitan 0.3.0 splits ``layers`` into ``stages`` stages, or None when it cannot.
 
     ``pipeline.pipeline_parallel._get_pipeline_metadata`` makes
-    ``ceil((layers + first + last) / layers_per_stage)`` stages, or by default ``pp`` (one
-    stage per rank) or ``2 x pp`` (a looped schedule); ``_generate_llm_fqn_per_model_part``
-    hands them ``(layers + first + last) // stages`` effective layers each (the first
-    ``remainder`` one more), the first stage ``first`` fewer transformer layers, the last
-    ``last`` fewer, and refuses a weight above the per-stage count. The default weights
-    (1, 1) are tried first, then a count of layers per stage, then the default stage count.
+    ``ceil((layers + first + last) / layers_per_stage)`` stages, and
+    ``_generate_llm_fqn_per_model_part`` hands them ``(layers + first + last) // stages``
+    effective layers each (the first ``remainder`` one more), the first stage ``first`` fewer
+    transformer layers, the last ``last`` fewer, and refuses a weight above the per-stage count.
+    The default weights (1, 1) are tried first; where no ``layers_per_stage`` makes exactly
+    ``stages`` stages (80 layers in 24), the same rule's split is named module by module.
     """
+    fallback = None
     for first, last in STAGE_WEIGHTS:
         effective = layers + first + last
         per_stage = math.ceil(effective / stages)
         counts = _distribute(layers, stages, first, last)
         if counts is not None and math.ceil(effective / per_stage) == stages:
             return StageSplit(per_stage, first, last, counts)
-    default = _distribute(layers, stages, 1, 1)
-    if stages in (pp, 2 * pp) and default is not None:
-        return StageSplit(None, 1, 1, default)
-    return None
+        if counts is not None and fallback is None:
+            fallback = StageSplit(None, first, last, counts)
+    return fallback
 
 
 def _distribute(layers: int, stages: int, first: int, last: int) -> tuple[int, ...] | None:
@@ -264,24 +278,23 @@ def torchtitan_run(
     ]
     if pipelined:
         stages = layout.pp * layout.virtual_stages
-        split = torchtitan_stage_split(model.layers, stages, pp=layout.pp)
+        split = torchtitan_stage_split(model.layers, stages)
         if split is None:
             warnings.append(
-                f"torchtitan cannot split {model.layers} layers into {stages} stages (pp x v); "
-                "pass --parallelism.module_fqns_per_model_part of your own"
+                f"torchtitan cannot split {model.layers} layers into {stages} stages (pp x v)"
             )
         else:
-            if split.layers_per_stage is not None:
+            if split.layers_per_stage is None:
+                args += ["--parallelism.module_fqns_per_model_part", *split.module_names()]
+            else:
                 args += [
                     "--parallelism.pipeline_parallel_layers_per_stage",
                     str(split.layers_per_stage),
+                    "--parallelism.pipeline_parallel_first_stage_less_layers",
+                    str(split.first_weight),
+                    "--parallelism.pipeline_parallel_last_stage_less_layers",
+                    str(split.last_weight),
                 ]
-            args += [
-                "--parallelism.pipeline_parallel_first_stage_less_layers",
-                str(split.first_weight),
-                "--parallelism.pipeline_parallel_last_stage_less_layers",
-                str(split.last_weight),
-            ]
             planned = layers_per_stage(model, layout)
             fullest = max(split.rank_layers(layout.pp))
             if fullest > planned:
