@@ -41,7 +41,8 @@ def test_all_sizes_fixed_reports_the_best_variant_even_when_it_does_not_fit():
 
 
 def test_fixed_sizes_where_nothing_fits_list_the_variant_closest_to_fitting():
-    model = load_model("llama3-70b")
+    # A 71B GPT (64 heads, every one a key/value head: tp 16 splits them evenly).
+    model = load_model("gpt:layers=88,hidden=8192,heads=64,seq=4096")
     fixed = {"tp": 16}
     result = search(load_topology("dgx-h100x2"), model, global_batch=64, seq_len=4096, fixed=fixed)
     # Every variant left free (micro-batch, recomputation; dp = 1 leaves no sharding choice).
