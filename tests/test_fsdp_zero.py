@@ -144,9 +144,10 @@ def test_zero1_and_zero2_match_ddp_and_gather_once_per_step():
         # ZeRO-1 and -2 gather the whole model once per step, padded shards included.
         gathered = result["zero1"][2][0]["all_gather"]
         assert param_bytes <= gathered <= param_bytes * 1.1
-        assert result["zero2"][2][0]["reduce_scatter"] == MICRO * result["zero1"][2][0][
-            "reduce_scatter"
-        ]
+        assert (
+            result["zero2"][2][0]["reduce_scatter"]
+            == MICRO * result["zero1"][2][0]["reduce_scatter"]
+        )
         print({kind: (result[kind][1][0], result[kind][2][0]) for kind in expected})
 
 
