@@ -4,7 +4,7 @@ import pytest
 
 from overlapkit.autoplan.memory import memory_breakdown
 from overlapkit.autoplan.models import load_model
-from overlapkit.autoplan.search import search
+from overlapkit.autoplan.search import TIE, search
 from overlapkit.autoplan.settings import PlanSearchError, with_memory
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology import load_topology
@@ -16,7 +16,9 @@ LLAMA8B = load_model("llama3-8b")
 def test_free_search_ranks_fitting_layouts_by_step_time():
     result = search(H100x4, LLAMA8B, global_batch=64, seq_len=8192, candidates=5)
     times = [c.step.step_s for c in result.candidates]
-    assert times == sorted(times) and all(c.fits for c in result.candidates)
+    # Times within TIE of each other tie, and the simpler layout goes first.
+    assert all(a <= b * (1 + TIE) for a, b in zip(times, times[1:]))
+    assert all(c.fits for c in result.candidates)
     assert result.searched >= result.timed >= len(result.candidates)
 
 
