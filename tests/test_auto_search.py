@@ -1,5 +1,7 @@
 """autoplan.search: the auto-planner's search, its constraints and its refusals."""
 
+from itertools import pairwise
+
 import pytest
 
 from overlapkit.autoplan.memory import memory_breakdown
@@ -17,7 +19,7 @@ def test_free_search_ranks_fitting_layouts_by_step_time():
     result = search(H100x4, LLAMA8B, global_batch=64, seq_len=8192, candidates=5)
     times = [c.step.step_s for c in result.candidates]
     # Times within TIE of each other tie, and the simpler layout goes first.
-    assert all(a <= b * (1 + TIE) for a, b in zip(times, times[1:]))
+    assert all(a <= b * (1 + TIE) for a, b in pairwise(times))
     assert all(c.fits for c in result.candidates)
     assert result.searched >= result.timed >= len(result.candidates)
 

@@ -1,17 +1,18 @@
 """How fast a device runs a transformer's FLOPs, and how much communication hides behind them.
 
 **Achievable fraction of peak.** A training step's matrix multiplies and attention run at a
-fraction of the datasheet's dense peak. ``ACHIEVABLE`` holds one default per GPU family: the
-fraction at which a transformer layer's FLOPs run on one GPU when nothing waits on the network.
+fraction of the datasheet's dense peak. ``achievable_fraction`` gives one default per GPU
+family: the fraction at which a transformer layer's FLOPs run on one GPU when nothing waits on
+the network.
 The defaults are the measured best matmul of the family (Stas Bekman's "Maximum Achievable
 Matmul FLOPS" table, ml-engineering ``compute/accelerator/README.md``: A100 SXM 267.9 of 312
 TFLOPS = 85.9 %, H100 SXM 792.1 of 989 = 80.1 %, B200 1745 of 2250 = 77.6 %) times
-``LAYER_OVER_MATMUL``, the share of that a whole layer keeps (norms, activations, softmax,
-launch gaps: kernels that are not large matmuls). ``LAYER_OVER_MATMUL`` is the one number
-fitted to the published runs (``autoplan/data/published_runs.tsv``): it minimises the squared
-log error of the 25 rows whose GPUs the presets describe (the power-capped H100 rows left out;
-``autoplan.published_runs.fit_layer_over_matmul``, rounded to two digits: 0.778 with the
-medium-size cost model, 0.766 before it, whose slower 1-64 MiB collectives it compensates);
+``LAYER_OVER_MATMUL``, the share of that a whole layer keeps beyond what the step model prices
+(small GEMMs' losses and memory-bound kernels are priced: below). ``LAYER_OVER_MATMUL`` is the
+one number fitted to the published runs (``autoplan/data/published_runs.tsv``): it minimises
+the squared log error of the rows marked ``fit``
+(``autoplan.published_runs.fit_layer_over_matmul``: 0.801, rounded to two digits; 0.779 over
+25 rows before the small-layer terms, 0.766 before the medium-size cost model);
 ``overlapkit plan --auto --validate`` prints every run's error with it, and ``--achievable``
 overrides the product (from a measured matmul or step of your own: ``measured_accelerator``
 takes a measured rate as the peak, as ``bench/planner_ranking.py`` does on CPU).
