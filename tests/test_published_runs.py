@@ -40,7 +40,7 @@ def test_published_runs_name_their_source_and_quote_it():
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
 def test_published_layout_fits_and_its_throughput_is_predicted(run):
-    check = check_run(run, free_search=False)
+    check = _checks()[run.name]
     assert check.predicted.fits, (run.name, check.predicted.memory.to_dict())
     if run.explained_miss:
         # The evidence is in the row; the error must stay what it explains (same sign).
