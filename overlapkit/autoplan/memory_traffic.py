@@ -24,7 +24,11 @@ the GEMMs' FLOPs with ``h^2``).
   (``c + 4`` bytes), the max (4), subtracting it (8), ``exp`` (8), the sum (4) and the division
   into the softmax it keeps (8) forward; scaling that by the loss gradient (8) and the cast back
   (``4 + c``) backward: 38 and 14 bytes in BF16. Its share grows as ``vocab / (hidden x
-  layers)``: about 1 % of a step of Llama 3 8B's or Megatron's 1.7B GPT, 0.1 % of 1T's.
+  layers)``: 1.5 % of the step of Llama 3 8B on 64 A100s or of Megatron's 1.7B GPT, 0.2 % of
+  its 1T model's, more where the last pipeline stage holds few layers (DeepSeek-V3 at pp 16:
+  4 %). A fused cross entropy (Megatron-Core's ``--cross-entropy-loss-fusion``) reads the
+  logits once and writes their gradient once, about a tenth of that: which loss a framework
+  runs is not modelled, the unfused one is priced.
 """
 
 from __future__ import annotations
