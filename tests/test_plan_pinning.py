@@ -211,6 +211,7 @@ class _RecomputesNothing:
     """A selective policy that keeps every activation and recomputes nothing."""
 
     name: str = "nothing"
+    recomputes_attention_core: bool = False
 
     def kept_bytes_per_token(self, model, element_bytes, *, saved, moe_layer):
         return saved

@@ -15,7 +15,8 @@ keeps and what rebuilding the rest costs. One policy is described:
   saves the activation outputs only, and costs their memory traffic only.
 
 Another framework's policy (torchtitan's per-op selective checkpointing, which saves the outputs
-of every second matmul and recomputes the rest) is another object with the same four methods.
+of every second matmul and recomputes the rest) is another object with the same attributes and
+four methods.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class SelectiveRecompute(Protocol):
     """A framework's selective recomputation, as the memory and step-time models price it."""
 
     name: str
+    recomputes_attention_core: bool
+    """Without flash attention, the attention core's kernels (softmax, dropout) run again in
+    backward (their memory traffic counted again, ``autoplan.memory_traffic``)."""
 
     def kept_bytes_per_token(
         self,
@@ -66,6 +70,7 @@ class AttentionCoreRecompute:
     """Korthikanti et al.'s selective recomputation with Megatron-LM's ``mlp_act`` (module doc)."""
 
     name: str = "attention core"
+    recomputes_attention_core: bool = True
 
     def kept_bytes_per_token(
         self,
