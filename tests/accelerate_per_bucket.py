@@ -283,8 +283,20 @@ def scenarios(root: str) -> dict:
             lambda: use_ok_ddp(Accelerator(cpu=True), optimizer_overlap=True, compress="bf16")
         ),
         "clip_value": _refused(_clip_value_after_prepare),
+        "trainer_sync_each_batch": _refused(lambda: _trainer_syncing_each_batch(root)),
     }
     return out
+
+
+def _trainer_syncing_each_batch(root: str) -> None:
+    sync_each_batch = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    args = TrainingArguments(
+        output_dir=os.path.join(root, "sync_each_batch"),
+        use_cpu=True,
+        report_to=[],
+        accelerator_config=sync_each_batch,
+    )
+    OverlapTrainer(model=Regressor(0), args=args, overlapkit_options={"optimizer_overlap": True})
 
 
 def _sync_each_batch_plugin():

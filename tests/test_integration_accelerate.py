@@ -288,6 +288,7 @@ def test_per_bucket_accelerate_refuses_what_it_cannot_run_as_ddp(two_ranks):
     assert "sync_each_batch=True" in refused["sync_each_batch"]
     assert "compress='bf16'" in refused["compress"]
     assert "clip_grad_value_(clip_value=0.1)" in refused["clip_value"]
+    assert "sync_each_batch=True" in refused["trainer_sync_each_batch"]  # at OverlapTrainer()
 
 
 def test_integrations_doc_accelerate_and_trainer_examples_are_the_tested_code():
