@@ -2,7 +2,8 @@
 
 Two gloo ranks behind an emulated scale-out link (``--rate 8gbit`` by default, ``--rate none``
 for plain loopback) train the benchmark MLP (8 blocks of Linear(1024) + ReLU, 64 rows per rank,
-32 MiB of gradients) with AdamW and each framework's own global-norm clipping to 1.0, through
+32 MiB of gradients) with AdamW and each framework's own global-norm clipping to ``--max-norm``
+(1.0, the HF Trainer's default; 0: none, though the HF Trainer still measures the norm), through
 the framework itself: ``Trainer.fit`` (Lightning), an ``accelerator.prepare``-d loop, and
 ``transformers.Trainer.train``. Cases (``bench/harness/framework_cases.py``), for each framework:
 its DDP with its defaults (``<fw>_ddp``, the baseline of its rows), the same DDP with the
@@ -53,12 +54,14 @@ def rank_main(rank: int, world_size: int, cfg: dict, profile_root: str) -> dict:
     for _ in range(cfg["rounds"]):
         for name in cfg["cases"]:
             clock = StepClock()
-            run_case(name, workload.new_model, cfg["batch"], total, clock)
+            run_case(name, workload.new_model, cfg["batch"], total, clock, cfg["max_norm"])
             times[name].append(clock.median_ms(cfg["warmup"]))
     for name in cfg["cases"]:
         logdir = os.path.join(profile_root, name)
         with ok.profile(logdir, wait=1, warmup=1, active=cfg["steps"], rank=rank) as prof:
-            run_case(name, workload.new_model, cfg["batch"], cfg["steps"] + 3, StepClock(prof))
+            clock = StepClock(prof)
+            steps = cfg["steps"] + 3  # wait + warmup + the recorded steps, and one to close
+            run_case(name, workload.new_model, cfg["batch"], steps, clock, cfg["max_norm"])
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -93,8 +96,8 @@ def print_table(report: dict) -> None:
     cfg, link = report["config"], report["link"]
     print(
         f"\nlink: {link['rate']} delay {link['delay']}; {cfg['model']} {cfg['layers']} x "
-        f"{cfg['width']}, {cfg['batch']} rows per rank, AdamW, clip 1.0; {cfg['rounds']} rounds "
-        f"of {cfg['steps']} steps; load average {report['load_average']}"
+        f"{cfg['width']}, {cfg['batch']} rows per rank, AdamW, clip {cfg['max_norm']}; "
+        f"{cfg['rounds']} rounds of {cfg['steps']} steps; load average {report['load_average']}"
     )
     print(
         f"{'case':<24} {'step ms':>8} {'vs <fw>_ddp':>12} {'exposed comm ms':>16} "
@@ -119,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     parser.add_argument("--rounds", type=int, default=3, help="round-robin passes over the cases")
     parser.add_argument(
+        "--max-norm", type=float, default=1.0, help="the frameworks' clipping; 0 turns it off"
+    )
+    parser.add_argument(
         "--frameworks",
         default=",".join(FRAMEWORKS),
         help=f"comma-separated subset of {','.join(FRAMEWORKS)}",
@@ -134,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--model {args.model}: the framework cases train the MLP only")
     frameworks = [f for f in args.frameworks.split(",") if f]
     unknown = sorted(set(frameworks) - set(FRAMEWORKS))
-    if unknown or args.steps < 2 or args.rounds < 1 or args.warmup < 0:
+    if unknown or args.steps < 2 or args.rounds < 1 or args.warmup < 0 or args.max_norm < 0:
         raise SystemExit(
             f"--frameworks {unknown or frameworks} (known: {list(FRAMEWORKS)}), --steps "
-            f"{args.steps} (>= 2), --rounds {args.rounds} (>= 1), --warmup {args.warmup} (>= 0)"
+            f"{args.steps} (>= 2), --rounds {args.rounds} (>= 1), --warmup {args.warmup} "
+            f"(>= 0), --max-norm {args.max_norm} (>= 0)"
         )
     if current_link() is None:
         print(f"[cpu priority] {prioritize()}", flush=True)
@@ -152,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "max_norm": args.max_norm,
         "cases": [c for c in CASES if c.split("_", 1)[0] in frameworks],
     }
     root = Path(args.profile_dir or tempfile.mkdtemp(prefix="integrations_overlap-"))

@@ -97,7 +97,7 @@ def _accelerate(form: str, rank: int) -> dict:
         optimizer.zero_grad()
         skipped.append(accelerator.optimizer_step_was_skipped)
         lrs.append(schedule.get_last_lr()[0])
-        norms.append(norm.item())
+        norms.append(norm.detach().cpu().clone())  # a tensor: NaN equals NaN in the check
         scales.append(accelerator.scaler.get_scale())
     torch.cuda.synchronize()
     params = {n.removeprefix("module."): p.detach().cpu() for n, p in model.named_parameters()}
@@ -155,7 +155,7 @@ def _trainer(form: str, rank: int, root: str) -> dict:
         "optim": _cpu(trainer.optimizer.state_dict()["state"]),
         "skipped": record.skipped,
         "lrs": record.lrs,
-        "grad_norms": [e["grad_norm"] for e in logs if "grad_norm" in e],
+        "grad_norms": [torch.tensor(e["grad_norm"]) for e in logs if "grad_norm" in e],
     }
 
 

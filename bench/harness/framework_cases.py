@@ -1,7 +1,8 @@
 """One timed training run per framework case, for ``bench.integrations_overlap``.
 
 Each case trains the benchmark's model with AdamW and the framework's own global-norm clipping
-(``MAX_NORM``, the HF Trainer's default ``max_grad_norm``) for ``total`` optimizer steps, and
+(``max_norm``; the HF Trainer's default ``max_grad_norm`` is 1.0; 0 turns clipping off, and the
+HF Trainer then still measures the norm) for ``total`` optimizer steps, and
 calls ``clock.tick()`` when each optimizer step has returned (Lightning's ``on_train_batch_end``,
 the HF Trainer's ``on_step_end``, the line after ``optimizer.step()`` in the Accelerate loop).
 With per-bucket updates the last buckets' all-reduces and updates are then still pending, so the
@@ -30,7 +31,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from overlapkit.ddp.bucket_size import default_bucket_mb
 
-MAX_NORM = 1.0
 LR = 1e-4
 FRAMEWORKS = ("lightning", "accelerate", "trainer")
 FORMS = ("ddp", "ddp_tuned", "per_bucket")
@@ -63,18 +63,25 @@ def _data(workload_model: nn.Module, batch: int, total: int, rank: int) -> Tenso
     return TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, width, generator=g))
 
 
-def run_case(name: str, new_model: Callable[[], nn.Module], batch: int, total: int, clock) -> None:
+def run_case(
+    name: str,
+    new_model: Callable[[], nn.Module],
+    batch: int,
+    total: int,
+    clock: StepClock,
+    max_norm: float,
+) -> None:
     """Train case ``name`` for ``total`` optimizer steps of ``batch`` rows per rank."""
     framework, form = name.split("_", 1)
     model = new_model()
     data = _data(model, batch, total, torch.distributed.get_rank())
     bucket_mb = default_bucket_mb(list(model.parameters()))
     {"lightning": _lightning, "accelerate": _accelerate, "trainer": _trainer}[framework](
-        form, model, data, batch, total, bucket_mb, clock
+        form, model, data, batch, total, bucket_mb, clock, max_norm
     )
 
 
-def _lightning(form, model, data, batch, total, bucket_mb, clock) -> None:
+def _lightning(form, model, data, batch, total, bucket_mb, clock, max_norm) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy
@@ -109,7 +116,7 @@ def _lightning(form, model, data, batch, total, bucket_mb, clock) -> None:
             accelerator="cpu",
             devices=2,
             max_steps=total,
-            gradient_clip_val=MAX_NORM,
+            gradient_clip_val=max_norm or None,
             callbacks=[Tick()],
             logger=False,
             enable_checkpointing=False,
@@ -123,7 +130,7 @@ def _lightning(form, model, data, batch, total, bucket_mb, clock) -> None:
         os.environ.update(environment)
 
 
-def _accelerate(form, model, data, batch, total, bucket_mb, clock) -> None:
+def _accelerate(form, model, data, batch, total, bucket_mb, clock, max_norm) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -141,7 +148,8 @@ def _accelerate(form, model, data, batch, total, bucket_mb, clock) -> None:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     for x, y in loader:
         accelerator.backward(F.mse_loss(model(x), y))
-        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if max_norm:
+            accelerator.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad()
         clock.tick()
@@ -156,7 +164,7 @@ class _Regressor(nn.Module):
         return {"loss": F.mse_loss(self.net(x), labels)}
 
 
-def _trainer(form, model, data, batch, total, bucket_mb, clock) -> None:
+def _trainer(form, model, data, batch, total, bucket_mb, clock, max_norm) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from overlapkit.integrations.hf_trainer import OverlapTrainer
@@ -173,7 +181,7 @@ def _trainer(form, model, data, batch, total, bucket_mb, clock) -> None:
             per_device_train_batch_size=batch,
             max_steps=total,
             learning_rate=LR,
-            max_grad_norm=MAX_NORM,
+            max_grad_norm=max_norm,
             ddp_bucket_cap_mb=bucket_mb if form == "ddp_tuned" else None,
             use_cpu=True,
             report_to=[],
