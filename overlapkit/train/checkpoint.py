@@ -43,7 +43,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from overlapkit.train.data import BatchStream
 
@@ -234,10 +238,25 @@ class TrainingState:
     rank: int
     bucketers: Sequence[GradBucketer] = ()
     """The run's bucketers (``Parallelized.bucketers``), whose layouts are saved and restored."""
+    bucketer_keys: Sequence[str] = ()
+    """The bucketers' keys under ``bucketers.``; empty: their index."""
+    flatten_optimizer: bool = False
+    """Save the optimizer's state and hyperparameters per parameter name
+    (``flatten_optimizer_state_dict``, as torchtitan does): needed when ranks hold different
+    parameters (pipeline stages), since DCP keeps one value per key and ``param_groups`` would
+    otherwise be one rank's list of names."""
+
+    @property
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(flatten_optimizer_state_dict=self.flatten_optimizer)
+
+    def _keyed_bucketers(self) -> dict[str, GradBucketer]:
+        keys = self.bucketer_keys or [str(i) for i in range(len(self.bucketers))]
+        return dict(zip(keys, self.bucketers, strict=True))
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The state at ``step`` in DCP's form (nested dicts of tensors and plain values)."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._options)
         state = {
             "model": model_state,
             "optim": optim_state,
@@ -246,7 +265,7 @@ class TrainingState:
             _rng_key(self.rank): _rng_state(_cuda_device(self.model)),
         }
         if self.bucketers:
-            state["bucketers"] = {str(i): b.state_dict() for i, b in enumerate(self.bucketers)}
+            state["bucketers"] = {k: b.state_dict() for k, b in self._keyed_bucketers().items()}
         return state
 
     def save(self, root: str | Path, step: int, *, keep: int) -> Path:
@@ -325,11 +344,13 @@ class TrainingState:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
+            options=self._options,
         )
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state_dict(state["progress"]["data"])
-        for i, bucketer in enumerate(self.bucketers if "bucketers" in state else ()):
-            bucketer.load_state_dict(state["bucketers"][str(i)])
+        if "bucketers" in state:
+            for key, bucketer in self._keyed_bucketers().items():
+                bucketer.load_state_dict(state["bucketers"][key])
         if rng_key in state:
             torch.set_rng_state(state[rng_key]["cpu"])
             if "cuda" in state[rng_key]:

@@ -40,6 +40,7 @@ from overlapkit.train.loop import RunPaths
 from overlapkit.train.mesh import check_plan, split_parallel
 from overlapkit.train.parallel import check_run_optimizer
 from overlapkit.train.slurm import task_index
+from overlapkit.train.stages import check_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +111,13 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
         plan, world_size=world_size, model_config=model_config, target=factory.get("_target_")
     )
     check_run_optimizer(factory, plan=plan)
+    check_pipeline(
+        plan, model_config=model_config, grad_accum=cfg.train.grad_accum, factory_cfg=factory
+    )
     topology = cfg.get("topology")
     if topology is None and not plan.trivial:
         raise ValueError(
-            "parallel.plan needs a topology to place tp/ep/dp_shard on; use topology=detect or "
+            "parallel.plan needs a topology to place tp/ep/pp/dp_shard on; use topology=detect or "
             "topology=preset (topology is null)"
         )
     if topology is not None and topology.get("_target_") != _DETECT:

@@ -36,6 +36,8 @@ from overlapkit.train.parallel import (
     check_run_optimizer,
     clip_grad_norm,
 )
+from overlapkit.train.pipeline import apply_pipeline
+from overlapkit.train.stages import check_pipeline
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -205,14 +207,18 @@ def _train_step(
 ) -> tuple[float, float | None]:
     """One optimizer step; returns (mean micro-batch loss, gradient norm before clipping)."""
     optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(cfg.grad_accum):
-        inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
-        last = micro == cfg.grad_accum - 1
-        with contextlib.nullcontext() if last else par.no_sync():
-            loss = source.loss(par.model(inputs), targets) / cfg.grad_accum
-            loss.backward()
-        loss_sum += loss.detach()
+    if par.forward_backward is not None:  # a pipeline schedule runs the micro-batches
+        batches = [tuple(t.to(device) for t in stream.next()) for _ in range(cfg.grad_accum)]
+        loss_sum = par.forward_backward(batches)
+    else:
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
+            last = micro == cfg.grad_accum - 1
+            with contextlib.nullcontext() if last else par.no_sync():
+                loss = source.loss(par.model(inputs), targets) / cfg.grad_accum
+                loss.backward()
+            loss_sum += loss.detach()
     par.finish_backward()
     if par.optimizer is not None:  # the wrapper clips and applies the optimizer per bucket
         # Reading the norm waits for every bucket's all-reduce (not for the updates).
@@ -294,20 +300,40 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     plan, factory = split_parallel(job.parallel)
     layout = build_layout(plan, topology, device)
     check_run_optimizer(factory, plan=plan)
+    check_pipeline(plan, model_config=model.config, grad_accum=cfg.grad_accum, factory_cfg=factory)
     make_optimizer = instantiate(job.optim.optimizer)
-    par = apply_parallel(
-        model,
-        instantiate(factory),
-        layout,
-        make_optimizer=make_optimizer,
-        clip_grad_norm=cfg.clip_grad_norm,
-    )
+    if plan.pp > 1:
+        par = apply_pipeline(
+            model,
+            instantiate(factory),
+            layout,
+            loss_fn=source.loss,
+            micro_batches=cfg.grad_accum,
+            device=device,
+        )
+    else:
+        par = apply_parallel(
+            model,
+            instantiate(factory),
+            layout,
+            make_optimizer=make_optimizer,
+            clip_grad_norm=cfg.clip_grad_norm,
+        )
     optimizer = par.optimizer or make_optimizer(par.model.parameters())
     scheduler = instantiate(job.optim.scheduler)(optimizer, total_steps=cfg.steps)
     # Ranks of one tensor-parallel group read the same batches.
     data_index, data_shards = layout.data_shard(rank, world_size)
     stream = BatchStream(source, rank=data_index, batch_size=cfg.batch_size)
-    state = TrainingState(par.model, optimizer, scheduler, stream, rank, par.bucketers)
+    state = TrainingState(
+        par.model,
+        optimizer,
+        scheduler,
+        stream,
+        rank,
+        par.bucketers,
+        bucketer_keys=par.bucketer_keys,
+        flatten_optimizer=plan.pp > 1,
+    )
     torch.manual_seed(cfg.seed + 1 + rank)  # anything random at run time differs per rank
 
     start_step = 0

@@ -1,9 +1,10 @@
 """The run's mesh: the ``parallel.plan`` sizes checked, placed by ``ok.plan``, turned into groups.
 
 The ``parallel`` group's ``plan`` section holds ``ok.plan``'s keyword arguments (``tp``, ``ep``,
-``dp``, ``dp_shard``, ``order``); the rest of the group is the wrapper's factory. Every worker
-plans on the run's topology and builds ``placement.device_mesh()``; the wrappers take their
-sub-meshes and groups from it (``Layout``):
+``pp``, ``dp``, ``dp_shard``, ``order``) and the pipeline's ``schedule`` and ``virtual_stages``;
+the rest of the group is the wrapper's factory. Every worker plans on the run's topology and
+builds ``placement.device_mesh()``; the wrappers take their sub-meshes and groups from it
+(``Layout``):
 
 ========================  =====================================================================
 ``dp_group``              ``ok.ddp`` / ``ok.GradBucketer``: gradients averaged over ``dp``
@@ -11,10 +12,12 @@ sub-meshes and groups from it (``Layout``):
 ``tp_mesh``               ``parallelize_module`` (tensor parallel inside the domain)
 ``ep_mesh``               MoE layers: experts sharded, tokens dispatched with all-to-all
 ``dense_group``           parameters outside the experts: averaged over ``dp x ep``
+``pp_mesh``               ``overlapkit.train.pipeline``: the stages' send/recv and loss broadcast
 ========================  =====================================================================
 
-Ranks of one ``tp`` group read the same batches; every other axis is data parallel for the
-dense parameters, so ``data_shard`` numbers the batch shards over all axes but ``tp``.
+Ranks of one ``tp`` group read the same batches, and so do the stages of one ``pp`` group; every
+other axis is data parallel for the dense parameters, so ``data_shard`` numbers the batch shards
+over all axes but ``tp`` and ``pp``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ class PlanConfig:
     """Tensor-parallel size (attention and MLP sharded with ``parallelize_module``)."""
     ep: int = 1
     """Expert-parallel size (MoE experts sharded, tokens dispatched with all-to-all)."""
+    pp: int = 1
+    """Pipeline-parallel size: the model's blocks split into stages (``train/pipeline.py``)."""
+    schedule: str = "1F1B"
+    """The ``torch.distributed.pipelining`` schedule with ``pp > 1`` (``train/stages.py``)."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (interleaved and V-shaped schedules); 1: one stage per rank."""
     dp: int = -1
     """Data-parallel size; -1 means whatever is left of the world."""
     dp_shard: int | None = None
@@ -59,6 +68,8 @@ class PlanConfig:
     def __post_init__(self) -> None:
         check_int("parallel.plan.tp", self.tp, 1)
         check_int("parallel.plan.ep", self.ep, 1)
+        check_int("parallel.plan.pp", self.pp, 1)
+        check_int("parallel.plan.virtual_stages", self.virtual_stages, 1)
         if self.dp != -1:
             check_int("parallel.plan.dp", self.dp, 1)
         if self.dp_shard is not None:
@@ -69,10 +80,12 @@ class PlanConfig:
     @property
     def trivial(self) -> bool:
         """Plain data parallelism over the world (what a run without a topology can do)."""
-        return self.tp == 1 and self.ep == 1 and self.dp_shard is None
+        return self.tp == 1 and self.ep == 1 and self.pp == 1 and self.dp_shard is None
 
     def plan_kwargs(self) -> dict[str, Any]:
-        return dict(tp=self.tp, ep=self.ep, dp=self.dp, dp_shard=self.dp_shard, order=self.order)
+        return dict(
+            tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp, dp_shard=self.dp_shard, order=self.order
+        )
 
 
 def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, Any]]:
@@ -87,7 +100,7 @@ def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, A
     if unknown:
         raise ValueError(
             f"parallel.plan.{unknown[0]} is not a planner size the training loop uses; valid: "
-            f"{', '.join(PlanConfig.__dataclass_fields__)} (cp and pp are not supported)"
+            f"{', '.join(PlanConfig.__dataclass_fields__)} (cp is not supported)"
         )
     return PlanConfig(**sizes), factory
 
@@ -118,8 +131,13 @@ def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: 
             dividing ``n_head``, ``ep`` not dividing ``n_expert``, a model without heads or
             experts for tp or ep, a wrapper that cannot reduce such a layout, tp with ep.
     """
-    fixed = plan.tp * plan.ep
+    fixed = plan.tp * plan.ep * plan.pp
     formula = f"parallel.plan.tp x parallel.plan.ep = {plan.tp} x {plan.ep}"
+    if plan.pp > 1:
+        formula = (
+            f"parallel.plan.tp x parallel.plan.ep x parallel.plan.pp = {plan.tp} x {plan.ep} x "
+            f"{plan.pp}"
+        )
     where = "launcher.nnodes x launcher.nproc_per_node"
     if plan.dp == -1 and world_size % fixed:
         raise ValueError(
@@ -172,12 +190,14 @@ def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: 
 
 
 def data_shard(placement: Placement, rank: int) -> tuple[int, int]:
-    """(index, count) of the batch shard ``rank`` reads: ranks differing only in ``tp`` share one.
+    """(index, count) of the batch shard ``rank`` reads: ranks differing only in ``tp`` or ``pp``
+    share one (a pipeline's first stage reads the inputs, its last the targets).
 
-    The index numbers the mesh coordinates of every axis but ``tp``, row-major in mesh order.
+    The index numbers the mesh coordinates of every axis but ``tp`` and ``pp``, row-major in mesh
+    order.
     """
     coord = [int(c[0]) for c in np.nonzero(placement.grid == rank)]
-    axes = [i for i, name in enumerate(placement.mesh_dim_names) if name != "tp"]
+    axes = [i for i, name in enumerate(placement.mesh_dim_names) if name not in ("tp", "pp")]
     shape = [placement.shape[i] for i in axes]
     index = int(np.ravel_multi_index([coord[i] for i in axes], shape)) if axes else 0
     return index, math.prod(shape)
@@ -220,6 +240,11 @@ class Layout:
         return self.mesh["ep"]
 
     @property
+    def pp_mesh(self) -> DeviceMesh:
+        assert self.mesh is not None, "pipeline parallelism needs a placement"
+        return self.mesh["pp"]
+
+    @property
     def dense_group(self) -> dist.ProcessGroup:
         """``dp x ep`` as one group: the replicas of every parameter outside the experts."""
         assert self.mesh is not None, "expert parallelism needs a placement"
@@ -246,7 +271,7 @@ def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layou
     if topology is None:
         if not plan.trivial:
             raise ValueError(
-                "parallel.plan needs a topology to place tp/ep/dp_shard on; use "
+                "parallel.plan needs a topology to place tp/ep/pp/dp_shard on; use "
                 "topology=detect or topology=preset (topology is null)"
             )
         return Layout(plan)
@@ -256,6 +281,6 @@ def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layou
         "mesh %s on %s: %s",
         dict(placement.sizes),
         topology.name,
-        {a: placement.groups(a) for a in ("dp", "ep", "tp") if placement.dims.get(a, 1) > 1},
+        {a: placement.groups(a) for a in ("pp", "dp", "ep", "tp") if placement.dims.get(a, 1) > 1},
     )
     return Layout(plan, placement, mesh)
