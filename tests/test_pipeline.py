@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 
 import pytest
 import torch
@@ -11,10 +13,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import overlapkit as ok
+from overlapkit.profiling import analyze_run
+from overlapkit.profiling.report import format_report
 from overlapkit.train.mesh import PlanConfig, build_layout, check_plan, data_shard, split_parallel
 from overlapkit.train.models import GPT, GPTConfig, MLPConfig
+from overlapkit.train.monitor import RunSummary
 from overlapkit.train.pipeline import apply_pipeline
 from overlapkit.train.stages import (
+    bubble_share,
     check_pipeline,
     local_stages,
     split_stage,
@@ -184,11 +190,18 @@ CASES = {
 }
 
 
-def _layouts_match_one_process(rank: int, world_size: int) -> dict:
+PROFILED = "1F1B ok.ddp"
+"""Its second step is traced: the report's send/recv."""
+
+
+def _layouts_match_one_process(rank: int, world_size: int, profile_dir: str) -> dict:
     topology = ok.load_topology("cpu-gloox2")
     out = {}
     references = {}
     for name, (plan, factory) in CASES.items():
+        profiler = contextlib.nullcontext()
+        if name == PROFILED:
+            profiler = ok.profile(profile_dir, wait=1, warmup=0, active=1, record_shapes=True)
         torch.manual_seed(0)
         model = GPT(GPTConfig(**CONFIG))
         layout = build_layout(plan, topology, torch.device("cpu"))
@@ -203,11 +216,15 @@ def _layouts_match_one_process(rank: int, world_size: int) -> dict:
         optimizer = _optimizer(par.model.parameters())
         shard, shards = layout.data_shard(rank, world_size)
         losses, norms = [], []
-        for step in range(STEPS):
-            optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
-            losses.append(par.forward_backward([_batch(shard, step, m) for m in range(MICRO)]))
-            par.finish_backward()
-            norms.append(par.optimizer_step(optimizer, MAX_NORM).item())
+        with profiler:
+            for step in range(STEPS):
+                optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
+                batches = [_batch(shard, step, m) for m in range(MICRO)]
+                losses.append(par.forward_backward(batches))
+                par.finish_backward()
+                norms.append(par.optimizer_step(optimizer, MAX_NORM).item())
+                if name == PROFILED:
+                    profiler.step()
         if shards not in references:
             references[shards] = _reference(shards)
         expected, expected_norms = references[shards]
@@ -229,9 +246,13 @@ def _layouts_match_one_process(rank: int, world_size: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_every_pipeline_layout_trains_as_one_process_on_4_ranks():
+def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(tmp_path):
     results = run_on_ranks(
-        _layouts_match_one_process, 4, collective_timeout_s=30, total_timeout_s=280
+        _layouts_match_one_process,
+        4,
+        str(tmp_path),
+        collective_timeout_s=30,
+        total_timeout_s=280,
     )
     names = {n for result in results for n in result[next(iter(CASES))]["gaps"]}
     assert names == set(_reference(1)[0]) | {"lm_head.weight"}  # every parameter, some rank
@@ -247,3 +268,45 @@ def test_every_pipeline_layout_trains_as_one_process_on_4_ranks():
             assert case["norms"][0] > MAX_NORM  # clipping was active
         # The last stage's loss reached every rank of its pipeline (rank 0 is a first stage).
         assert len({tuple(r[name]["losses"]) for r in results}) <= results[0][name]["shards"]
+    # The report shows the stages' point-to-point traffic as its own kind: each stage sends and
+    # receives one activation (or its gradient) per micro-batch, (BATCH, 8, n_embd) floats.
+    report = analyze_run(tmp_path)
+    assert sorted((r.rank, r.step) for r in report.steps) == [(r, 1) for r in range(4)]  # 2nd
+    for row in report.steps:
+        send_recv = row.kinds["send_recv"]
+        assert (send_recv.count, send_recv.nbytes) == (2 * MICRO, 2 * MICRO * BATCH * 8 * 16 * 4)
+        assert 0 < send_recv.exposed_ms <= send_recv.time_ms
+    assert re.search(r"send_recv 8x 0.01 MiB \(\d+\.\d\d ms exposed\)", format_report(report))
+
+
+def test_summary_shows_the_planned_bubble_and_the_measured_send_recv():
+    assert bubble_share(2, 1, 4) == pytest.approx(1 / 5)  # (p - 1) / (v m + p - 1)
+    assert bubble_share(2, 2, 4) == pytest.approx(1 / 9)
+    summary = RunSummary(
+        name="x",
+        world_size=4,
+        nodes=1,
+        parallel="pipeline",
+        unit="tok",
+        start_step=0,
+        final_step=5,
+        steps_run=5,
+        seconds=1.0,
+        steps_per_s=5.0,
+        items_per_s=3000.0,
+        median_step_ms=200.0,
+        loss_first=5.0,
+        loss_last=4.0,
+        pipeline={
+            "schedule": "1F1B",
+            "pp": 2,
+            "virtual_stages": 1,
+            "micro_batches": 4,
+            "planned_bubble_share": 0.2,
+            "send_recv_exposed_share": 0.27,
+        },
+    )
+    assert (
+        "pipeline 1F1B: 2 stages, 4 micro-batches; planned bubble (p-1)/(v m + p-1) = 20.0% of "
+        "the step; measured: send/recv exposed 27.0% of step time (bubble + transfers)"
+    ) in summary.format()

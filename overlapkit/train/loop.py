@@ -27,7 +27,7 @@ from overlapkit.profiling import analyze_run
 from overlapkit.profiling.report import format_report
 from overlapkit.train.checkpoint import TrainingState, latest_checkpoint, remove_pending
 from overlapkit.train.data import BatchStream, DataSource, check_compatible
-from overlapkit.train.mesh import Layout, build_layout, split_parallel
+from overlapkit.train.mesh import Layout, PlanConfig, build_layout, split_parallel
 from overlapkit.train.models.moe import MoE
 from overlapkit.train.monitor import Monitor, RunSummary, scaling_efficiency
 from overlapkit.train.parallel import (
@@ -37,7 +37,7 @@ from overlapkit.train.parallel import (
     clip_grad_norm,
 )
 from overlapkit.train.pipeline import apply_pipeline
-from overlapkit.train.stages import check_pipeline
+from overlapkit.train.stages import bubble_share, check_pipeline, resolve_schedule
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -231,17 +231,34 @@ def _train_step(
     return loss_sum.item(), grad_norm
 
 
-def _exposed_share(profile_dir: Path) -> tuple[float | None, int, str | None]:
-    """(exposed comm / step time over all profiled rank-steps, their count, the report text)."""
+def _exposed_share(profile_dir: Path) -> tuple[float | None, float | None, int, str | None]:
+    """Over all profiled rank-steps: (exposed comm / step time, exposed send/recv / step time,
+    their count, the report text)."""
     try:
         report = analyze_run(profile_dir)
     except (FileNotFoundError, ValueError) as err:
         logger.warning("no exposed-comm report: %s", err)
-        return None, 0, None
+        return None, None, 0, None
     step_ms = sum(r.step_ms for r in report.steps)
     exposed = sum(r.exposed_comm_ms for r in report.steps)
-    share = exposed / step_ms if step_ms > 0 else None
-    return share, len(report.steps), format_report(report)
+    send_recv = sum(r.kinds["send_recv"].exposed_ms for r in report.steps if "send_recv" in r.kinds)
+    if step_ms <= 0:
+        return None, None, len(report.steps), format_report(report)
+    return exposed / step_ms, send_recv / step_ms, len(report.steps), format_report(report)
+
+
+def _pipeline_record(plan: PlanConfig, micro_batches: int) -> dict | None:
+    """The schedule and the planner's bubble share of a step (``summary.json``'s ``pipeline``);
+    None without pipeline parallelism."""
+    if plan.pp == 1:
+        return None
+    return {
+        "schedule": resolve_schedule(plan.schedule),
+        "pp": plan.pp,
+        "virtual_stages": plan.virtual_stages,
+        "micro_batches": micro_batches,
+        "planned_bubble_share": bubble_share(plan.pp, plan.virtual_stages, micro_batches),
+    }
 
 
 def _mesh_record(layout: Layout) -> dict | None:
@@ -426,6 +443,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         loss_last=monitor.losses[-1] if monitor.losses else None,
         run_dir=str(paths.run_dir),
         mesh=_mesh_record(layout),
+        pipeline=_pipeline_record(plan, cfg.grad_accum),
         ep_dispatch=dispatch,
         baseline_items_per_s=cfg.baseline_items_per_s,
         scaling_efficiency=scaling_efficiency(items_per_s, world_size, cfg.baseline_items_per_s),
@@ -433,8 +451,10 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         checkpoint=str(checkpoint) if checkpoint else None,
     )
     if profiler is not None:
-        share, count, report = _exposed_share(paths.profile)
+        share, send_recv, count, report = _exposed_share(paths.profile)
         summary.exposed_comm_share, summary.profiled_steps = share, count
+        if summary.pipeline is not None:
+            summary.pipeline["send_recv_exposed_share"] = send_recv
         summary.profile_dir = str(paths.profile)
         if report:
             print(report)

@@ -328,8 +328,9 @@ def apply_pipeline(
     description = (
         f"pipeline {schedule_name} pp={plan.pp}"
         + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-        + f" ({num_stages} stages of {n_layer // num_stages} blocks, {micro_batches} "
-        f"micro-batches), {what} over dp"
+        + f" ({num_stages} stages of {n_layer // num_stages} block"
+        + "s" * (n_layer // num_stages != 1)
+        + f", {micro_batches} micro-batches), {what} over dp"
         + (f", tensor parallel tp={plan.tp}" if plan.tp > 1 else "")
     )
     return Parallelized(

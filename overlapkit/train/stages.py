@@ -69,12 +69,14 @@ def stage_layers(n_layer: int, num_stages: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def ideal_bubble(pp: int, virtual_stages: int, micro_batches: int) -> float:
-    """The bubble of (interleaved) 1F1B over the step's compute: ``(p - 1) / (v x m)``.
+def bubble_share(pp: int, virtual_stages: int, micro_batches: int) -> float:
+    """The share of a step a stage idles in the schedule's fill and drain: ``(p-1) / (v m + p-1)``.
 
-    Narayanan et al. 2021 (arXiv 2104.04473), eq. 1 and section 2.2; what the planner charges.
+    The planner's step is ``(m + (p - 1) / v) x t_micro_batch`` (1F1B and interleaved 1F1B,
+    Narayanan et al. 2021, arXiv 2104.04473, section 2.2), of which ``(p - 1) / v`` micro-batch
+    times are the bubble.
     """
-    return (pp - 1) / (virtual_stages * micro_batches)
+    return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
 
 
 def split_stage(model: GPT, layers: Collection[int], *, first: bool, last: bool) -> GPT:
