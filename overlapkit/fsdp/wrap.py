@@ -178,7 +178,8 @@ def fsdp(
         ValueError: ``prefetch`` not in {0, 1, 2}, unknown ``mixed_precision``, ``blocks``
             matching nothing, a mesh of the wrong size or shape, or a model already wrapped.
         ConfigMismatch: the ranks passed different options or models
-            (``overlapkit.group.consistency``; one 32-byte all-gather when they agree).
+            (``overlapkit.group.consistency``, over each axis of the mesh; one 32-byte
+            all-gather per axis when they agree).
         TypeError: an argument of the wrong type.
         RuntimeError: torch.distributed is not initialised.
 
