@@ -16,10 +16,13 @@ from torch.distributed.tensor import DTensor
 import overlapkit as ok
 from overlapkit.profiling import analyze_run
 from overlapkit.profiling.report import format_report
+from overlapkit.train.checkpoint import TrainingState, step_dir
+from overlapkit.train.data import BatchStream, SyntheticRegression
 from overlapkit.train.mesh import PlanConfig, build_layout, check_plan, data_shard, split_parallel
 from overlapkit.train.models import GPT, GPTConfig, MLPConfig
 from overlapkit.train.monitor import RunSummary
 from overlapkit.train.pipeline import apply_pipeline
+from overlapkit.train.schedule import warmup_cosine
 from overlapkit.train.stages import (
     bubble_share,
     check_pipeline,
@@ -360,3 +363,23 @@ def test_pipeline_over_nccl_trains_as_one_process_and_reports_its_send_recv(tmp_
     # some into batch_isend_irecv, whose metadata name is not checked here).
     for row in analyze_run(tmp_path).steps:
         assert row.kinds["send_recv"].count >= 1, row.kinds
+
+
+def _training_state(flatten: bool) -> TrainingState:
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    scheduler = warmup_cosine(optimizer, total_steps=3, warmup_steps=0)
+    stream = BatchStream(SyntheticRegression(width=4), rank=0, batch_size=1)
+    return TrainingState(model, optimizer, scheduler, stream, rank=0, flatten_optimizer=flatten)
+
+
+@pytest.mark.parametrize("saved_flat", [True, False])
+def test_a_checkpoint_resumes_into_a_run_of_its_optimizer_form_only(tmp_path, saved_flat):
+    path = step_dir(tmp_path, 1)
+    torch.distributed.checkpoint.save(_training_state(saved_flat).state_dict(1), checkpoint_id=path)
+    assert _training_state(saved_flat).load(path) == 1
+    pipelined = "a pipeline-parallel run's" if saved_flat else "a run without pipeline"
+    with pytest.raises(ValueError, match=rf"saved per parameter .*\({pipelined}.*start a new run"):
+        _training_state(not saved_flat).load(path)

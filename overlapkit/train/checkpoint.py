@@ -15,6 +15,12 @@ those): the CPU generator, and the CUDA generator of the model's device when the
 GPU. A GPU checkpoint resumes on a GPU run and a CPU one on a CPU run; across the two, loading
 refuses.
 
+Pipeline stages (``parallel.plan.pp > 1``) hold different parameters on different ranks, so their
+optimizer state is saved per parameter name (``flatten_optimizer_state_dict``, as torchtitan
+does) and their bucket layouts under ``bucketers.stage<s>``: DCP keeps one value per key, and a
+parameter group's list of names would be one rank's. Model tensors keep the unsplit model's
+names in both forms; a checkpoint resumes into a run of the same optimizer form only.
+
 A checkpoint directory is untrusted input (it may come from someone else's run), and DCP
 unpickles it: its ``.metadata`` with plain ``pickle`` and every non-tensor value with
 ``torch.load(weights_only=False)``, either of which runs whatever code the file names. Loading
@@ -57,6 +63,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _COMMITTED = re.compile(r"^step_(\d{8})$")
+# A parameter group's list of parameter names: saved unless the optimizer state is flattened.
+_GROUP_PARAMS = re.compile(r"^optim\.param_groups\.\d+\.params$")
+_OPTIMIZER_FORMS = {
+    True: "per parameter name (a pipeline-parallel run's)",
+    False: "per parameter group (a run without pipeline parallelism)",
+}
 _PENDING_SUFFIX = ".tmp"
 
 
@@ -307,8 +319,10 @@ class TrainingState:
             int: the step the checkpoint was saved at.
 
         Raises:
-            ValueError: the checkpoint is unsafe or unreadable, or its RNG state is of a CPU run
-                and this run's model is on a GPU (or the other way round).
+            ValueError: the checkpoint is unsafe or unreadable, its RNG state is of a CPU run
+                and this run's model is on a GPU (or the other way round), or its optimizer
+                state is of a pipeline-parallel run and this run is not (or the other way
+                round).
         """
         path = Path(path)
         state = self.state_dict(0)
@@ -325,6 +339,15 @@ class TrainingState:
                 self.rank,
             )
             del state[rng_key]
+        saved_flat = not any(_GROUP_PARAMS.match(key) for key in saved_keys)
+        if saved_flat != self.flatten_optimizer:
+            raise ValueError(
+                f"{path}: its optimizer state was saved "
+                f"{_OPTIMIZER_FORMS[saved_flat]}, but this run's is "
+                f"{_OPTIMIZER_FORMS[self.flatten_optimizer]}: a checkpoint of a pipeline-parallel "
+                "run (parallel.plan.pp > 1) resumes into a pipeline-parallel run only, any other "
+                "into a run without pipeline parallelism; start a new run (another name=...)"
+            )
         if self.bucketers and not any(key.startswith("bucketers.") for key in saved_keys):
             logger.warning(
                 "checkpoint %s has no bucket layout (saved without a GradBucketer); the "
