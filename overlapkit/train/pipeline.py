@@ -8,8 +8,8 @@ divides it without a pipeline (``scale_grads=False``), so the gradients are the 
 
 Data parallelism inside a stage:
 
-- ``ok.ddp``: torch's ``PipelineStage`` skips DDP's all-reduce on all but the stage's last
-  backward itself.
+- ``ok.ddp``: torch's ``PipelineStage`` starts DDP's reduction itself on the stage's last
+  backward; the whole schedule runs inside ``no_sync`` (``Pipeline.forward_backward`` says why).
 - ``ok.GradBucketer``: ``PipelineStage`` knows only DDP and FSDP, so ``BucketedStage`` runs every
   backward but the stage's last inside ``bucketer.no_sync()``; ``finish_backward`` waits.
 - ``ok.fsdp``: the schedule runs FSDP2's post-backward itself, after the last micro-batch and
@@ -88,7 +88,9 @@ class BucketedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.bucketer = bucketer
 
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple:
         # The hook torch's docstring names for adapting data parallelism to the schedules.
         with contextlib.nullcontext() if last_backward else self.bucketer.no_sync():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
