@@ -1,5 +1,7 @@
 """autoplan.search: the auto-planner's search, its constraints and its refusals."""
 
+import dataclasses
+
 import pytest
 
 from overlapkit.autoplan.memory import memory_breakdown
@@ -39,7 +41,8 @@ def test_all_sizes_fixed_reports_the_best_variant_even_when_it_does_not_fit():
 
 
 def test_fixed_sizes_where_nothing_fits_list_the_variant_closest_to_fitting():
-    model = load_model("llama3-70b")
+    # A 71B GPT (64 heads, every one a key/value head: tp 16 splits them evenly).
+    model = load_model("gpt:layers=88,hidden=8192,heads=64,seq=4096")
     fixed = {"tp": 16}
     result = search(load_topology("dgx-h100x2"), model, global_batch=64, seq_len=4096, fixed=fixed)
     # Every variant left free (micro-batch, recomputation; dp = 1 leaves no sharding choice).
@@ -71,6 +74,18 @@ def test_a_batch_no_layout_divides_is_refused_naming_it():
 def test_fixed_sizes_that_do_not_divide_the_world_are_refused():
     with pytest.raises(PlanSearchError, match=r"tp=3 = 3 does not divide the 32 GPUs"):
         search(H100x4, LLAMA8B, global_batch=64, seq_len=8192, fixed={"tp": 3})
+
+
+def test_tensor_parallel_sizes_divide_the_attention_and_key_value_heads():
+    # GPT-2 small's 12 heads on 8-GPU domains: tp 8 would split heads across ranks.
+    gpt2 = load_model("gpt:layers=12,hidden=768,heads=12")
+    free = search(H100x4, gpt2, global_batch=512, seq_len=2048, candidates=200)
+    assert {c.layout.tp for c in free.candidates} == {1, 2, 4}
+    with pytest.raises(PlanSearchError, match=r"tp=8 does not divide .* 12 attention heads"):
+        search(H100x4, gpt2, global_batch=512, seq_len=2048, fixed={"tp": 8})
+    gqa = dataclasses.replace(LLAMA8B, name="gqa2", kv_heads=2)
+    with pytest.raises(PlanSearchError, match=r"tp=8 does not divide gqa2's 32 .* 2 key/value"):
+        search(H100x4, gqa, global_batch=64, seq_len=8192, fixed={"tp": 8})
 
 
 def test_expert_parallel_is_searched_for_moe_models_only():

@@ -102,6 +102,9 @@ def test_parallel_options_call_the_public_api_with_planned_sizes():
         "fsdp_prefetch2": (ok.fsdp, fsdp | {"prefetch": 2}, {}),
         "fsdp_overlap": (ok.fsdp, fsdp | {"optimizer_step": "by_block"}, {}),
         "hsdp": (ok.fsdp, fsdp, {"dp_shard": 2}),
+        "zero1": (ok.fsdp, fsdp | {"reshard_after_forward": None, "zero": 1}, {}),
+        "zero2": (ok.fsdp, fsdp | {"reshard_after_forward": None, "zero": 2}, {}),
+        "cp_dp": (ok.ddp, {"bucket_mb": None, "compress": None}, {"cp": 2}),
         "tp_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"tp": 2}),
         "ep_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"ep": 2}),
         "pp_dp": (ok.ddp, {"bucket_mb": None, "compress": None}, {"pp": 2}),
@@ -245,6 +248,32 @@ def test_override_typo_fails_with_hydras_message():
             r"parallel.plan.tp=2 needs parallel._target_ overlapkit.GradBucketer",
         ),
         (["parallel=tp_dp", "~topology"], ValueError, r"parallel.plan needs a topology"),
+        (
+            ["parallel=cp_dp", "parallel.plan.cp=2", "data.seq_len=30"],
+            ValueError,
+            r"parallel.plan.cp=2: the load-balanced split .* must divide data.seq_len \(30\)",
+        ),
+        (
+            ["parallel=cp_dp", "model=mlp"],
+            ValueError,
+            r"parallel.plan.cp=2 splits the sequences of a transformer",
+        ),
+        (["train.recompute=some"], ValueError, r"train.recompute must be one of \['none'"),
+        (
+            ["train.recompute=full", "train.recompute_layers=5"],
+            ValueError,
+            r"train.recompute_layers \(5\) exceeds the 4 blocks of a stage",
+        ),
+        (
+            ["model=mlp", "train.recompute=selective"],
+            ValueError,
+            r"train.recompute=selective recomputes the attention core",
+        ),
+        (
+            ["parallel=zero1", "parallel.reshard_after_forward=true"],
+            ValueError,
+            r"zero=1 keeps the parameters gathered",
+        ),
         (
             # 2 nodes of 2 ranks: this axis order puts each tp pair on both nodes.
             [

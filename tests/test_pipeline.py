@@ -22,12 +22,14 @@ from overlapkit.train.mesh import PlanConfig, build_layout, check_plan, data_sha
 from overlapkit.train.models import GPT, GPTConfig, MLPConfig
 from overlapkit.train.monitor import RunSummary
 from overlapkit.train.pipeline import apply_pipeline
+from overlapkit.train.recompute import apply_recompute
 from overlapkit.train.schedule import warmup_cosine
 from overlapkit.train.stages import (
     bubble_share,
     check_pipeline,
     local_stages,
     split_stage,
+    stage_blocks,
     stage_layers,
 )
 from tests.cuda import requires_cuda
@@ -86,6 +88,11 @@ def _check(world_size: int = 4, grad_accum: int = MICRO, model=None, factory=DDP
         (dict(pp=2, virtual_stages=2), r"schedule=1F1B runs one stage per rank"),
         (dict(pp=3), r"tp x parallel.plan.ep x parallel.plan.pp = 1 x 1 x 3 = 3 does not divide"),
         (dict(pp=2, model=MLPConfig()), r"pp=2 splits a GPT into stages .*MLPConfig"),
+        (dict(pp=2, cp=2), r"pp=2 with parallel.plan.cp=2: the pipeline's stages pass whole"),
+        (
+            dict(pp=2, factory={"_target_": "overlapkit.fsdp", "zero": 2}),
+            r"parallel.zero=2 \(ZeRO-2\) with parallel.plan.pp=2: .* use parallel=zero1",
+        ),
         (
             dict(pp=2, factory={"_target_": "torch.nn.Identity"}),
             r"pp=2 needs parallel._target_ .* got torch.nn.Identity",
@@ -197,6 +204,11 @@ CASES = {
     ),
     "LoopedBFS v=2 ok.fsdp": (PlanConfig(pp=2, schedule="LoopedBFS", virtual_stages=2), ok.fsdp),
     "1F1B pp=4": (PlanConfig(pp=4), ok.ddp),
+    "1F1B ZeRO-1 recompute=full:1": (
+        PlanConfig(pp=2),
+        functools.partial(ok.fsdp, zero=1, reshard_after_forward=None),
+        ("full", 1),  # each stage's first block, as the loop applies it
+    ),
 }
 PROFILED = "1F1B ok.ddp"
 """Its second step is traced: the report's send/recv."""
@@ -204,9 +216,11 @@ PROFILED = "1F1B ok.ddp"
 
 def _train_case(rank: int, world_size: int, topology, case, device: torch.device, profiler) -> dict:
     """Two clipped AdamW steps of one layout; the parameters' gaps to one process and more."""
-    plan, factory = case
+    plan, factory, *recompute = case
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CONFIG)).to(device)
+    for blocks in stage_blocks(model.blocks, plan) if recompute else ():
+        assert apply_recompute(blocks, *recompute[0]) == [0]
     layout = build_layout(plan, topology, device)
     par = apply_pipeline(
         model, factory, layout, loss_fn=GPT.loss, micro_batches=MICRO, device=device

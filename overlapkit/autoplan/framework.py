@@ -1,14 +1,20 @@
-"""What a training framework runs for a layout, where frameworks differ in what a step costs.
+"""A training framework: which layouts it runs, and how a step of one costs under it.
 
-The step-time model (``autoplan.step_time``) prices a layout as the framework that runs it splits
-the model. Two are described:
+``--framework`` (``SearchSettings.framework``) means both: the search proposes only what the
+framework runs (``Framework.refusal``: a pinned value it cannot run is refused by name), and
+prices each layout as that framework splits the model. The registry ``FRAMEWORKS`` (name ->
+``Framework``) holds those ``--framework`` accepts:
 
-- ``MEGATRON`` (the default; what the published runs used): Megatron-LM's tensor parallelism
-  with sequence parallelism (Korthikanti et al., MLSys'23): each layer's attention and MLP split
-  over tp, an all-gather before and a reduce-scatter after each of them, in forward and in
-  backward; the embedding and the output layer split over the vocabulary; the parameters plain
-  tensors (FSDP2's excepted, which are always DTensors).
-- ``OVERLAPKIT_TRAIN``: overlapkit-train (``overlapkit/train/parallel.py``). Its
+- ``MEGATRON`` (the default; what the published runs used): runs every layout the search
+  enumerates. Megatron-LM's tensor parallelism with sequence parallelism (Korthikanti et al.,
+  MLSys'23): each layer's attention and MLP split over tp, an all-gather before and a
+  reduce-scatter after each of them, in forward and in backward; the embedding and the output
+  layer split over the vocabulary; the parameters plain tensors (FSDP2's excepted, which are
+  always DTensors).
+- ``OVERLAPKIT_TRAIN``: overlapkit-train (``overlapkit/train/parallel.py``). It runs ddp, fsdp
+  and hsdp, tensor parallelism (``parallel=tp_dp``) and expert parallelism (``parallel=ep_dp``)
+  with ddp; not pipeline or context parallelism, activation recomputation, ZeRO-1/2, tp with
+  ep, nor tp or ep under FSDP (``overlapkit/train/mesh.py`` refuses the last ones). Its
   ``apply_tensor_parallel`` is torch's ``parallelize_module`` on every block: ``q``, ``k``,
   ``v`` and the MLP's first layer column-wise, ``proj`` and the MLP's second layer row-wise. The
   activations between the blocks stay replicated, so forward all-reduces the output of each
@@ -19,6 +25,9 @@ the model. Two are described:
   DTensors, and so are the experts ``shard_experts`` splits over ep. Its MoE layers are not
   split over tp; that case is not modelled (overlapkit-train runs moe_tiny under ep).
 
+"Selective" recomputation is the framework's policy (``selective``, ``autoplan.selective``):
+for both, the attention core (Megatron-LM's ``--recompute-granularity selective``).
+
 DTensor parameters matter where the host runs the optimizer step tensor by tensor (CPU ranks:
 ``StepOptions.optimizer_dtensor_s``); on GPUs the difference is not priced (the defaults are 0).
 """
@@ -27,10 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from overlapkit.autoplan.selective import ATTENTION_CORE, SelectiveRecompute
+from overlapkit.planner.layout import RECOMPUTE, SHARDING, TrainingLayout
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Framework:
-    """How a framework runs tensor and expert parallelism (see module doc)."""
+    """What a framework runs, and how it runs tensor and expert parallelism (see module doc)."""
 
     name: str
     sequence_parallel: bool
@@ -44,6 +56,48 @@ class Framework:
     """The embedding and the output layer split over tp; False: replicated on every tp rank."""
     dtensor_parameters: bool
     """The parameters split over tp or ep are DTensors (torch's ``parallelize_module``)."""
+    selective: SelectiveRecompute = ATTENTION_CORE
+    """What its selective recomputation recomputes, and so what it costs."""
+    pipeline_parallel: bool = True
+    """Runs pp > 1."""
+    context_parallel: bool = True
+    """Runs cp > 1."""
+    recompute: tuple[str, ...] = RECOMPUTE
+    """The recomputation modes it runs (full: any number of layers per stage)."""
+    sharding: tuple[str, ...] = SHARDING
+    """The data-parallel shardings it runs."""
+    tp_with_ep: bool = True
+    """Runs tp > 1 and ep > 1 together."""
+    tp_under_fsdp: bool = True
+    """Runs tp > 1 with fsdp or hsdp sharding."""
+    ep_under_fsdp: bool = True
+    """Runs ep > 1 with fsdp or hsdp sharding."""
+
+    def lacks(self, layout: TrainingLayout) -> list[str]:
+        """What of ``layout`` this framework does not run, in words (empty: it runs it)."""
+        out = []
+        if layout.cp > 1 and not self.context_parallel:
+            out.append(f"context parallelism (cp={layout.cp})")
+        if layout.pp > 1 and not self.pipeline_parallel:
+            out.append(f"pipeline parallelism (pp={layout.pp})")
+        if layout.recompute not in self.recompute:
+            out.append(f"activation recomputation ({layout.recompute})")
+        if layout.sharding not in self.sharding:
+            what = "optimizer-state sharding" if layout.sharding.startswith("zero") else "sharding"
+            out.append(f"{layout.sharding} {what}")
+        fsdp = layout.sharding in ("fsdp", "hsdp")
+        if layout.tp > 1 and layout.ep > 1 and not self.tp_with_ep:
+            out.append("tensor and expert parallelism together")
+        if layout.tp > 1 and fsdp and not self.tp_under_fsdp:
+            out.append("tensor parallelism under FSDP")
+        if layout.ep > 1 and fsdp and not self.ep_under_fsdp:
+            out.append("expert parallelism under FSDP")
+        return out
+
+    def refusal(self, layout: TrainingLayout) -> str | None:
+        """Why this framework does not run ``layout`` (one line), or None when it runs it."""
+        lacks = self.lacks(layout)
+        return f"{self.name} does not run {', '.join(lacks)}" if lacks else None
 
 
 MEGATRON = Framework(
@@ -56,4 +110,26 @@ OVERLAPKIT_TRAIN = Framework(
     tp_backward_all_reduces=4,
     vocab_parallel=False,
     dtensor_parameters=True,
+    pipeline_parallel=False,
+    context_parallel=False,
+    recompute=("none",),
+    sharding=("ddp", "fsdp", "hsdp"),
+    tp_with_ep=False,
+    tp_under_fsdp=False,
+    ep_under_fsdp=False,
 )
+FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (MEGATRON, OVERLAPKIT_TRAIN)}
+"""The frameworks ``--framework`` names (a new one is added here, with its refusal)."""
+
+
+def framework_named(framework: str | Framework) -> Framework:
+    """The registered framework of that name (a ``Framework`` is returned as it is).
+
+    Raises:
+        ValueError: an unknown name, the known ones listed.
+    """
+    if isinstance(framework, Framework):
+        return framework
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework {framework!r}; valid: {', '.join(FRAMEWORKS)}")
+    return FRAMEWORKS[framework]

@@ -24,7 +24,7 @@ from overlapkit.autoplan.candidate import Candidate
 from overlapkit.autoplan.compute import LAYER_OVER_MATMUL
 from overlapkit.autoplan.memory import PRECISIONS
 from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.autoplan.models import gpt_spec, load_model
+from overlapkit.autoplan.models import load_model
 from overlapkit.autoplan.search import search
 from overlapkit.autoplan.settings import PlanSearchError, SearchSettings, with_memory
 from overlapkit.topology.loading import load_topology
@@ -72,17 +72,9 @@ class PublishedRun:
         return self.expected.startswith("miss")
 
     def model_spec(self) -> ModelSpec:
-        """The built-in model, or a Megatron GPT given as ``gpt:layers=..,hidden=..,heads=..``."""
-        if self.model.startswith("gpt:"):
-            fields = dict(item.split("=") for item in self.model[4:].split(","))
-            return gpt_spec(
-                name=self.name,
-                layers=int(fields["layers"]),
-                hidden=int(fields["hidden"]),
-                heads=int(fields["heads"]),
-                seq_len=self.seq_len,
-            )
-        return load_model(self.model)
+        """The built-in model, or a Megatron GPT given as ``gpt:layers=..,hidden=..,heads=..``
+        (``models.GPT_SPEC``, learned positions for the row's sequence length)."""
+        return load_model(self.model, seq_len=self.seq_len)
 
     def published_tokens_per_s_per_gpu(self, model: ModelSpec) -> float:
         """The published throughput in tokens per second per GPU (see module doc)."""
@@ -213,7 +205,7 @@ def check_run(
     kwargs = dict(global_batch=run.global_batch, seq_len=run.seq_len, settings=settings)
     pinned = dict(run.fixed)
     if pinned.get("recompute") == "full":
-        pinned["recompute_layers"] = model.layers  # the sources recompute every layer
+        pinned["recompute_layers"] = "all"  # the sources recompute every layer
     fixed = search(topology, model, fixed=pinned, candidates=1, **kwargs).best
     free = None
     if free_search:

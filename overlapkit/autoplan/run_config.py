@@ -6,36 +6,20 @@ overlapkit-train runs data parallelism with ``ok.ddp`` / ``ok.GradBucketer`` (``
 parallelism with the bucketer (``parallel=tp_dp``, ``parallel.plan.tp``) and expert parallelism
 with it (``parallel=ep_dp``, ``parallel.plan.ep``); not tensor with expert parallelism together,
 nor tensor parallelism under FSDP (``overlapkit/train/mesh.py`` refuses both). It has no
-context or pipeline parallelism, no activation recomputation and no ZeRO-1/2 optimizer sharding.
-``train.batch_size`` is the micro-batch per rank and ``train.grad_accum`` the micro-batches.
+context or pipeline parallelism, no activation recomputation and no ZeRO-1/2 optimizer sharding:
+what it runs is ``autoplan.framework.OVERLAPKIT_TRAIN``'s ``lacks`` / ``refusal``.
+``train.batch_size`` is the micro-batch per rank and ``train.grad_accum`` the micro-batches; a
+recomputing layout (once the framework runs one) adds ``train.recompute`` and, for full
+recomputation of some layers, ``train.recompute_layers`` (layers of each pipeline stage).
 """
 
 from __future__ import annotations
 
+from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN, Framework
 from overlapkit.planner.layout import TrainingLayout
 
 TRAIN_MODELS = ("gpt_tiny", "moe_tiny", "mlp")
 """overlapkit-train's model zoo (``conf/model``)."""
-
-
-def train_lacks(layout: TrainingLayout) -> list[str]:
-    """What overlapkit-train cannot do of ``layout`` (empty: it runs it)."""
-    lacks = []
-    if layout.cp > 1:
-        lacks.append(f"context parallelism (cp={layout.cp})")
-    if layout.pp > 1:
-        lacks.append(f"pipeline parallelism (pp={layout.pp})")
-    if layout.recompute != "none":
-        lacks.append(f"activation recomputation ({layout.recompute})")
-    if layout.sharding in ("zero1", "zero2"):
-        lacks.append(f"{layout.sharding} optimizer-state sharding")
-    if layout.tp > 1 and layout.ep > 1:
-        lacks.append("tensor and expert parallelism together")
-    if layout.tp > 1 and layout.sharding in ("fsdp", "hsdp"):
-        lacks.append("tensor parallelism under FSDP")
-    if layout.ep > 1 and layout.sharding in ("fsdp", "hsdp"):
-        lacks.append("expert parallelism under FSDP")
-    return lacks
 
 
 def train_overrides(
@@ -45,15 +29,19 @@ def train_overrides(
     nodes: int,
     ranks_per_node: int,
     model: str | None,
+    framework: Framework = OVERLAPKIT_TRAIN,
 ) -> list[str]:
-    """The ``overlapkit-train`` command-line overrides that run ``layout`` (see ``train_lacks``).
+    """The ``overlapkit-train`` command-line overrides that run ``layout``.
+
+    ``framework``: what overlapkit-train runs (``OVERLAPKIT_TRAIN``; a test passes one that
+    runs more, as overlapkit-train will).
 
     Raises:
         ValueError: overlapkit-train cannot run ``layout`` (the message says why).
     """
-    lacks = train_lacks(layout)
-    if lacks:
-        raise ValueError(f"overlapkit-train cannot run this layout: it lacks {', '.join(lacks)}")
+    refusal = framework.refusal(layout)
+    if refusal is not None:
+        raise ValueError(refusal)
     if layout.tp > 1:
         parallel = ["parallel=tp_dp", f"parallel.plan.tp={layout.tp}"]
     elif layout.ep > 1:
@@ -69,6 +57,7 @@ def train_overrides(
         *parallel,
         f"train.batch_size={layout.micro_batch}",
         f"train.grad_accum={layout.num_micro_batches}",
+        *recompute_overrides(layout),
         "topology=preset",
         f"topology.name_or_path={topology}",
         f"launcher.nnodes={nodes}",
@@ -77,6 +66,17 @@ def train_overrides(
     if nodes > 1:
         args.append("launcher=multinode")
     return args
+
+
+def recompute_overrides(layout: TrainingLayout) -> list[str]:
+    """``train.recompute`` (and ``train.recompute_layers``, per pipeline stage) for ``layout``:
+    none when it recomputes nothing."""
+    if layout.recompute == "none":
+        return []
+    out = [f"train.recompute={layout.recompute}"]
+    if layout.recompute_layers is not None:
+        out.append(f"train.recompute_layers={layout.recompute_layers}")
+    return out
 
 
 def torchtitan_config(layout: TrainingLayout, *, seq_len: int, global_batch: int) -> str:
@@ -119,6 +119,11 @@ def torchtitan_config(layout: TrainingLayout, *, seq_len: int, global_batch: int
         "[activation_checkpoint]",
         f'mode = "{layout.recompute}"',
     ]
+    if layout.recompute_layers is not None:
+        lines.append(
+            f"# the planner recomputes {layout.recompute_layers} layers of each pipeline stage; "
+            "torchtitan's full mode recomputes every layer"
+        )
     if layout.sharding in ("zero1", "zero2"):
         lines.insert(0, f"# {layout.sharding}: torchtitan shards with FSDP instead")
     return "\n".join(lines)

@@ -5,7 +5,8 @@ the output layer on the last stage):
 
 - **compute**: forward FLOPs of its layers (``2 x`` active matmul parameters per token, and
   attention's ``2 x seq x heads x (qk_dim + v_dim)`` per token), backward twice that,
-  recomputation's extra forward (full: the whole layer; selective: the attention core), all
+  recomputation's extra forward (full: the whole layer; selective: what the framework's policy
+  recomputes, ``autoplan.selective``: Megatron-LM's attention core), all
   divided by ``tp x cp`` and run at the achievable fraction of the device's dense peak
   (``autoplan.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's;
   under tp, the host's dispatch of the sharded layers where it is not hidden
@@ -52,7 +53,6 @@ from overlapkit.autoplan.memory import (
     Precision,
     layer_activation_bytes,
     layers_per_stage,
-    recomputed_activation_bytes,
     stage_params,
 )
 from overlapkit.autoplan.model_spec import ModelSpec
@@ -226,10 +226,12 @@ def predict_step(
     bwd = n_layers * (mm_bwd + 2 * attn_fwd)
     recomputed = lay.recomputed_share(n_layers)
     extra = recomputed * fwd
-    if lay.recompute == "selective" and not o.flash_attention:
-        extra = n_layers * attn_fwd  # the attention core's forward again (flash does it anyway)
-    # The output layer runs on the last stage (all of them with pp = 1): it is the slowest.
     fw = o.framework
+    if lay.recompute == "selective":
+        extra = n_layers * fw.selective.extra_forward_s(
+            matmul_s=mm_fwd, attention_s=attn_fwd, flash=o.flash_attention
+        )
+    # The output layer runs on the last stage (all of them with pp = 1): it is the slowest.
     vocab_tp = tp if fw.vocab_parallel else 1
     head_rows = max(1, round(tokens / cp))
     head_flops = 2.0 * head_rows * model.hidden * model.vocab_size / vocab_tp
@@ -252,9 +254,9 @@ def predict_step(
         passes = TRAFFIC_PASSES + recomputed
         memory_bound = n_layers * passes * saved / (bandwidth * 1e9)
         if lay.recompute == "selective":
-            # Rebuilding the activation functions' outputs: read their input, write them.
-            rebuilt = recomputed_activation_bytes(
-                model, o.precision, moe_layer=model.is_moe and model.dense_layers == 0
+            # Rebuilding what the policy recomputes element-wise: read its input, write it.
+            rebuilt = fw.selective.rebuilt_bytes_per_token(
+                model, act, moe_layer=model.is_moe and model.dense_layers == 0
             )
             memory_bound += n_layers * 2 * tokens / cp * rebuilt / tp / (bandwidth * 1e9)
     fwd += memory_bound / TRAFFIC_PASSES
@@ -420,7 +422,7 @@ def predict_step(
     model_flops = model.model_flops_per_token(s) * global_tokens
     recompute_flops = {
         "none": 0.0,
-        "selective": model.attention_flops_per_token(s),
+        "selective": fw.selective.extra_flops_per_token(model, s),
         "full": recomputed
         * (model.model_flops_per_token(s) / 3 - 2.0 * model.hidden * model.vocab_size),
     }[lay.recompute] * global_tokens

@@ -24,6 +24,7 @@ from overlapkit.fsdp.replica_all_reduce import explain_replica_all_reduce
 from overlapkit.fsdp.state import OverlapState, is_registered, register_state, state_of
 from overlapkit.fsdp.stats import ROOT, UnshardRecorder
 from overlapkit.fsdp.tuning import attach_prefetch_tuner
+from overlapkit.fsdp.zero import resolve_reshard_after_forward
 from overlapkit.group.consistency import check_consistent
 from overlapkit.group.failures import FailureScope
 from overlapkit.group.process_group import resolve_process_group
@@ -135,10 +136,11 @@ def fsdp(
     prefetch: int | str = 1,
     mesh: DeviceMesh | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     blocks: BlockSpec = None,
     overlap_reduce_scatter: bool = True,
     max_memory: int | None = None,
+    zero: int | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2, block by block, with all-gather prefetch that overlaps.
 
@@ -159,8 +161,9 @@ def fsdp(
             axis 1 shards). None means a 1-D mesh over the world.
         mixed_precision (str | MixedPrecisionPolicy | None): None (parameter dtype),
             ``"bf16"`` (bf16 parameters in compute, fp32 gradient reduction) or a policy.
-        reshard_after_forward (bool): free each block's unsharded parameters after its forward
-            and gather them again in backward. Defaults to True.
+        reshard_after_forward (bool | None): free each block's unsharded parameters after its
+            forward and gather them again in backward. None (the default) means True, or False
+            under ``zero``.
         blocks: which modules to shard one by one (see ``overlapkit.fsdp.blocks``); None finds
             the largest list of same-class modules. Blocks must run in this order.
         overlap_reduce_scatter (bool): on host devices with ``prefetch >= 1``, use overlapkit's
@@ -169,6 +172,12 @@ def fsdp(
         max_memory (int | None): with ``prefetch="auto"`` only: most bytes of unsharded block
             parameters allowed at once (what ``ok.fsdp_stats(model).peak_bytes`` measures);
             None means no bound.
+        zero (int | None): a lower ZeRO stage on FSDP2 (``overlapkit.fsdp.zero``): 1 shards the
+            optimizer state only (per step one all-gather and one reduce-scatter per block,
+            gradients accumulated whole), 2 the gradients too (one reduce-scatter per
+            micro-batch). The parameters stay gathered from a step's first forward to its last
+            backward; run every micro-batch but the last under ``overlapkit.fsdp.no_sync``.
+            None (the default) is FSDP2's ZeRO-3.
 
     Returns:
         nn.Module: ``model`` itself, now an ``FSDPModule``; ``ok.fsdp_stats(model)`` reads its
@@ -176,7 +185,8 @@ def fsdp(
 
     Raises:
         ValueError: ``prefetch`` not in {0, 1, 2}, unknown ``mixed_precision``, ``blocks``
-            matching nothing, a mesh of the wrong size or shape, or a model already wrapped.
+            matching nothing, a mesh of the wrong size or shape, a model already wrapped,
+            ``zero`` not in {1, 2}, or ``zero`` with ``reshard_after_forward=True``.
         ConfigMismatch: the ranks passed different options or models
             (``overlapkit.group.consistency``, over each axis of the mesh; one 32-byte
             all-gather per axis when they agree).
@@ -195,11 +205,14 @@ def fsdp(
         reshard_after_forward=reshard_after_forward,
         overlap_reduce_scatter=overlap_reduce_scatter,
         max_memory=max_memory,
+        zero=zero,
     )
     auto_prefetch = prefetch == AUTO
     max_memory = check_max_memory(max_memory, auto=auto_prefetch)
     prefetch = 0 if auto_prefetch else _validate_prefetch(prefetch)
-    reshard_after_forward = _check_bool(reshard_after_forward, "reshard_after_forward")
+    reshard_after_forward = _check_bool(
+        resolve_reshard_after_forward(zero, reshard_after_forward), "reshard_after_forward"
+    )
     overlap_reduce_scatter = _check_bool(overlap_reduce_scatter, "overlap_reduce_scatter")
     policy = resolve_mixed_precision(mixed_precision)
     if not isinstance(model, nn.Module):
@@ -277,18 +290,20 @@ def fsdp(
             reshard_after_forward=reshard_after_forward,
             recorder=recorder,
             pending=pending,
+            zero=zero,
         ),
     )
     if auto_prefetch:
         attach_prefetch_tuner(model, state_of(model, caller="ok.fsdp"), candidates, max_memory)
     logger.info(
-        "ok.fsdp: %d blocks (%s), prefetch=%d, mesh %s, mixed_precision=%s, "
+        "ok.fsdp: %d blocks (%s), prefetch=%d, mesh %s, mixed_precision=%s, zero=%s, "
         "async all-gather=%s, overlapkit reduce-scatter=%s",
         len(block_list),
         type(block_list[0]).__name__,
         prefetch,
         tuple(mesh.shape),
         mixed_precision if not isinstance(mixed_precision, MixedPrecisionPolicy) else policy,
+        zero,
         async_gather,
         host_reduce,
     )

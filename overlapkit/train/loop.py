@@ -1,10 +1,11 @@
 """The training loop every ``overlapkit-train`` worker runs (one process per rank).
 
-Per step: ``grad_accum`` micro-batches (gradient reduction skipped on all but the last),
-the wrapper's end-of-backward (the bucketer's ``wait``), gradient clipping, AdamW, the
-warm-up/cosine schedule. Around it: automatic resume from the newest checkpoint in the run
-directory, ``ok.profile`` when the ``profiler`` group is chosen, rank 0's progress bar and
-TensorBoard scalars, checkpoints every ``checkpoint_every`` steps and at the end, and a summary.
+Per step: ``grad_accum`` micro-batches (gradient reduction skipped on all but the last; under
+context parallelism each rank's chunks of the sequences), the wrapper's end-of-backward (the
+bucketer's ``wait``), gradient clipping, AdamW, the warm-up/cosine schedule. Around it:
+automatic resume from the newest checkpoint in the run directory, ``ok.profile`` when the
+``profiler`` group is chosen, rank 0's progress bar and TensorBoard scalars, checkpoints every
+``checkpoint_every`` steps and at the end, and a summary.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from omegaconf import DictConfig
 from overlapkit.profiling import analyze_run
 from overlapkit.profiling.report import format_report
 from overlapkit.train.checkpoint import TrainingState, latest_checkpoint, remove_pending
+from overlapkit.train.context_parallel import (
+    WHOLE_SEQUENCES,
+    SequenceSplit,
+    WholeSequences,
+    split_sequences,
+)
 from overlapkit.train.data import BatchStream, DataSource, check_compatible
 from overlapkit.train.mesh import Layout, PlanConfig, build_layout, split_parallel
 from overlapkit.train.models.moe import MoE
@@ -37,7 +44,8 @@ from overlapkit.train.parallel import (
     clip_grad_norm,
 )
 from overlapkit.train.pipeline import apply_pipeline
-from overlapkit.train.stages import bubble_share, check_pipeline, resolve_schedule
+from overlapkit.train.recompute import NONE, apply_recompute, check_recompute_mode
+from overlapkit.train.stages import bubble_share, check_pipeline, resolve_schedule, stage_blocks
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -76,6 +84,12 @@ class TrainConfig:
     """Throughput of a 1-rank run of the same config (its summary's tok/s, or samples/s for
     data=regression); the summary then reports scaling efficiency T(N) / (N x T(1)). None: not
     reported."""
+    recompute: str = NONE
+    """Activation recomputation (``overlapkit.train.recompute``): ``none``, ``selective`` (the
+    attention core of every block) or ``full`` (whole blocks)."""
+    recompute_layers: int | None = None
+    """With ``recompute: full``: blocks of each pipeline stage recomputed, from its first; None
+    means all of them (the planner's ``full:K`` / ``full:all``)."""
 
     def __post_init__(self) -> None:
         check_int("train.steps", self.steps, 1)
@@ -94,6 +108,7 @@ class TrainConfig:
                 f"train.baseline_items_per_s must be > 0 (a 1-rank run's tok/s) or null, got "
                 f"{self.baseline_items_per_s!r}"
             )
+        check_recompute_mode(self.recompute, self.recompute_layers)
         if self.device not in DEVICES:
             raise ValueError(f"train.device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.stop_after is not None:
@@ -204,8 +219,12 @@ def _train_step(
     source: DataSource,
     cfg: TrainConfig,
     device: torch.device,
+    split: WholeSequences | SequenceSplit = WHOLE_SEQUENCES,
 ) -> tuple[float, float | None]:
-    """One optimizer step; returns (mean micro-batch loss, gradient norm before clipping)."""
+    """One optimizer step; returns (mean micro-batch loss, gradient norm before clipping).
+
+    ``split`` gives each micro-batch's model inputs and targets (this rank's chunks under
+    context parallelism) and averages the loss over the ranks that split the sequences."""
     optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
     if par.forward_backward is not None:  # a pipeline schedule runs the micro-batches
         batches = [tuple(t.to(device) for t in stream.next()) for _ in range(cfg.grad_accum)]
@@ -215,10 +234,14 @@ def _train_step(
         for micro in range(cfg.grad_accum):
             inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
             last = micro == cfg.grad_accum - 1
-            with contextlib.nullcontext() if last else par.no_sync():
-                loss = source.loss(par.model(inputs), targets) / cfg.grad_accum
+            with (
+                contextlib.nullcontext() if last else par.no_sync(),
+                split.shard(inputs, targets) as (model_inputs, targets),
+            ):
+                loss = source.loss(par.model(*model_inputs), targets) / cfg.grad_accum
                 loss.backward()
             loss_sum += loss.detach()
+        loss_sum = split.average_loss(loss_sum)
     par.finish_backward()
     if par.optimizer is not None:  # the wrapper clips and applies the optimizer per bucket
         # Reading the norm waits for every bucket's all-reduce (not for the updates).
@@ -316,6 +339,12 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     topology = _topology(job, world_size, rank, paths)
     plan, factory = split_parallel(job.parallel)
     layout = build_layout(plan, topology, device)
+    split = split_sequences(model, layout.cp_mesh, device)
+    recomputed = [  # each pipeline stage's first train.recompute_layers blocks
+        index
+        for blocks in stage_blocks(getattr(model, "blocks", ()), plan)
+        for index in apply_recompute(blocks, cfg.recompute, cfg.recompute_layers)
+    ]
     check_run_optimizer(factory, plan=plan)
     check_pipeline(plan, model_config=model.config, grad_accum=cfg.grad_accum, factory_cfg=factory)
     make_optimizer = instantiate(job.optim.optimizer)
@@ -367,9 +396,12 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         start_step = state.load(found[1])
         logger.info("resumed from %s (step %d)", found[1], start_step)
     end_step = min(cfg.steps, cfg.stop_after or cfg.steps)
+    description = par.description + split.description
+    if recomputed:
+        description += f", recompute={cfg.recompute} ({len(recomputed)} blocks)"
     logger.info(
         "%s, %d ranks (mesh %s), device %s: steps %d..%d of %d",
-        par.description,
+        description,
         world_size,
         layout.describe(),
         device,
@@ -398,7 +430,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         for step in range(start_step + 1, end_step + 1):
             lr = scheduler.get_last_lr()[0]
             t0 = time.perf_counter()
-            loss, grad_norm = _train_step(par, optimizer, stream, source, cfg, device)
+            loss, grad_norm = _train_step(par, optimizer, stream, source, cfg, device, split)
             scheduler.step()
             monitor.step(
                 step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0
@@ -430,7 +462,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         name=str(job.get("name", "")),
         world_size=world_size,
         nodes=topology.num_nodes if topology is not None else None,
-        parallel=par.description,
+        parallel=description,
         unit=source.unit,
         start_step=start_step,
         final_step=max(start_step, end_step),

@@ -39,7 +39,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp import GradBucketer
-from overlapkit.fsdp import step_by_block
+from overlapkit.fsdp import no_sync as fsdp_no_sync
+from overlapkit.fsdp import step_by_block, zero_stage
 from overlapkit.train.mesh import Layout, PlanConfig
 from overlapkit.train.models.moe import MoE, shard_experts
 
@@ -91,15 +92,6 @@ class Parallelized:
     )
     """Runs forward and backward of all the step's ``(inputs, targets)`` micro-batches itself and
     returns the mean loss (a pipeline schedule); None: the loop runs them one by one."""
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def check_run_optimizer(factory_cfg: Mapping[str, object], *, plan: PlanConfig) -> None:
@@ -202,9 +194,11 @@ def apply_parallel(
             )
         case FSDPModule():
             what = "ok.fsdp" + (" (HSDP)" if layout.plan.dp_shard is not None else "")
+            zero = zero_stage(result)
+            what += f" ZeRO-{zero}" if zero is not None else ""
             return Parallelized(
                 result,
-                lambda: _fsdp_no_sync(result),
+                lambda: fsdp_no_sync(result),
                 _nothing,
                 True,
                 what + (", optimizer step by block" if by_block else ""),

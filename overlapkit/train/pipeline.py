@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp import GradBucketer
+from overlapkit.fsdp import zero_stage
 from overlapkit.group.process_group import inherit_timeout
 from overlapkit.train.mesh import Layout
 from overlapkit.train.models.gpt import GPT
@@ -288,6 +289,8 @@ def apply_pipeline(
             case DistributedDataParallel() | FSDPModule():
                 stages.append(PipelineStage(wrapped, **common))
                 what = "ok.ddp" if isinstance(wrapped, DistributedDataParallel) else "ok.fsdp"
+                if isinstance(wrapped, FSDPModule) and zero_stage(wrapped) is not None:
+                    what += f" ZeRO-{zero_stage(wrapped)}"
             case _:
                 raise TypeError(
                     f"parallel.plan.pp: the factory {factory!r} returned "

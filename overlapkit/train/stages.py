@@ -17,7 +17,7 @@ checked here before any worker starts (``check_pipeline``), with the config keys
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -67,6 +67,18 @@ def stage_layers(n_layer: int, num_stages: int, stage: int) -> range:
     """The block indices of ``stage``: ``n_layer / num_stages`` consecutive ones."""
     per_stage = n_layer // num_stages
     return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def stage_blocks(blocks: Sequence[nn.Module], plan: Any) -> list[Sequence[nn.Module]]:
+    """``blocks`` cut into every stage's consecutive run (one run, all of them, without ``pp``).
+
+    Args:
+        blocks: the model's blocks in forward order.
+        plan: the ``parallel.plan`` section (``PlanConfig``), checked by ``check_pipeline``.
+    """
+    stages = plan.pp * plan.virtual_stages
+    runs = (stage_layers(len(blocks), stages, stage) for stage in range(stages))
+    return [blocks[run.start : run.stop] for run in runs]
 
 
 def bubble_share(pp: int, virtual_stages: int, micro_batches: int) -> float:
@@ -124,7 +136,8 @@ def check_pipeline(
             wrong count for the schedule; a model that is not a GPT; stages not dividing
             ``n_layer``; too few micro-batches for the schedule; ``ep``; a wrapper other than
             ``ok.ddp``, ``ok.GradBucketer``, ``ok.fsdp``; a zero-bubble schedule (with any of
-            them); per-bucket or per-block optimizer updates.
+            them); ``ep`` or ``cp`` with ``pp``; ZeRO-2; per-bucket or per-block optimizer
+            updates.
     """
     schedule = resolve_schedule(plan.schedule)
     pp, v = plan.pp, plan.virtual_stages
@@ -166,15 +179,26 @@ def check_pipeline(
             f"must divide model.config.n_layer ({model_config.n_layer}) for {where}"
         )
     _check_micro_batches(schedule, pp, grad_accum)
-    if plan.ep > 1:
-        raise ValueError(
-            f"parallel.plan.pp={pp} with parallel.plan.ep={plan.ep}: expert parallelism is not "
-            "supported inside pipeline stages; use one of them"
-        )
+    for axis, why in (
+        ("ep", "expert parallelism inside pipeline stages is not supported"),
+        ("cp", "the pipeline's stages pass whole sequences, not a context-parallel shard"),
+    ):
+        if getattr(plan, axis) > 1:
+            raise ValueError(
+                f"parallel.plan.pp={pp} with parallel.plan.{axis}={getattr(plan, axis)}: {why}; "
+                "use one of them"
+            )
     if target not in REDUCERS:
         raise ValueError(
             f"parallel.plan.pp={pp} needs parallel._target_ {', '.join(REDUCERS)} (the "
             f"pipeline wraps each stage), got {target}"
+        )
+    if factory_cfg.get("zero") == 2:
+        raise ValueError(
+            f"parallel.zero=2 (ZeRO-2) with parallel.plan.pp={pp}: torch's PipelineStage defers "
+            "FSDP2's gradient reduction to after the stage's last micro-batch, so the "
+            "reduce-scatter of every micro-batch ZeRO-2 promises cannot happen; use "
+            "parallel=zero1, which has the traffic a pipeline gives"
         )
     for key, value in (("optimizer", "optim"), ("optimizer_step", "by_block")):
         if factory_cfg.get(key) == value:
