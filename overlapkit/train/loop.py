@@ -34,7 +34,7 @@ from overlapkit.train.context_parallel import (
     split_sequences,
 )
 from overlapkit.train.data import BatchStream, DataSource, check_compatible
-from overlapkit.train.mesh import Layout, PlanConfig, build_layout, split_parallel
+from overlapkit.train.mesh import Layout, build_layout, split_parallel
 from overlapkit.train.models.moe import MoE
 from overlapkit.train.monitor import Monitor, RunSummary, scaling_efficiency
 from overlapkit.train.parallel import (
@@ -45,7 +45,7 @@ from overlapkit.train.parallel import (
 )
 from overlapkit.train.pipeline import apply_pipeline
 from overlapkit.train.recompute import NONE, apply_recompute, check_recompute_mode
-from overlapkit.train.stages import bubble_share, check_pipeline, resolve_schedule, stage_blocks
+from overlapkit.train.stages import check_pipeline, pipeline_record, stage_blocks
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -270,20 +270,6 @@ def _exposed_share(profile_dir: Path) -> tuple[float | None, float | None, int, 
     return exposed / step_ms, send_recv / step_ms, len(report.steps), format_report(report)
 
 
-def _pipeline_record(plan: PlanConfig, micro_batches: int) -> dict | None:
-    """The schedule and the planner's bubble share of a step (``summary.json``'s ``pipeline``);
-    None without pipeline parallelism."""
-    if plan.pp == 1:
-        return None
-    return {
-        "schedule": resolve_schedule(plan.schedule),
-        "pp": plan.pp,
-        "virtual_stages": plan.virtual_stages,
-        "micro_batches": micro_batches,
-        "planned_bubble_share": bubble_share(plan.pp, plan.virtual_stages, micro_batches),
-    }
-
-
 def _mesh_record(layout: Layout) -> dict | None:
     """The planned sizes and groups of every axis larger than 1 (``summary.json``'s ``mesh``)."""
     placement = layout.placement
@@ -475,7 +461,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         loss_last=monitor.losses[-1] if monitor.losses else None,
         run_dir=str(paths.run_dir),
         mesh=_mesh_record(layout),
-        pipeline=_pipeline_record(plan, cfg.grad_accum),
+        pipeline=pipeline_record(plan, cfg.grad_accum),
         ep_dispatch=dispatch,
         baseline_items_per_s=cfg.baseline_items_per_s,
         scaling_efficiency=scaling_efficiency(items_per_s, world_size, cfg.baseline_items_per_s),

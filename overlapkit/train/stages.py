@@ -91,6 +91,20 @@ def bubble_share(pp: int, virtual_stages: int, micro_batches: int) -> float:
     return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
 
 
+def pipeline_record(plan: Any, micro_batches: int) -> dict | None:
+    """The schedule and the planner's bubble share of a step (``summary.json``'s ``pipeline``);
+    None without pipeline parallelism."""
+    if plan.pp == 1:
+        return None
+    return {
+        "schedule": resolve_schedule(plan.schedule),
+        "pp": plan.pp,
+        "virtual_stages": plan.virtual_stages,
+        "micro_batches": micro_batches,
+        "planned_bubble_share": bubble_share(plan.pp, plan.virtual_stages, micro_batches),
+    }
+
+
 def split_stage(model: GPT, layers: Collection[int], *, first: bool, last: bool) -> GPT:
     """A ``GPT`` that shares ``model``'s modules for ``layers`` (and the ends it holds), no others.
 
