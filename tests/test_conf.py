@@ -80,6 +80,8 @@ def test_every_option_composes_and_builds(group, option, monkeypatch):
         overrides += ["model=mlp"]  # the data for a model of float features
     if group == "parallel" and option == "bucketer_overlap":
         overrides += ["train.clip_grad_norm=null"]  # refused with per-bucket updates
+    if group == "parallel" and option == "pp_dp":
+        overrides += ["train.grad_accum=2"]  # 1F1B keeps pp micro-batches in flight
     cfg = _compose(*overrides)
     launcher = instantiate(cfg.launcher)
     assert isinstance(launcher, LauncherConfig)
@@ -105,6 +107,7 @@ def test_parallel_options_call_the_public_api_with_planned_sizes():
         "cp_dp": (ok.ddp, {"bucket_mb": None, "compress": None}, {"cp": 2}),
         "tp_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"tp": 2}),
         "ep_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"ep": 2}),
+        "pp_dp": (ok.ddp, {"bucket_mb": None, "compress": None}, {"pp": 2}),
     }
     assert {option for group, option in OPTIONS if group == "parallel"} == set(expected)
     for option, (target, keywords, sizes) in expected.items():
@@ -166,6 +169,8 @@ def test_demo_recipe_builds_with_every_parallel_option(option):
     overrides = ["recipe=demo", f"parallel={option}"]
     if option == "bucketer_overlap":
         overrides += ["train.clip_grad_norm=null"]
+    if option == "pp_dp":
+        overrides += ["train.grad_accum=2"]
     cfg = _compose(*overrides)
     check_job(cfg, instantiate(cfg.launcher))
     _, factory_cfg = split_parallel(cfg.parallel)

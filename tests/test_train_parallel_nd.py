@@ -59,8 +59,9 @@ def test_plan_section_is_split_from_the_factory_and_checked():
     assert (plan.tp, plan.ep, plan.dp, plan.dp_shard) == (2, 1, -1, None)
     assert factory == {"_target_": BUCKETER, "bucket_mb": 1}
     assert split_parallel({"_target_": BUCKETER})[0].trivial
-    with pytest.raises(ValueError, match=r"parallel.plan.pp is not a planner size"):
-        split_parallel({"plan": {"pp": 2}})
+    with pytest.raises(ValueError, match=r"parallel.plan.sp is not a planner size"):
+        split_parallel({"plan": {"sp": 2}})
+    assert split_parallel({"plan": {"pp": 2}})[0].pp == 2
     assert split_parallel({"plan": {"cp": 2}})[0].cp == 2
     with pytest.raises(ValueError, match=r"parallel.plan.tp must be >= 1, got 0"):
         PlanConfig(tp=0)

@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -189,7 +188,8 @@ def fsdp(
             matching nothing, a mesh of the wrong size or shape, a model already wrapped,
             ``zero`` not in {1, 2}, or ``zero`` with ``reshard_after_forward=True``.
         ConfigMismatch: the ranks passed different options or models
-            (``overlapkit.group.consistency``; one 32-byte all-gather when they agree).
+            (``overlapkit.group.consistency``, over each axis of the mesh; one 32-byte
+            all-gather per axis when they agree).
         TypeError: an argument of the wrong type.
         RuntimeError: torch.distributed is not initialised.
 
@@ -228,7 +228,10 @@ def fsdp(
     block_bytes = tuple(_unsharded_bytes(b, policy) for b in block_list)
     own_params = _own_parameters(model, block_list)
     options.update(blocks=block_names, mesh=(tuple(mesh.shape), mesh.mesh_dim_names))
-    check_consistent(model, dist.group.WORLD, caller="ok.fsdp", options=options)
+    # Over the mesh's ranks, one group per axis (together they connect all of them): ranks
+    # outside the mesh, such as other pipeline stages, wrap other modules.
+    for axis in range(mesh.ndim):
+        check_consistent(model, mesh.get_group(axis), caller="ok.fsdp", options=options)
     if auto_prefetch:
         candidates = prefetch_candidates(
             block_bytes, max_memory, reshard_after_forward=reshard_after_forward

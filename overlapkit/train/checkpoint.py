@@ -15,6 +15,12 @@ those): the CPU generator, and the CUDA generator of the model's device when the
 GPU. A GPU checkpoint resumes on a GPU run and a CPU one on a CPU run; across the two, loading
 refuses.
 
+Pipeline stages (``parallel.plan.pp > 1``) hold different parameters on different ranks, so their
+optimizer state is saved per parameter name (``flatten_optimizer_state_dict``, as torchtitan
+does) and their bucket layouts under ``bucketers.stage<s>``: DCP keeps one value per key, and a
+parameter group's list of names would be one rank's. Model tensors keep the unsplit model's
+names in both forms; a checkpoint resumes into a run of the same optimizer form only.
+
 A checkpoint directory is untrusted input (it may come from someone else's run), and DCP
 unpickles it: its ``.metadata`` with plain ``pickle`` and every non-tensor value with
 ``torch.load(weights_only=False)``, either of which runs whatever code the file names. Loading
@@ -43,7 +49,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from overlapkit.train.data import BatchStream
 
@@ -53,6 +63,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _COMMITTED = re.compile(r"^step_(\d{8})$")
+# A parameter group's list of parameter names: saved unless the optimizer state is flattened.
+_GROUP_PARAMS = re.compile(r"^optim\.param_groups\.\d+\.params$")
+_OPTIMIZER_FORMS = {
+    True: "per parameter name (a pipeline-parallel run's)",
+    False: "per parameter group (a run without pipeline parallelism)",
+}
 _PENDING_SUFFIX = ".tmp"
 
 
@@ -234,10 +250,25 @@ class TrainingState:
     rank: int
     bucketers: Sequence[GradBucketer] = ()
     """The run's bucketers (``Parallelized.bucketers``), whose layouts are saved and restored."""
+    bucketer_keys: Sequence[str] = ()
+    """The bucketers' keys under ``bucketers.``; empty: their index."""
+    flatten_optimizer: bool = False
+    """Save the optimizer's state and hyperparameters per parameter name
+    (``flatten_optimizer_state_dict``, as torchtitan does): needed when ranks hold different
+    parameters (pipeline stages), since DCP keeps one value per key and ``param_groups`` would
+    otherwise be one rank's list of names."""
+
+    @property
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(flatten_optimizer_state_dict=self.flatten_optimizer)
+
+    def _keyed_bucketers(self) -> dict[str, GradBucketer]:
+        keys = self.bucketer_keys or [str(i) for i in range(len(self.bucketers))]
+        return dict(zip(keys, self.bucketers, strict=True))
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The state at ``step`` in DCP's form (nested dicts of tensors and plain values)."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._options)
         state = {
             "model": model_state,
             "optim": optim_state,
@@ -246,7 +277,7 @@ class TrainingState:
             _rng_key(self.rank): _rng_state(_cuda_device(self.model)),
         }
         if self.bucketers:
-            state["bucketers"] = {str(i): b.state_dict() for i, b in enumerate(self.bucketers)}
+            state["bucketers"] = {k: b.state_dict() for k, b in self._keyed_bucketers().items()}
         return state
 
     def save(self, root: str | Path, step: int, *, keep: int) -> Path:
@@ -288,8 +319,10 @@ class TrainingState:
             int: the step the checkpoint was saved at.
 
         Raises:
-            ValueError: the checkpoint is unsafe or unreadable, or its RNG state is of a CPU run
-                and this run's model is on a GPU (or the other way round).
+            ValueError: the checkpoint is unsafe or unreadable, its RNG state is of a CPU run
+                and this run's model is on a GPU (or the other way round), or its optimizer
+                state is of a pipeline-parallel run and this run is not (or the other way
+                round).
         """
         path = Path(path)
         state = self.state_dict(0)
@@ -306,6 +339,15 @@ class TrainingState:
                 self.rank,
             )
             del state[rng_key]
+        saved_flat = not any(_GROUP_PARAMS.match(key) for key in saved_keys)
+        if saved_flat != self.flatten_optimizer:
+            raise ValueError(
+                f"{path}: its optimizer state was saved "
+                f"{_OPTIMIZER_FORMS[saved_flat]}, but this run's is "
+                f"{_OPTIMIZER_FORMS[self.flatten_optimizer]}: a checkpoint of a pipeline-parallel "
+                "run (parallel.plan.pp > 1) resumes into a pipeline-parallel run only, any other "
+                "into a run without pipeline parallelism; start a new run (another name=...)"
+            )
         if self.bucketers and not any(key.startswith("bucketers.") for key in saved_keys):
             logger.warning(
                 "checkpoint %s has no bucket layout (saved without a GradBucketer); the "
@@ -325,11 +367,13 @@ class TrainingState:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
+            options=self._options,
         )
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state_dict(state["progress"]["data"])
-        for i, bucketer in enumerate(self.bucketers if "bucketers" in state else ()):
-            bucketer.load_state_dict(state["bucketers"][str(i)])
+        if "bucketers" in state:
+            for key, bucketer in self._keyed_bucketers().items():
+                bucketer.load_state_dict(state["bucketers"][key])
         if rng_key in state:
             torch.set_rng_state(state[rng_key]["cpu"])
             if "cuda" in state[rng_key]:

@@ -43,6 +43,7 @@ from overlapkit.train.mesh import check_plan, split_parallel
 from overlapkit.train.parallel import check_run_optimizer
 from overlapkit.train.recompute import check_recompute_fits
 from overlapkit.train.slurm import task_index
+from overlapkit.train.stages import check_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,6 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
     model_config = instantiate(cfg.model.config)
     source = instantiate(cfg.data)
     check_compatible(source, model_config)
-    check_recompute_fits(
-        train.recompute,
-        train.recompute_layers,
-        blocks_per_stage=model_config.n_layer,
-        has_attention=hasattr(model_config, "n_head"),
-    )
     train_steps = cfg.train.steps
     probe = [torch.zeros(1, requires_grad=True)]
     optimizer = instantiate(cfg.optim.optimizer)(probe)
@@ -123,11 +118,20 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
     if factory.get("_target_") == "overlapkit.fsdp":  # zero=, before the workers build it
         resolve_reshard_after_forward(factory.get("zero"), factory.get("reshard_after_forward"))
     check_run_optimizer(factory, plan=plan)
+    check_pipeline(
+        plan, model_config=model_config, grad_accum=cfg.train.grad_accum, factory_cfg=factory
+    )
+    check_recompute_fits(
+        train.recompute,
+        train.recompute_layers,
+        blocks_per_stage=model_config.n_layer // (plan.pp * plan.virtual_stages),
+        has_attention=hasattr(model_config, "n_head"),
+    )
     topology = cfg.get("topology")
     if topology is None and not plan.trivial:
         raise ValueError(
-            "parallel.plan needs a topology to place tp/ep/cp/dp_shard on; use topology=detect or "
-            "topology=preset (topology is null)"
+            "parallel.plan needs a topology to place tp/ep/cp/pp/dp_shard on; use topology=detect "
+            "or topology=preset (topology is null)"
         )
     if topology is not None and topology.get("_target_") != _DETECT:
         described = instantiate(topology)()

@@ -43,7 +43,9 @@ from overlapkit.train.parallel import (
     check_run_optimizer,
     clip_grad_norm,
 )
+from overlapkit.train.pipeline import apply_pipeline
 from overlapkit.train.recompute import NONE, apply_recompute, check_recompute_mode
+from overlapkit.train.stages import check_pipeline, pipeline_record, stage_blocks
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -224,18 +226,22 @@ def _train_step(
     ``split`` gives each micro-batch's model inputs and targets (this rank's chunks under
     context parallelism) and averages the loss over the ranks that split the sequences."""
     optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(cfg.grad_accum):
-        inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
-        last = micro == cfg.grad_accum - 1
-        with (
-            contextlib.nullcontext() if last else par.no_sync(),
-            split.shard(inputs, targets) as (model_inputs, targets),
-        ):
-            loss = source.loss(par.model(*model_inputs), targets) / cfg.grad_accum
-            loss.backward()
-        loss_sum += loss.detach()
-    loss_sum = split.average_loss(loss_sum)
+    if par.forward_backward is not None:  # a pipeline schedule runs the micro-batches
+        batches = [tuple(t.to(device) for t in stream.next()) for _ in range(cfg.grad_accum)]
+        loss_sum = par.forward_backward(batches)
+    else:
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
+            last = micro == cfg.grad_accum - 1
+            with (
+                contextlib.nullcontext() if last else par.no_sync(),
+                split.shard(inputs, targets) as (model_inputs, targets),
+            ):
+                loss = source.loss(par.model(*model_inputs), targets) / cfg.grad_accum
+                loss.backward()
+            loss_sum += loss.detach()
+        loss_sum = split.average_loss(loss_sum)
     par.finish_backward()
     if par.optimizer is not None:  # the wrapper clips and applies the optimizer per bucket
         # Reading the norm waits for every bucket's all-reduce (not for the updates).
@@ -248,17 +254,20 @@ def _train_step(
     return loss_sum.item(), grad_norm
 
 
-def _exposed_share(profile_dir: Path) -> tuple[float | None, int, str | None]:
-    """(exposed comm / step time over all profiled rank-steps, their count, the report text)."""
+def _exposed_share(profile_dir: Path) -> tuple[float | None, float | None, int, str | None]:
+    """Over all profiled rank-steps: (exposed comm / step time, exposed send/recv / step time,
+    their count, the report text)."""
     try:
         report = analyze_run(profile_dir)
     except (FileNotFoundError, ValueError) as err:
         logger.warning("no exposed-comm report: %s", err)
-        return None, 0, None
+        return None, None, 0, None
     step_ms = sum(r.step_ms for r in report.steps)
     exposed = sum(r.exposed_comm_ms for r in report.steps)
-    share = exposed / step_ms if step_ms > 0 else None
-    return share, len(report.steps), format_report(report)
+    send_recv = sum(r.kinds["send_recv"].exposed_ms for r in report.steps if "send_recv" in r.kinds)
+    if step_ms <= 0:
+        return None, None, len(report.steps), format_report(report)
+    return exposed / step_ms, send_recv / step_ms, len(report.steps), format_report(report)
 
 
 def _mesh_record(layout: Layout) -> dict | None:
@@ -317,22 +326,46 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     plan, factory = split_parallel(job.parallel)
     layout = build_layout(plan, topology, device)
     split = split_sequences(model, layout.cp_mesh, device)
-    recomputed = apply_recompute(getattr(model, "blocks", ()), cfg.recompute, cfg.recompute_layers)
+    recomputed = [  # each pipeline stage's first train.recompute_layers blocks
+        index
+        for blocks in stage_blocks(getattr(model, "blocks", ()), plan)
+        for index in apply_recompute(blocks, cfg.recompute, cfg.recompute_layers)
+    ]
     check_run_optimizer(factory, plan=plan)
+    check_pipeline(plan, model_config=model.config, grad_accum=cfg.grad_accum, factory_cfg=factory)
     make_optimizer = instantiate(job.optim.optimizer)
-    par = apply_parallel(
-        model,
-        instantiate(factory),
-        layout,
-        make_optimizer=make_optimizer,
-        clip_grad_norm=cfg.clip_grad_norm,
-    )
+    if plan.pp > 1:
+        par = apply_pipeline(
+            model,
+            instantiate(factory),
+            layout,
+            loss_fn=source.loss,
+            micro_batches=cfg.grad_accum,
+            device=device,
+        )
+    else:
+        par = apply_parallel(
+            model,
+            instantiate(factory),
+            layout,
+            make_optimizer=make_optimizer,
+            clip_grad_norm=cfg.clip_grad_norm,
+        )
     optimizer = par.optimizer or make_optimizer(par.model.parameters())
     scheduler = instantiate(job.optim.scheduler)(optimizer, total_steps=cfg.steps)
     # Ranks of one tensor-parallel group read the same batches.
     data_index, data_shards = layout.data_shard(rank, world_size)
     stream = BatchStream(source, rank=data_index, batch_size=cfg.batch_size)
-    state = TrainingState(par.model, optimizer, scheduler, stream, rank, par.bucketers)
+    state = TrainingState(
+        par.model,
+        optimizer,
+        scheduler,
+        stream,
+        rank,
+        par.bucketers,
+        bucketer_keys=par.bucketer_keys,
+        flatten_optimizer=plan.pp > 1,
+    )
     torch.manual_seed(cfg.seed + 1 + rank)  # anything random at run time differs per rank
 
     start_step = 0
@@ -428,6 +461,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         loss_last=monitor.losses[-1] if monitor.losses else None,
         run_dir=str(paths.run_dir),
         mesh=_mesh_record(layout),
+        pipeline=pipeline_record(plan, cfg.grad_accum),
         ep_dispatch=dispatch,
         baseline_items_per_s=cfg.baseline_items_per_s,
         scaling_efficiency=scaling_efficiency(items_per_s, world_size, cfg.baseline_items_per_s),
@@ -435,8 +469,10 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         checkpoint=str(checkpoint) if checkpoint else None,
     )
     if profiler is not None:
-        share, count, report = _exposed_share(paths.profile)
+        share, send_recv, count, report = _exposed_share(paths.profile)
         summary.exposed_comm_share, summary.profiled_steps = share, count
+        if summary.pipeline is not None:
+            summary.pipeline["send_recv_exposed_share"] = send_recv
         summary.profile_dir = str(paths.profile)
         if report:
             print(report)

@@ -1,9 +1,10 @@
 """The run's mesh: the ``parallel.plan`` sizes checked, placed by ``ok.plan``, turned into groups.
 
 The ``parallel`` group's ``plan`` section holds ``ok.plan``'s keyword arguments (``tp``, ``ep``,
-``cp``, ``dp``, ``dp_shard``, ``order``); the rest of the group is the wrapper's factory. Every
-worker plans on the run's topology and builds ``placement.device_mesh()``; the wrappers take
-their sub-meshes and groups from it (``Layout``):
+``cp``, ``pp``, ``dp``, ``dp_shard``, ``order``) and the pipeline's ``schedule`` and
+``virtual_stages``; the rest of the group is the wrapper's factory. Every worker plans on the run's
+topology and builds ``placement.device_mesh()``; the wrappers take their sub-meshes and groups
+from it (``Layout``):
 
 ========================  =====================================================================
 ``dp_group``              ``ok.ddp`` / ``ok.GradBucketer``: gradients averaged over ``dp``
@@ -14,10 +15,12 @@ their sub-meshes and groups from it (``Layout``):
 ``cp_mesh``               context parallel: each sequence split over its ranks
 ``ep_mesh``               MoE layers: experts sharded, tokens dispatched with all-to-all
 ``dense_group``           parameters outside the experts: averaged over ``dp x ep``
+``pp_mesh``               ``overlapkit.train.pipeline``: the stages' send/recv and loss broadcast
 ========================  =====================================================================
 
-Ranks of one ``tp`` or ``cp`` group read the same batches; every other axis is data parallel for
-the dense parameters, so ``data_shard`` numbers the batch shards over all axes but those.
+Ranks of one ``tp`` or ``cp`` group read the same batches, and so do the stages of one ``pp``
+group; every other axis is data parallel for the dense parameters, so ``data_shard`` numbers the
+batch shards over all axes but those.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ class PlanConfig:
     cp: int = 1
     """Context-parallel size (each sequence split over cp ranks, ``overlapkit.train.
     context_parallel``); ``2 x cp`` must divide ``data.seq_len``."""
+    pp: int = 1
+    """Pipeline-parallel size: the model's blocks split into stages (``train/pipeline.py``)."""
+    schedule: str = "1F1B"
+    """The ``torch.distributed.pipelining`` schedule with ``pp > 1`` (``train/stages.py``)."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (interleaved schedules); 1: one stage per rank."""
     dp: int = -1
     """Data-parallel size; -1 means whatever is left of the world."""
     dp_shard: int | None = None
@@ -66,6 +75,8 @@ class PlanConfig:
         check_int("parallel.plan.tp", self.tp, 1)
         check_int("parallel.plan.ep", self.ep, 1)
         check_int("parallel.plan.cp", self.cp, 1)
+        check_int("parallel.plan.pp", self.pp, 1)
+        check_int("parallel.plan.virtual_stages", self.virtual_stages, 1)
         if self.dp != -1:
             check_int("parallel.plan.dp", self.dp, 1)
         if self.dp_shard is not None:
@@ -76,11 +87,18 @@ class PlanConfig:
     @property
     def trivial(self) -> bool:
         """Plain data parallelism over the world (what a run without a topology can do)."""
-        return self.tp == 1 and self.ep == 1 and self.cp == 1 and self.dp_shard is None
+        sizes = (self.tp, self.ep, self.cp, self.pp)
+        return all(n == 1 for n in sizes) and self.dp_shard is None
 
     def plan_kwargs(self) -> dict[str, Any]:
         return dict(
-            tp=self.tp, ep=self.ep, cp=self.cp, dp=self.dp, dp_shard=self.dp_shard, order=self.order
+            tp=self.tp,
+            ep=self.ep,
+            cp=self.cp,
+            pp=self.pp,
+            dp=self.dp,
+            dp_shard=self.dp_shard,
+            order=self.order,
         )
 
 
@@ -96,7 +114,7 @@ def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, A
     if unknown:
         raise ValueError(
             f"parallel.plan.{unknown[0]} is not a planner size the training loop uses; valid: "
-            f"{', '.join(PlanConfig.__dataclass_fields__)} (pp is not supported)"
+            f"{', '.join(PlanConfig.__dataclass_fields__)}"
         )
     return PlanConfig(**sizes), factory
 
@@ -111,8 +129,9 @@ _WHY = {
     "ep": "expert and dense parameters are reduced over different groups",
     "dp_shard": "HSDP is ok.fsdp on a (dp_replicate, dp_shard) mesh",
 }
-SHARED_BATCH_AXES = ("tp", "cp")
-"""Mesh axes whose ranks read the same batches (each computes its part of them)."""
+SHARED_BATCH_AXES = ("tp", "cp", "pp")
+"""Mesh axes whose ranks read the same batches (each computes its part of them; a pipeline's
+first stage reads the inputs, its last the targets)."""
 
 
 def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: str | None) -> None:
@@ -130,7 +149,8 @@ def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: 
             experts for tp, ep or cp, a wrapper that cannot reduce such a layout, tp with ep,
             cp with ep or with dp_shard.
     """
-    axes = {"tp": plan.tp, "ep": plan.ep} | ({"cp": plan.cp} if plan.cp > 1 else {})
+    axes = {"tp": plan.tp, "ep": plan.ep}
+    axes |= {name: n for name, n in (("cp", plan.cp), ("pp", plan.pp)) if n > 1}
     fixed = math.prod(axes.values())
     formula = (
         " x ".join(f"parallel.plan.{a}" for a in axes)
@@ -212,7 +232,7 @@ def _check_context_parallel(plan: PlanConfig, model_config: Any) -> None:
 
 def data_shard(placement: Placement, rank: int) -> tuple[int, int]:
     """(index, count) of the batch shard ``rank`` reads: ranks differing only in
-    ``SHARED_BATCH_AXES`` (``tp``, ``cp``) share one.
+    ``SHARED_BATCH_AXES`` (``tp``, ``cp``, ``pp``) share one.
 
     The index numbers the mesh coordinates of the other axes, row-major in mesh order.
     """
@@ -282,6 +302,11 @@ class Layout:
         return self.mesh["ep"]
 
     @property
+    def pp_mesh(self) -> DeviceMesh:
+        assert self.mesh is not None, "pipeline parallelism needs a placement"
+        return self.mesh["pp"]
+
+    @property
     def dense_group(self) -> dist.ProcessGroup:
         """``dp x ep`` as one group: the replicas of every parameter outside the experts."""
         assert self.mesh is not None, "expert parallelism needs a placement"
@@ -306,7 +331,7 @@ def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layou
     if topology is None:
         if not plan.trivial:
             raise ValueError(
-                "parallel.plan needs a topology to place tp/ep/cp/dp_shard on; use "
+                "parallel.plan needs a topology to place tp/ep/cp/pp/dp_shard on; use "
                 "topology=detect or topology=preset (topology is null)"
             )
         return Layout(plan)
@@ -316,6 +341,10 @@ def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layou
         "mesh %s on %s: %s",
         dict(placement.sizes),
         topology.name,
-        {a: placement.groups(a) for a in ("dp", "ep", "cp", "tp") if placement.dims.get(a, 1) > 1},
+        {
+            a: placement.groups(a)
+            for a in ("pp", "dp", "ep", "cp", "tp")
+            if placement.dims.get(a, 1) > 1
+        },
     )
     return Layout(plan, placement, mesh)

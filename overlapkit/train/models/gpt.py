@@ -119,8 +119,20 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """``idx`` (B, T) long; ``pos`` (T,) long, the tokens' positions in their sequence
-        (None: ``0 .. T-1``; a context-parallel shard passes its own)."""
+        """Logits (B, T, vocab_size) of ``idx`` (B, T) long; ``pos`` (T,) long, the tokens'
+        positions in their sequence (None: ``0 .. T-1``; a context-parallel shard passes its own).
+
+        A pipeline stage (``overlapkit.train.pipeline``) is a GPT without the parts other stages
+        run: without ``wte`` its input is the previous stage's activations (B, T, n_embd), without
+        ``lm_head`` its output is (B, T, n_embd); the blocks of other stages are ``nn.Identity``.
+        """
+        x = idx if self.wte is None else self.embed(idx, pos)
+        for block in self.blocks:
+            x = block(x)
+        return x if self.lm_head is None else self.lm_head(self.ln_f(x))
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Token plus position embeddings (B, T, n_embd) of ``idx`` (B, T) long at ``pos``."""
         seq_len = idx.shape[1]
         if seq_len > self.config.block_size:
             raise ValueError(
@@ -129,10 +141,7 @@ class GPT(nn.Module):
             )
         if pos is None:
             pos = torch.arange(seq_len, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.wte(idx) + self.wpe(pos)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
