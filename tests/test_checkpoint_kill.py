@@ -37,17 +37,18 @@ from overlapkit.train.resume import NoUsableCheckpoint, resume_from_newest_usabl
 from overlapkit.train.schedule import warmup_cosine
 
 WIDTH = 1024  # 4 layers of 1024 x 1024: 16 MB of parameters, 48 MB per checkpoint with AdamW
+SMALL_WIDTH = 64  # where the size of a checkpoint does not matter
 
 
-def _training_state() -> TrainingState:
+def _training_state(width: int = WIDTH) -> TrainingState:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(4)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():  # one step, so that the optimizer has moments to save
         p.grad = torch.ones_like(p)
     optimizer.step()
     scheduler = warmup_cosine(optimizer, total_steps=1000, warmup_steps=0)
-    stream = BatchStream(SyntheticRegression(width=WIDTH), rank=0, batch_size=1)
+    stream = BatchStream(SyntheticRegression(width=width), rank=0, batch_size=1)
     return TrainingState(model, optimizer, scheduler, stream, rank=0)
 
 
@@ -122,8 +123,8 @@ def _run_victim(root: Path, mode: str, kill_after_s=None) -> list[str]:
     return lines
 
 
-def _load(path: Path) -> tuple[int, TrainingState]:
-    state = _training_state()
+def _load(path: Path, width: int = WIDTH) -> tuple[int, TrainingState]:
+    state = _training_state(width)
     for p in state.model.parameters():
         p.detach().zero_()
     return state.load(path), state
@@ -232,7 +233,7 @@ def test_truncated_checkpoint_metadata_is_a_clear_error(tmp_path):
 
 def test_resume_passes_over_refused_checkpoints_to_the_newest_usable_one(tmp_path, caplog):
     marker = tmp_path / "ran"
-    state = _training_state()
+    state = _training_state(SMALL_WIDTH)
     for step in (1, 2, 3):
         with torch.no_grad():
             for p in state.model.parameters():
@@ -240,7 +241,7 @@ def test_resume_passes_over_refused_checkpoints_to_the_newest_usable_one(tmp_pat
         state.stream.position = step
         dcp.save(state.state_dict(step), checkpoint_id=step_dir(tmp_path, step))
     (step_dir(tmp_path, 3) / ".metadata").write_bytes(pickle.dumps(_WritesAFile(marker)))
-    _, fresh = _load(step_dir(tmp_path, 1))
+    _, fresh = _load(step_dir(tmp_path, 1), SMALL_WIDTH)
     assert resume_from_newest_usable(fresh, committed_checkpoints(tmp_path)) == (
         2,
         step_dir(tmp_path, 2),
@@ -272,7 +273,10 @@ def test_resume_passes_over_refused_checkpoints_to_the_newest_usable_one(tmp_pat
 
 
 def test_no_checkpoint_is_a_fresh_start_not_a_refusal(tmp_path):
-    assert resume_from_newest_usable(_training_state(), committed_checkpoints(tmp_path)) is None
+    assert (
+        resume_from_newest_usable(_training_state(SMALL_WIDTH), committed_checkpoints(tmp_path))
+        is None
+    )
 
 
 if __name__ == "__main__":
