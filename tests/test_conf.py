@@ -20,6 +20,7 @@ from omegaconf import DictConfig, open_dict, read_write
 from omegaconf.errors import InterpolationKeyError
 
 import overlapkit as ok
+from overlapkit.conf.run_name import path_safe_name
 from overlapkit.profiling import Profile
 from overlapkit.topology import detect_topology, load_topology
 from overlapkit.train.cli import check_fresh_start, check_job, check_missing, node_rank_from_argv
@@ -137,6 +138,43 @@ def test_defaults_are_gpt_tiny_ddp_synthetic_unprofiled():
     assert cfg.get("profiler") is None
     assert isinstance(instantiate(cfg.data), SyntheticTokens)
     assert cfg.data.seq_len == cfg.model.config.block_size
+
+
+def _run_dir(*overrides: str) -> str:
+    with initialize_config_module("overlapkit.conf", version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    return cfg.hydra.run.dir
+
+
+@pytest.mark.parametrize(
+    "name, directory",
+    [
+        ("team/exp1", "team%2Fexp1"),  # before: runs/team/exp1, inside run "team"'s directory
+        ("/etc", "%2Fetc"),
+        ("..", "%2E."),  # before: runs/.., outside runs/
+        (".hidden", "%2Ehidden"),
+        ("a%2Fb", "a%252Fb"),  # not the directory of "a/b"
+        ("back\\slash\nnew line\x7f", "back%5Cslash%0Anew line%7F"),
+        ("two=(a,b)", "two=(a,b)"),
+        ("ünïcode", "ünïcode"),
+    ],
+)
+def test_a_run_name_is_one_directory_under_runs(name, directory):
+    assert path_safe_name(name) == directory
+    if "\n" not in name:  # what Hydra's override grammar can spell
+        assert _run_dir(f"name='{name}'") == f"runs/{directory}"
+
+
+def test_the_default_run_directory_is_model_and_parallel():
+    assert _run_dir() == "runs/gpt_tiny-ddp"
+
+
+def test_a_run_name_that_no_directory_can_hold_is_refused_naming_it():
+    with pytest.raises(ValueError, match="name must not be empty"):
+        _run_dir("name=''")
+    with pytest.raises(ValueError, match=r"name='x+'\.\.\. is 300 bytes as a directory name"):
+        _run_dir(f"name={'x' * 300}")
 
 
 def test_choosing_mlp_also_chooses_regression_data_unless_data_is_given():

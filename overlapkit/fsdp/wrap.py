@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.fsdp.blocks import BlockSpec, resolve_blocks
 from overlapkit.fsdp.comms import BlockAllGather
+from overlapkit.fsdp.failed_step import FailedStep
 from overlapkit.fsdp.mesh import resolve_mesh
 from overlapkit.fsdp.prefetch import set_explicit_prefetch
 from overlapkit.fsdp.reduce_scatter import (
@@ -193,6 +194,11 @@ def fsdp(
         TypeError: an argument of the wrong type.
         RuntimeError: torch.distributed is not initialised.
 
+    A collective of a later step that fails (a rank died or is stuck) raises
+    ``ok.CollectiveFailure`` from the forward or ``loss.backward()``, after every gradient of
+    the model has been set to None, so an ``optimizer.step()`` after catching it changes
+    nothing; the next forward resets FSDP2's state first (``overlapkit.fsdp.failed_step``).
+
     Example:
         >>> model = ok.fsdp(model, prefetch=1, mixed_precision="bf16")
         >>> loss = model(x).sum(); loss.backward(); optimizer.step()
@@ -251,7 +257,9 @@ def fsdp(
     host_reduce = async_gather and overlap_reduce_scatter
     comm_targets = [(i, b, b.parameters) for i, b in enumerate(block_list)]
     comm_targets.append((ROOT, model, own_params))
-    failures = FailureScope("ok.fsdp", lambda: recorder.step)
+    # A failed collective drops the step's gradients before it is raised (fsdp.failed_step).
+    failed_step = FailedStep(model)
+    failures = FailureScope("ok.fsdp", lambda: recorder.step, on_failure=failed_step)
     for index, module, params in comm_targets:
         where = f"block {index} ({block_names[index]!r})" if index >= 0 else "the root"
         module.set_custom_all_gather(
@@ -276,7 +284,7 @@ def fsdp(
             explain_replica_all_reduce(
                 module, reduce_scatter, mesh.get_group(0), failures=failures, where=where
             )
-    _install_hooks(model, block_list, recorder, pending)
+    _install_hooks(model, block_list, recorder, pending, failed_step)
 
     register_state(
         model,
@@ -315,10 +323,12 @@ def _install_hooks(
     blocks: list[nn.Module],
     recorder: UnshardRecorder,
     pending: PendingReductions,
+    failed_step: FailedStep,
 ) -> None:
-    """The recorder's hooks. The block hooks are registered after ``fully_shard``'s, so they run
-    after FSDP2's: just before the block computes, just after it reshards. The root's pre-hook is
-    prepended, so it runs before FSDP2's root pre-forward.
+    """The recorder's hooks, and the recovery from a failed step. The block hooks are
+    registered after ``fully_shard``'s, so they run after FSDP2's: just before the block
+    computes, just after it reshards. The root's pre-hook is prepended, so it runs before
+    FSDP2's root pre-forward.
 
     Under ``torch.compile`` the hooks run eagerly (``torch.compiler.disable``), as FSDP2's own
     do: they sit where FSDP2's hooks already split the graph, and traced they would only add
@@ -328,6 +338,7 @@ def _install_hooks(
     def root_pre_forward(*_: object) -> None:
         # Reduce-scatters of a backward that raised are still pending; never leave them behind.
         pending.wait_all()
+        failed_step.reset_if_failed()  # before FSDP2's pre-forward reads its per-step state
         recorder.root_pre_forward()
 
     eager = torch.compiler.disable

@@ -42,6 +42,7 @@ from overlapkit.train.loop import RunPaths
 from overlapkit.train.mesh import check_plan, split_parallel
 from overlapkit.train.parallel import check_run_optimizer
 from overlapkit.train.recompute import check_recompute_fits
+from overlapkit.train.resume import NoUsableCheckpoint
 from overlapkit.train.slurm import task_index
 from overlapkit.train.stages import check_pipeline
 
@@ -184,7 +185,11 @@ def run(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     check_fresh_start(cfg, run_dir)
     job = OmegaConf.to_container(cfg, resolve=True)
-    launch(job, run_dir, launcher)
+    try:
+        launch(job, run_dir, launcher)
+    except NoUsableCheckpoint as refusal:
+        # One line, no traceback (Hydra would print one): each rank has logged its reasons.
+        raise SystemExit(f"overlapkit-train: error: {refusal}") from None
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from overlapkit.profiling import analyze_run
 from overlapkit.profiling.report import format_report
-from overlapkit.train.checkpoint import TrainingState, latest_checkpoint, remove_pending
+from overlapkit.train.checkpoint import TrainingState, committed_checkpoints, remove_pending
 from overlapkit.train.context_parallel import (
     WHOLE_SEQUENCES,
     SequenceSplit,
@@ -45,6 +45,7 @@ from overlapkit.train.parallel import (
 )
 from overlapkit.train.pipeline import apply_pipeline
 from overlapkit.train.recompute import NONE, apply_recompute, check_recompute_mode
+from overlapkit.train.resume import resume_from_newest_usable
 from overlapkit.train.stages import check_pipeline, pipeline_record, stage_blocks
 from overlapkit.validation import check_int
 
@@ -369,17 +370,17 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     torch.manual_seed(cfg.seed + 1 + rank)  # anything random at run time differs per rank
 
     start_step = 0
-    found = None
+    candidates = []
     if rank == 0:
         remove_pending(paths.checkpoints)
-        found = latest_checkpoint(paths.checkpoints) if cfg.resume else None
-    # Rank 0 chooses, so that every rank loads the same one even if their views of the
+        candidates = committed_checkpoints(paths.checkpoints) if cfg.resume else []
+    # Rank 0 lists them, so that every rank tries the same ones even if their views of the
     # directory differ (a shared file system that lags).
-    shared = [found]
+    shared = [candidates]
     dist.broadcast_object_list(shared, src=0)
-    found = shared[0]
+    found = resume_from_newest_usable(state, shared[0])
     if found is not None:
-        start_step = state.load(found[1])
+        start_step = found[0]
         logger.info("resumed from %s (step %d)", found[1], start_step)
     end_step = min(cfg.steps, cfg.stop_after or cfg.steps)
     description = par.description + split.description
