@@ -86,7 +86,8 @@ def test_fixed_layout_that_does_not_fit_is_listed_with_its_breakdown(capsys):
 
 
 def test_fixed_layout_where_nothing_fits_names_the_best_that_fits(capsys):
-    argv = ["plan", "--auto", "--topology", "dgx-h100x2", "--model", "llama3-70b", "--tp", "16"]
+    model = "gpt:layers=88,hidden=8192,heads=64"  # 71B; tp 16 splits its 64 key/value heads
+    argv = ["plan", "--auto", "--topology", "dgx-h100x2", "--model", model, "--tp", "16"]
     assert main([*argv, "--global-batch", "64", "--seq-len", "4096"]) == 0
     out = capsys.readouterr().out
     assert "why #1: nothing listed fits in 80 GB; #1 comes closest" in out
@@ -129,7 +130,8 @@ def test_tp_inside_a_domain_is_compared_at_the_same_sequences_per_step():
 
 
 def test_manual_plan_with_a_model_is_compared_with_the_best(capsys):
-    argv = ["plan", "--topology", "dgx-h100x2", "--tp", "16", "--model", "llama3-8b"]
+    model = "gpt:layers=32,hidden=4096,heads=32"  # GPT-3 6.7B: 32 key/value heads for tp 16
+    argv = ["plan", "--topology", "dgx-h100x2", "--tp", "16", "--model", model]
     doc = _json(capsys, [*argv, "--global-batch", "64", "--seq-len", "8192"])
     assert any("slower than the best layout" in w for w in doc["warnings"])
 

@@ -212,6 +212,7 @@ class _RecomputesNothing:
 
     name: str = "nothing"
     tp_all_gathers_recomputed: int = 0
+    recomputes_attention_core: bool = False
 
     def kept_bytes_per_token(self, model, element_bytes, *, saved, moe_layer, tp, ep):
         return saved

@@ -1,18 +1,17 @@
 """The auto-planner's search: every valid layout, pruned by memory, ranked by predicted step time.
 
-Enumerated (``TrainingLayout``): tp dividing a scale-up domain; cp dividing the sequence; ep
-dividing the experts (MoE models); pp with ``pp <= layers``; dp what is left of the world
-(``world = pp x dp x ep x cp x tp``, see ``planner.layout``); every block of the traffic
-order inside a domain or covering whole ones (``group_costs.blocks_intact``); micro-batch sizes
-dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``, the
-micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / selective / full
-(of as few layers per stage as it takes to fit); sharding ddp, zero1, zero2, fsdp and hsdp
-(every proper ``dp_shard`` of dp). Only what the framework runs (``Framework.refusal``) is
-proposed. A choice the caller pins (``autoplan.pins``) constrains the search instead of
-replacing it; a pin the framework cannot run is refused by name. Memory is checked first
-(cheap); only layouts that fit are timed, except with
-a parallel size fixed, where layouts that fit come first, fastest first, and when none fits
-the ones closest to fitting are reported (least memory per GPU, then the fastest).
+Enumerated (``TrainingLayout``): tp dividing a scale-up domain and the attention and key/value
+heads; cp dividing the sequence; ep dividing the experts (MoE models); pp with ``pp <= layers``; dp
+what is left of the world (``world = pp x dp x ep x cp x tp``, see ``planner.layout``); every block
+of the traffic order inside a domain or covering whole ones (``group_costs.blocks_intact``); micro-
+batch sizes dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``, the
+micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / selective / full (of
+as few layers per stage as it takes to fit); sharding ddp, zero1, zero2, fsdp and hsdp (every
+proper ``dp_shard`` of dp). Only what the framework runs (``Framework.refusal``) is proposed. A
+choice the caller pins (``autoplan.pins``) constrains the search instead of replacing it; a pin the
+framework cannot run is refused by name. Memory is checked first (cheap); only layouts that fit are
+timed, except with a parallel size fixed, where layouts that fit come first, fastest first, and
+when none fits the ones closest to fitting are reported (least memory per GPU, then the fastest).
 
 Candidates are priced analytically per group shape (``autoplan.group_costs``); the rank grid is
 built (``ok.plan``) only for the ones shown.
@@ -74,8 +73,16 @@ def _parallel_sizes(
     def options(name: str, free: list[int]) -> list[int]:
         return [fixed[name]] if name in fixed else free
 
+    # Tensor parallelism splits the attention heads, and the key/value heads of grouped-query
+    # attention with them (Megatron-LM requires num_query_groups % tp == 0).
+    if "tp" in fixed and (model.heads % fixed["tp"] or model.kv_heads % fixed["tp"]):
+        raise PlanSearchError(
+            f"tp={fixed['tp']} does not divide {model.name}'s {model.heads} attention heads "
+            f"and {model.kv_heads} key/value heads: tensor parallelism splits them"
+        )
     sizes = []
-    for tp in options("tp", [t for t in divisors(world) if t <= d and d % t == 0]):
+    splits_heads = [t for t in divisors(world) if model.heads % t == 0 and model.kv_heads % t == 0]
+    for tp in options("tp", [t for t in splits_heads if t <= d and d % t == 0]):
         if world % tp:
             continue
         cp_free = [

@@ -39,6 +39,9 @@ class SelectiveRecompute(Protocol):
     name: str
     tp_all_gathers_recomputed: int
     """Sequence-parallel all-gathers per layer the recomputed forward runs again."""
+    recomputes_attention_core: bool
+    """Without flash attention, the attention core's kernels (softmax, dropout) run again in
+    backward (their memory traffic counted again, ``autoplan.memory_traffic``)."""
 
     def kept_bytes_per_token(
         self,
@@ -81,6 +84,7 @@ class AttentionCoreRecompute:
 
     name: str = "attention core"
     tp_all_gathers_recomputed: int = 0
+    recomputes_attention_core: bool = True
 
     def kept_bytes_per_token(
         self,
@@ -196,6 +200,7 @@ class TorchtitanOpRecompute:
 
     name: str = "torchtitan op policy (every second matmul)"
     tp_all_gathers_recomputed: int = 2
+    recomputes_attention_core: bool = False  # SDPA's and FlexAttention's outputs are saved
 
     def kept_bytes_per_token(
         self,

@@ -8,9 +8,11 @@ the output layer on the last stage):
   recomputation's extra forward (full: the whole layer; selective: what the framework's policy
   recomputes, ``autoplan.selective``: Megatron-LM's attention core), all
   divided by ``tp x cp`` and run at the achievable fraction of the device's dense peak
-  (``autoplan.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's;
-  under tp, the host's dispatch of the sharded layers where it is not hidden
-  (``tp_layer_dispatch_s``).
+  (``autoplan.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's,
+  each GEMM with its wave and tile losses (``autoplan.gemm``); the kernels that are not
+  matmuls, and the loss over the vocabulary, at the achievable memory bandwidth
+  (``autoplan.memory_traffic``); under tp, the host's dispatch of the sharded layers where it
+  is not hidden (``tp_layer_dispatch_s``).
 - **tp** (sequence parallel): all-gather before and reduce-scatter after attention and the
   MLP, in forward and backward (and in the recomputed forward), of the micro-batch's
   activations: on the critical path (``tp_overlap`` hides a share, as async TP does).
@@ -41,27 +43,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from overlapkit.autoplan.compute import gemm_rates
 from overlapkit.autoplan.framework import MEGATRON, Framework
 from overlapkit.autoplan.gemm import (
+    GemmRates,
+    gemm_seconds,
     layer_matmul_seconds,
     unfused_attention_seconds,
-    wave_efficiency,
 )
 from overlapkit.autoplan.grad_sync import StepWindows, grad_sync
 from overlapkit.autoplan.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
-from overlapkit.autoplan.memory import (
-    BF16,
-    Precision,
-    layer_activation_bytes,
-    layers_per_stage,
-    stage_params,
-)
+from overlapkit.autoplan.memory import BF16, Precision, layers_per_stage, stage_params
+from overlapkit.autoplan.memory_traffic import layer_memory_seconds, loss_bytes
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 
-TRAFFIC_PASSES = 3
-"""Times a layer's saved activations cross device memory in a step (see predict_step)."""
 OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam step per local parameter: read grad, master, m, v (16), write master, m, v (12) and
 the bf16 weight (2)."""
@@ -160,22 +157,10 @@ def _attention_flops(model: ModelSpec, tokens: float, seq_len: int) -> float:
 
 
 def _layer_matmul_s(
-    model: ModelSpec,
-    layout: TrainingLayout,
-    tokens: float,
-    flops_per_s: float,
-    sms: int | None,
-    bytes_per_s: float | None,
+    model: ModelSpec, layout: TrainingLayout, tokens: float, rates: GemmRates
 ) -> tuple[float, float]:
     """(forward, backward) GEMM seconds of one layer, averaged over dense and MoE layers."""
-    kwargs = dict(
-        tp=layout.tp,
-        ep=layout.ep,
-        cp=layout.cp,
-        flops_per_s=flops_per_s,
-        sms=sms,
-        bytes_per_s=bytes_per_s,
-    )
+    kwargs = dict(tp=layout.tp, ep=layout.ep, cp=layout.cp, rates=rates)
     dense = layer_matmul_seconds(model, tokens, moe_layer=False, **kwargs)
     if not model.is_moe:
         return dense
@@ -194,32 +179,22 @@ def predict_step(
     act = o.precision.activation_bytes
     tokens = b * s  # one micro-batch of one replica; its tp x cp group shares the work
     matmul_fraction = o.achievable if o.matmul_achievable is None else o.matmul_achievable
-    matmul_peak = o.accelerator.peak_tflops(o.precision.matmul_dtype) * 1e12 * matmul_fraction
-    attn_peak = o.accelerator.peak_tflops("bf16") * 1e12 * o.achievable
+    mm_rates = gemm_rates(
+        o.accelerator, o.precision.matmul_dtype, matmul_fraction, element_bytes=act
+    )
+    attn_rates = gemm_rates(o.accelerator, "bf16", o.achievable, element_bytes=act)
     n_layers = layers_per_stage(model, lay)
     moe_per_stage = n_layers * (model.moe_layers / model.layers) if model.is_moe else 0.0
 
-    sms = o.accelerator.sms
-    bandwidth = o.accelerator.memory_bandwidth_GBps
-    hbm = bandwidth * 1e9 if bandwidth else None
     split = tp * cp
-    mm_fwd, mm_bwd = _layer_matmul_s(model, lay, tokens, matmul_peak, sms, hbm)
+    mm_fwd, mm_bwd = _layer_matmul_s(model, lay, tokens, mm_rates)
     if o.flash_attention:
-        attn_fwd = _attention_flops(model, tokens, s) / attn_peak / split
+        attn_fwd = _attention_flops(model, tokens, s) / attn_rates.flops_per_s / split
+        attn_bwd = 2 * attn_fwd
     else:
-        attn_fwd = unfused_attention_seconds(
-            model,
-            b,
-            s,
-            tp=tp,
-            cp=cp,
-            flops_per_s=attn_peak,
-            bytes_per_s=hbm,
-            element_bytes=act,
-            sms=sms,
-        )
+        attn_fwd, attn_bwd = unfused_attention_seconds(model, b, s, tp=tp, cp=cp, rates=attn_rates)
     fwd = n_layers * (mm_fwd + attn_fwd)
-    bwd = n_layers * (mm_bwd + 2 * attn_fwd)
+    bwd = n_layers * (mm_bwd + attn_bwd)
     recomputed = lay.recomputed_share(n_layers)
     extra = recomputed * fwd
     fw = o.framework
@@ -230,37 +205,30 @@ def predict_step(
     # The output layer runs on the last stage (all of them with pp = 1): it is the slowest.
     vocab_tp = tp if fw.vocab_parallel else 1
     head_rows = max(1, round(tokens / cp))
-    head_flops = 2.0 * head_rows * model.hidden * model.vocab_size / vocab_tp
-    head_fwd = head_flops / (
-        matmul_peak * wave_efficiency(head_rows, model.vocab_size // vocab_tp, sms)
-    )
-    # Kernels that are not matmuls (norms, activations, softmax, dropout) stream the layer's
-    # saved activations: written in forward, read in backward, their gradients written.
-    memory_bound = 0.0
-    if bandwidth:
-        saved = layer_activation_bytes(
+    head_fwd = gemm_seconds(head_rows, model.hidden, model.vocab_size // vocab_tp, mm_rates)
+    # Kernels that are not matmuls (norms, activations, softmax, dropout): memory-bound.
+    if mm_rates.bytes_per_s:
+        mem_fwd, mem_bwd = layer_memory_seconds(
             model,
             lay,
             o.precision,
             seq_len=s,
             flash_attention=o.flash_attention,
-            moe_layer=model.is_moe and model.dense_layers == 0,
-            recompute="none",
+            recomputed=recomputed,
+            selective=fw.selective,
+            bytes_per_s=mm_rates.bytes_per_s,
         )
-        passes = TRAFFIC_PASSES + recomputed
-        memory_bound = n_layers * passes * saved / (bandwidth * 1e9)
-        if lay.recompute == "selective":
-            # Rebuilding what the policy recomputes element-wise: read its input, write it.
-            rebuilt = fw.selective.rebuilt_bytes_per_token(
-                model, act, moe_layer=model.is_moe and model.dense_layers == 0
-            )
-            memory_bound += n_layers * 2 * tokens / cp * rebuilt / tp / (bandwidth * 1e9)
-    fwd += memory_bound / TRAFFIC_PASSES
-    bwd += memory_bound * (TRAFFIC_PASSES - 1) / TRAFFIC_PASSES
-    t_compute = fwd + bwd + extra + 3 * head_fwd
+        fwd += n_layers * mem_fwd
+        bwd += n_layers * mem_bwd
+        # The loss over the vocabulary (cross entropy on the last stage's logits).
+        logits = head_rows * model.vocab_size / vocab_tp
+        loss_fwd, loss_bwd = (logits * n / mm_rates.bytes_per_s for n in loss_bytes(o.precision))
+    else:
+        loss_fwd = loss_bwd = 0.0
+    t_compute = fwd + bwd + extra + 3 * head_fwd + loss_fwd + loss_bwd
     if tp > 1:  # forward, backward and the recomputed forward through each sharded layer
         t_compute += n_layers * (2 + recomputed) * o.tp_layer_dispatch_s
-    t_bwd = bwd + extra + 2 * head_fwd
+    t_bwd = bwd + extra + 2 * head_fwd + loss_bwd
 
     hsdp = lay.sharding == "hsdp"
     order = HSDP_ORDER if hsdp else TRAFFIC_ORDER
@@ -343,8 +311,8 @@ def predict_step(
     optimizer = 0.0
     if o.optimizer_param_s is not None:
         optimizer = local * o.optimizer_param_s
-    elif bandwidth:
-        optimizer = local * OPTIMIZER_BYTES_PER_PARAM / (bandwidth * 1e9)
+    elif mm_rates.bytes_per_s:
+        optimizer = local * OPTIMIZER_BYTES_PER_PARAM / mm_rates.bytes_per_s
     if o.optimizer_tensor_s or o.optimizer_dtensor_s:
         optimizer += max(
             plain * o.optimizer_tensor_s + dtensors * o.optimizer_dtensor_s

@@ -46,6 +46,9 @@ class KindStats:
     """Summed input bytes; None when some of its collectives have no size in the trace."""
     time_ms: float
     """|∪ intervals| of this kind, ms."""
+    exposed_ms: float = 0.0
+    """|∪ intervals of this kind ∖ all compute|, ms (for ``send_recv`` on a pipeline stage: the
+    bubble, waiting for the neighbour stage, plus the transfers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +87,12 @@ class StepMetrics:
     def to_dict(self) -> dict[str, Any]:
         row = asdict(self)
         row["kinds"] = {
-            kind: {"count": s.count, "bytes": s.nbytes, "time_ms": s.time_ms}
+            kind: {
+                "count": s.count,
+                "bytes": s.nbytes,
+                "time_ms": s.time_ms,
+                "exposed_ms": s.exposed_ms,
+            }
             for kind, s in self.kinds.items()
         }
         return row
@@ -112,17 +120,20 @@ def _tail_start(
     return compute_all[i][1] if i >= 0 else comm[0][0]
 
 
-def _kind_stats(ops: list) -> dict[str, KindStats]:
+def _kind_stats(ops: list, compute_all: list[intervals.Interval]) -> dict[str, KindStats]:
     stats = {}
     for kind in COLLECTIVE_KINDS:
         mine = [op for op in ops if op.kind == kind]
         if not mine:
             continue
         sizes = [op.nbytes for op in mine]
+        comm = intervals.union((op.start, op.end) for op in mine)
+        hiding = intervals.clip(compute_all, comm[0][0], comm[-1][1])
         stats[kind] = KindStats(
             count=len(mine),
             nbytes=None if None in sizes else sum(sizes),
-            time_ms=intervals.total(intervals.union((op.start, op.end) for op in mine)) / 1e3,
+            time_ms=intervals.total(comm) / 1e3,
+            exposed_ms=intervals.total(intervals.subtract(comm, hiding)) / 1e3,
         )
     return stats
 
@@ -156,7 +167,7 @@ def analyze_trace(trace: RankTrace) -> tuple[list[StepMetrics], list[StepLanes]]
                 exposed_comm_ms=exposed_us / 1e3,
                 tail_ms=tail_us / 1e3,
                 overlap_ratio=(1.0 - exposed_us / comm_us) if comm_us > 0 else None,
-                kinds=_kind_stats(ops),
+                kinds=_kind_stats(ops, compute_all),
                 file=trace.path.name,
             )
         )
