@@ -110,7 +110,7 @@ def test_ok_plan_settings_keywords_reach_the_search():
     answer = auto_plan(topology, GPT, global_batch=32, seq_len=2048, **settings)
     assert not answer.settings.flash_attention and answer.settings.framework is OVERLAPKIT_TRAIN
     assert SearchSettings(framework="overlapkit-train").framework is OVERLAPKIT_TRAIN
-    assert set(FRAMEWORKS) == {"megatron", "overlapkit-train"}
+    assert set(FRAMEWORKS) == {"megatron", "overlapkit-train", "torchtitan"}
 
 
 def test_the_pinned_command_prices_exactly_the_same_winner(capsys):
@@ -211,15 +211,16 @@ class _RecomputesNothing:
     """A selective policy that keeps every activation and recomputes nothing."""
 
     name: str = "nothing"
+    tp_all_gathers_recomputed: int = 0
     recomputes_attention_core: bool = False
 
-    def kept_bytes_per_token(self, model, element_bytes, *, saved, moe_layer):
+    def kept_bytes_per_token(self, model, element_bytes, *, saved, moe_layer, tp, ep):
         return saved
 
     def rebuilt_bytes_per_token(self, model, element_bytes, *, moe_layer):
         return 0.0
 
-    def extra_forward_s(self, *, matmul_s, attention_s, flash):
+    def extra_forward_s(self, model, *, matmul_s, attention_s, flash):
         return 0.0
 
     def extra_flops_per_token(self, model, seq_len):
@@ -269,6 +270,8 @@ def test_a_gpt_shape_is_megatrons_gpt():
         (["--dp-shard", "2", "--sharding", "ddp"], "--dp-shard 2 goes with --sharding hsdp"),
         (["--framework", "overlapkit-train", "--pp", "2"], "pipeline parallelism (pp=2)"),
         (["--framework", "overlapkit-train", "--recompute", "full:2"], "recomputation (full)"),
+        (["--framework", "torchtitan", "--recompute", "full:2"], "recomputation of 2 layers"),
+        (["--framework", "torchtitan", "--sharding", "zero1"], "zero1 optimizer-state"),
         (["--model", "gpt:layers=8,hidden=1024"], "missing heads="),
         (["--model", "gpt:layers=8,hidden=1000,heads=16"], "hidden (1000)"),
         (["--model", "gpt:layers=8,hidden=1024,heads=16,depth=2"], "'depth=2'"),

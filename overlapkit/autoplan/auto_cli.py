@@ -15,13 +15,17 @@ The JSON document's stable keys are listed in docs/json-contracts.md (``plan --a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
 from overlapkit.autoplan.auto import AutoPlan, auto_plan
 from overlapkit.autoplan.candidate import Candidate, memory_text
-from overlapkit.autoplan.framework import FRAMEWORKS, OVERLAPKIT_TRAIN, framework_named
+from overlapkit.autoplan.framework import (
+    FRAMEWORKS,
+    OVERLAPKIT_TRAIN,
+    TORCHTITAN,
+    framework_named,
+)
 from overlapkit.autoplan.layout_warnings import layout_warnings
 from overlapkit.autoplan.memory import PRECISIONS
 from overlapkit.autoplan.models import GPT_SPEC
@@ -32,9 +36,10 @@ from overlapkit.autoplan.pins import (
     recompute_text,
 )
 from overlapkit.autoplan.published_runs import render_run_checks, validate
-from overlapkit.autoplan.run_config import TRAIN_MODELS, torchtitan_config, train_overrides
-from overlapkit.autoplan.search import TIE, price
+from overlapkit.autoplan.run_config import TRAIN_MODELS, priced_as, train_overrides
+from overlapkit.autoplan.search import TIE
 from overlapkit.autoplan.settings import ATTENTION, SearchSettings, flash_attention_of
+from overlapkit.autoplan.torchtitan import torchtitan_run
 from overlapkit.planner.explain import where
 from overlapkit.planner.layout import SHARDING, TrainingLayout
 from overlapkit.topology.model import Topology
@@ -259,8 +264,9 @@ def run_instructions(
 
     ``plan_call`` / ``plan_command``: the ``ok.plan(..., auto=True)`` call and the ``overlapkit
     plan --auto`` command with every choice of the best pinned (``topology``: what
-    ``load_topology`` was given, its name by default). Then overlapkit-train overrides, or a
-    mesh and a torchtitan config where overlapkit-train does not run it.
+    ``load_topology`` was given, its name by default); its mesh; the ``torchtitan.train``
+    arguments (``autoplan.torchtitan``) and, under another framework, the layout priced as
+    torchtitan runs it; overlapkit-train overrides where overlapkit-train runs it.
     """
     layout = answer.best.layout
     topo = answer.topology
@@ -281,8 +287,21 @@ def run_instructions(
         "mesh_dim_names": list(answer.placement.mesh_dim_names),
         "device_mesh": f"{call}.device_mesh()",
         "overlapkit_train_lacks": lacks,
-        "torchtitan": torchtitan_config(layout, **batch),
+        "torchtitan": torchtitan_run(
+            layout,
+            answer.model,
+            precision=answer.settings.precision.name,
+            placement=answer.placement,
+            **batch,
+        ).to_dict(),
     }
+    if answer.settings.framework != TORCHTITAN:
+        refused = TORCHTITAN.lacks(layout)
+        out["torchtitan_predicted"] = (
+            {"framework": TORCHTITAN.name, "lacks": refused}
+            if refused
+            else priced_as(answer, TORCHTITAN)
+        )
     if not lacks:
         overrides = train_overrides(
             layout,
@@ -293,28 +312,8 @@ def run_instructions(
         )
         out["overlapkit_train"] = ["overlapkit-train", *overrides]
         if layout.tp > 1 and answer.settings.framework != OVERLAPKIT_TRAIN:
-            out["overlapkit_train_predicted"] = train_prediction(answer)
+            out["overlapkit_train_predicted"] = priced_as(answer, OVERLAPKIT_TRAIN)
     return out
-
-
-def train_prediction(answer: AutoPlan) -> dict:
-    """The best layout priced as overlapkit-train runs it (``autoplan.framework``): under tp
-    its embeddings and head stay whole on every rank, and all-reduces replace sequence
-    parallelism's gathers and scatters. Seconds, GB (1e9 bytes)."""
-    settings = dataclasses.replace(answer.settings, framework=OVERLAPKIT_TRAIN)
-    candidate = price(
-        answer.topology,
-        answer.model,
-        answer.best.layout,
-        seq_len=answer.seq_len,
-        settings=settings,
-    )
-    return {
-        "framework": OVERLAPKIT_TRAIN.name,
-        "step_time_s": candidate.step.step_s,
-        "memory_gb_per_gpu": candidate.memory.total / 1e9,
-        "fits": candidate.fits,
-    }
 
 
 def _cell_dims(layout: TrainingLayout) -> str:
@@ -455,8 +454,34 @@ def render_auto(
             "with the planner's DeviceMesh (dims " + ", ".join(run["mesh_dim_names"]) + "):"
         )
         lines.append("  mesh = plan.device_mesh()")
-        lines.append("  or a torchtitan job config:")
-        lines += ["    " + line for line in run["torchtitan"].splitlines()]
         lines.append("  or search only what overlapkit-train runs: --framework overlapkit-train")
+    lines += torchtitan_lines(answer, run)
     lines.append(f"({elapsed_s:.2f} s)")
     return "\n".join(lines)
+
+
+def torchtitan_lines(answer: AutoPlan, run: dict) -> list[str]:
+    """The torchtitan launch of the best layout, what of it does not transfer, and (under
+    another framework) its price as torchtitan runs it."""
+    titan = run["torchtitan"]
+    topology = answer.topology
+    launch = (
+        f"torchrun --nnodes {topology.num_nodes} --nproc-per-node {len(topology.nodes()[0])} "
+        "-m torchtitan.train"
+    )
+    lines = [f"or with torchtitan {titan['version']}: {launch} " + " ".join(titan["args"])]
+    predicted = run.get("torchtitan_predicted")
+    if predicted and "lacks" in predicted:
+        lines.append(
+            "  priced as torchtitan runs it: not searched, --framework torchtitan does not run "
+            + ", ".join(predicted["lacks"])
+        )
+    elif predicted:
+        lines.append(
+            f"  as torchtitan runs it (--framework torchtitan): "
+            f"{predicted['step_time_s']:.4g} s per step predicted "
+            f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
+            f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"
+            + ("" if predicted["fits"] else " (does not fit: search with --framework torchtitan)")
+        )
+    return lines + [f"  torchtitan: {w}" for w in titan["warnings"]]

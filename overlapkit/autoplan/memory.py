@@ -299,6 +299,7 @@ def layer_activation_bytes(
         layout.micro_batch,
         layout.tp,
         layout.cp,
+        layout.ep,
         layout.sequence_parallel,
         precision,
         seq_len,
@@ -315,6 +316,7 @@ def _layer_activation_bytes(
     micro_batch: int,
     tp: int,
     cp: int,
+    ep: int,
     sequence_parallel: bool,
     precision: Precision,
     seq_len: int,
@@ -332,7 +334,7 @@ def _layer_activation_bytes(
     )
     if recompute == "selective":
         saved = selective.kept_bytes_per_token(
-            model, precision.activation_bytes, saved=saved, moe_layer=moe_layer
+            model, precision.activation_bytes, saved=saved, moe_layer=moe_layer, tp=tp, ep=ep
         )
     sp_part, tp_part, core = saved
     return tokens * (sp_part / sp_divisor + (tp_part + core) / tp)
@@ -359,12 +361,16 @@ def memory_breakdown(
     reserved_gb: float = RESERVED_GB,
     vocab_parallel: bool = True,
     selective: SelectiveRecompute = ATTENTION_CORE,
+    fsdp_gathered_stage: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory per GPU over the pipeline stages (see module doc), bytes.
 
     ``vocab_parallel``: the embedding, the head and the logits split over tp (Megatron-LM);
     False: whole on every tp rank (overlapkit-train, ``autoplan.framework``). ``selective``:
     what selective recomputation keeps (the framework's policy, ``autoplan.selective``).
+    ``fsdp_gathered_stage``: under pp, FSDP keeps the stage's parameters gathered and its
+    gradients unsharded for the whole step (torchtitan, ``Framework``'s
+    ``fsdp_gathered_across_micro_batches``) instead of a block or two at a time.
     """
     stages = {0, layout.pp - 1}
     best: MemoryBreakdown | None = None
@@ -422,7 +428,11 @@ def memory_breakdown(
                 if moe is False or model.is_moe
             )
         buffers = 0.0
-        if layout.sharding in ("fsdp", "hsdp"):
+        if layout.sharding in ("fsdp", "hsdp") and fsdp_gathered_stage and layout.pp > 1:
+            # The whole stage stays gathered, its gradients unsharded in the reduce dtype.
+            whole = params.dense + params.expert
+            buffers += whole * (precision.activation_bytes + precision.fsdp_reduce_bytes)
+        elif layout.sharding in ("fsdp", "hsdp"):
             block = params.dense_layer_max + params.expert_layer_max
             buffers += block * (
                 (1 + fsdp_prefetch) * precision.activation_bytes + precision.fsdp_reduce_bytes

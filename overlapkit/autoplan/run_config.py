@@ -1,5 +1,5 @@
-"""How to run a chosen layout: ``overlapkit-train`` overrides, or a DeviceMesh and a torchtitan
-config where overlapkit-train cannot run it.
+"""How to run a chosen layout: ``overlapkit-train`` overrides (torchtitan's arguments are
+``autoplan.torchtitan``'s), and the layout priced as another framework runs it.
 
 overlapkit-train runs data parallelism with ``ok.ddp`` / ``ok.GradBucketer`` (``parallel=ddp``),
 ``ok.fsdp`` (``parallel=fsdp``) and HSDP (``parallel=hsdp``, ``parallel.plan.dp_shard``), tensor
@@ -15,7 +15,11 @@ recomputation of some layers, ``train.recompute_layers`` (layers of each pipelin
 
 from __future__ import annotations
 
+import dataclasses
+
+from overlapkit.autoplan.auto import AutoPlan
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN, Framework
+from overlapkit.autoplan.search import price
 from overlapkit.planner.layout import TrainingLayout
 
 TRAIN_MODELS = ("gpt_tiny", "moe_tiny", "mlp")
@@ -79,51 +83,20 @@ def recompute_overrides(layout: TrainingLayout) -> list[str]:
     return out
 
 
-def torchtitan_config(layout: TrainingLayout, *, seq_len: int, global_batch: int) -> str:
-    """The ``[parallelism]``, ``[training]`` and ``[activation_checkpoint]`` sections of a
-    torchtitan job config for ``layout``.
-
-    torchtitan carves expert parallelism out of the data-parallel shard degree, so its
-    ``data_parallel_*`` degrees multiply to ``dp x ep`` here; ZeRO-1/2 have no torchtitan
-    equivalent and map to FSDP.
-    """
-    dp = layout.dp * layout.ep
-    if layout.sharding == "hsdp":
-        replicate, shard = layout.dp // layout.dp_shard, layout.dp_shard * layout.ep
-    elif layout.sharding == "ddp":
-        replicate, shard = dp, 1
-    else:
-        replicate, shard = 1, dp
-    schedule = "Interleaved1F1B" if layout.virtual_stages > 1 else "1F1B"
-    lines = [
-        "[parallelism]",
-        f"data_parallel_replicate_degree = {replicate}",
-        f"data_parallel_shard_degree = {shard}",
-        f"tensor_parallel_degree = {layout.tp}",
-        f"context_parallel_degree = {layout.cp}",
-        f"pipeline_parallel_degree = {layout.pp}",
-        f"expert_parallel_degree = {layout.ep}",
-    ]
-    if layout.pp > 1:
-        lines += [
-            f'pipeline_parallel_schedule = "{schedule}"',
-            f"pipeline_parallel_microbatch_size = {layout.micro_batch}",
-        ]
-    lines += [
-        "",
-        "[training]",
-        f"global_batch_size = {global_batch}",
-        f"local_batch_size = {global_batch // dp}",
-        f"seq_len = {seq_len}",
-        "",
-        "[activation_checkpoint]",
-        f'mode = "{layout.recompute}"',
-    ]
-    if layout.recompute_layers is not None:
-        lines.append(
-            f"# the planner recomputes {layout.recompute_layers} layers of each pipeline stage; "
-            "torchtitan's full mode recomputes every layer"
-        )
-    if layout.sharding in ("zero1", "zero2"):
-        lines.insert(0, f"# {layout.sharding}: torchtitan shards with FSDP instead")
-    return "\n".join(lines)
+def priced_as(answer: AutoPlan, framework: Framework) -> dict:
+    """The best layout priced as ``framework`` runs it (``autoplan.framework``), the other
+    settings kept: ``framework``, ``step_time_s``, ``memory_gb_per_gpu`` (1e9 bytes), ``fits``."""
+    settings = dataclasses.replace(answer.settings, framework=framework)
+    candidate = price(
+        answer.topology,
+        answer.model,
+        answer.best.layout,
+        seq_len=answer.seq_len,
+        settings=settings,
+    )
+    return {
+        "framework": framework.name,
+        "step_time_s": candidate.step.step_s,
+        "memory_gb_per_gpu": candidate.memory.total / 1e9,
+        "fits": candidate.fits,
+    }

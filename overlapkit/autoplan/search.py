@@ -268,7 +268,11 @@ def search(
                 continue
             searched += 1
             memory = measure(layout)
-            if layout.recompute == "full" and "recompute_layers" not in fixed:
+            if (
+                layout.recompute == "full"
+                and "recompute_layers" not in fixed
+                and framework.partial_full_recompute
+            ):
                 layout, memory = _fewest_recomputed(layout, memory, measure, limit, model)
             if smallest is None or memory.total < smallest[0]:
                 smallest = (memory.total, layout, memory)

@@ -112,6 +112,7 @@ class SearchSettings:
             fsdp_prefetch=self.fsdp_prefetch,
             vocab_parallel=self.framework.vocab_parallel,
             selective=self.framework.selective,
+            fsdp_gathered_stage=self.framework.fsdp_gathered_across_micro_batches,
         )
 
 

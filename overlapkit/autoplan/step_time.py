@@ -29,7 +29,8 @@ Then ``step = (m + (pp - 1) / v) x t_micro_batch`` (1F1B, interleaved: Narayanan
 SC'21), plus the data-parallel gradient traffic that does not hide behind the last
 micro-batch's backward (ddp all-reduce; zero1 reduce-scatter, then the parameter all-gather
 behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica all-reduce; in
-Megatron-LM's buckets, or per block for hsdp),
+Megatron-LM's buckets, or per block for hsdp; ``autoplan.grad_sync``, which also holds what the
+framework changes there),
 plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter; where
 the host steps tensor by tensor, a cost per parameter tensor, more for DTensors).
 Hidden communication uses ``overlap_efficiency`` of the window, and one of its collectives
@@ -40,7 +41,6 @@ model's estimate on the group the layout's placement gives (``autoplan.group_cos
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from overlapkit.autoplan.compute import gemm_rates
@@ -51,6 +51,7 @@ from overlapkit.autoplan.gemm import (
     layer_matmul_seconds,
     unfused_attention_seconds,
 )
+from overlapkit.autoplan.grad_sync import StepWindows, grad_sync
 from overlapkit.autoplan.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
 from overlapkit.autoplan.memory import BF16, Precision, layers_per_stage, stage_params
 from overlapkit.autoplan.memory_traffic import layer_memory_seconds, loss_bytes
@@ -58,11 +59,6 @@ from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 
-BUCKET_PARAMS = 40_000_000
-BUCKET_PARAMS_PER_RANK = 1_000_000
-"""Gradients are reduced in buckets of ``max(40M, 1M x data-parallel ranks)`` parameters,
-Megatron-LM's rule (``DistributedDataParallelConfig.bucket_size``); each bucket is one
-collective, with its latency."""
 OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam step per local parameter: read grad, master, m, v (16), write master, m, v (12) and
 the bf16 weight (2)."""
@@ -204,7 +200,7 @@ def predict_step(
     fw = o.framework
     if lay.recompute == "selective":
         extra = n_layers * fw.selective.extra_forward_s(
-            matmul_s=mm_fwd, attention_s=attn_fwd, flash=o.flash_attention
+            model, matmul_s=mm_fwd, attention_s=attn_fwd, flash=o.flash_attention
         )
     # The output layer runs on the last stage (all of them with pp = 1): it is the slowest.
     vocab_tp = tp if fw.vocab_parallel else 1
@@ -246,16 +242,6 @@ def predict_step(
         seconds = costs.time_s(collective, nbytes, sizes, order, axes)
         return seconds + o.collective_overhead_s if seconds > 0 else 0.0
 
-    def in_chunks(collective: str, nbytes: float, chunks: int, *axes: str) -> float:
-        return chunks * cost(collective, nbytes / chunks, *axes)
-
-    def buckets(count: float, replicas: int) -> int:
-        return max(1, math.ceil(count / max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * replicas)))
-
-    def pieces(chunks: int) -> int:
-        """The expert parameters' collectives: none in a dense model."""
-        return chunks if expert_params else 0
-
     # Tensor parallel: with sequence parallelism 2 all-gathers + 2 reduce-scatters per layer
     # pass; without, the framework's all-reduces of the replicated activations.
     tp_bytes = tokens / cp * model.hidden * act
@@ -267,6 +253,10 @@ def predict_step(
         tp_fwd = fw.tp_forward_all_reduces * all_reduce
         tp_bwd = fw.tp_backward_all_reduces * all_reduce
     tp_total = n_layers * ((1 + recomputed) * tp_fwd + tp_bwd)
+    if lay.recompute == "selective" and fw.sequence_parallel:
+        # The policy's recomputed forward gathers its sequence-parallel inputs again.
+        regathers = fw.selective.tp_all_gathers_recomputed
+        tp_total += n_layers * regathers * cost("all_gather", tp_bytes, "tp")
     tp_exposed = (1 - o.tp_overlap) * tp_total
 
     # Context parallel (ring attention), hidden behind each layer's attention.
@@ -286,78 +276,25 @@ def predict_step(
     pp_bytes = tokens / cp * model.hidden * act / tp
     pp_total = 2 * v * cost("send_recv", pp_bytes, "pp") if pp > 1 else 0.0
 
-    # Data-parallel traffic of the heaviest stage's parameters.
+    # Data-parallel traffic of the heaviest stage's parameters (``autoplan.grad_sync``).
     stage = stage_params(model, lay, stage=0, vocab_parallel=fw.vocab_parallel)
     last = stage_params(model, lay, stage=pp - 1, vocab_parallel=fw.vocab_parallel)
     dense_params = max(stage.dense, last.dense)
     expert_params = max(stage.expert, last.expert)
-    dense_axes, expert_axes = ("dp", "ep", "cp"), ("dp", "cp")
-    p = o.precision
-    fsdp_mb = 0.0
-    dp_total = 0.0
-    dp_exposed = 0.0
-    window_last_bwd = o.overlap_efficiency * t_bwd
-    window_first_fwd = o.overlap_efficiency * fwd
-    if lay.sharding in ("fsdp", "hsdp"):
-        # One all-gather (forward), one again (backward) and one reduce-scatter per block: the
-        # stage's layers and the root (embedding, head).
-        blocks = stage.layers + 1
-        shard_axes = ("dp_shard",) if hsdp else dense_axes
-        expert_shard = ("dp_shard",) if hsdp else expert_axes
-        gather = in_chunks("all_gather", dense_params * act, blocks, *shard_axes) + in_chunks(
-            "all_gather", expert_params * act, max(1, stage.layers), *expert_shard
-        )
-        scatter = in_chunks(
-            "reduce_scatter", dense_params * p.fsdp_reduce_bytes, blocks, *shard_axes
-        ) + in_chunks(
-            "reduce_scatter",
-            expert_params * p.fsdp_reduce_bytes,
-            max(1, stage.layers),
-            *expert_shard,
-        )
-        per_mb = 2 * gather + scatter
-        # The first block's gather precedes all compute, the last reduce-scatter follows it.
-        first_block, last_block = gather / blocks, scatter / blocks
-        fsdp_mb = max(last_block, per_mb - o.overlap_efficiency * t_compute) + first_block
-        dp_total += m * per_mb
-        if hsdp:
-            z = lay.dp_shard
-            dense_shard = dense_params * p.fsdp_reduce_bytes / z
-            expert_shard_bytes = expert_params * p.fsdp_reduce_bytes / z
-            replica = in_chunks(
-                "all_reduce", dense_shard, blocks, "dp_replicate", "ep", "cp"
-            ) + in_chunks(
-                "all_reduce", expert_shard_bytes, max(1, stage.layers), "dp_replicate", "cp"
-            )
-            dp_total += replica
-            dp_exposed += _exposed(replica, blocks + pieces(stage.layers), window_last_bwd)
-    else:
-        g = p.grad_reduce_bytes
-        grads = (dense_params * g, expert_params * g)
-        z_dense, z_expert = lay.dp * lay.ep * cp, lay.dp * cp
-        chunks = (buckets(dense_params, z_dense), buckets(expert_params, z_expert))
-        collectives = chunks[0] + pieces(chunks[1])
-        if lay.sharding == "ddp":
-            reduce = in_chunks("all_reduce", grads[0], chunks[0], *dense_axes) + in_chunks(
-                "all_reduce", grads[1], chunks[1], *expert_axes
-            )
-            dp_total += reduce
-            dp_exposed += _exposed(reduce, collectives, window_last_bwd)
-        else:
-            scatter = in_chunks("reduce_scatter", grads[0], chunks[0], *dense_axes) + in_chunks(
-                "reduce_scatter", grads[1], chunks[1], *expert_axes
-            )
-            weights = (dense_params * p.weight_bytes, expert_params * p.weight_bytes)
-            gather = in_chunks("all_gather", weights[0], chunks[0], *dense_axes) + in_chunks(
-                "all_gather", weights[1], chunks[1], *expert_axes
-            )
-            if lay.sharding == "zero1":
-                dp_total += scatter + gather
-                dp_exposed += _exposed(scatter, collectives, window_last_bwd)
-            else:  # zero2: gradients reduce-scattered every micro-batch, behind its backward
-                dp_total += m * scatter + gather
-                fsdp_mb = _exposed(scatter, collectives, o.overlap_efficiency * t_bwd)
-            dp_exposed += _exposed(gather, collectives, window_first_fwd)
+    sync = grad_sync(
+        lay,
+        stage=stage,
+        dense_params=dense_params,
+        expert_params=expert_params,
+        precision=o.precision,
+        framework=fw,
+        windows=StepWindows(
+            compute_s=t_compute, backward_s=t_bwd, overlap_efficiency=o.overlap_efficiency
+        ),
+        forward_s=fwd,
+        cost=cost,
+    )
+    fsdp_mb, dp_total, dp_exposed = sync.per_micro_batch_s, sync.total_s, sync.exposed_s
 
     t_mb = t_compute + tp_exposed + cp_exposed + ep_exposed + pp_total + fsdp_mb
     bubble = (pp - 1) / v * t_mb
@@ -409,20 +346,6 @@ def predict_step(
         model_flops=model_flops,
         hardware_flops=model_flops + recompute_flops,
     )
-
-
-def _exposed(total: float, pieces: int, window: float) -> float:
-    """Seconds of ``total`` traffic, sent as ``pieces`` equal collectives, that a compute
-    ``window`` (already times the overlap efficiency) leaves exposed.
-
-    The pieces leave as their data becomes ready, ``window / pieces`` apart (gradient buckets
-    in backward), or must arrive before their part of the window starts (parameters ahead of a
-    forward); either way one piece has no compute left to hide behind: a single bucket, as a
-    small model's, is exposed whole.
-    """
-    if total <= 0:
-        return 0.0
-    return max(total / pieces, total - window * (pieces - 1) / pieces)
 
 
 def parameter_tensors(

@@ -31,6 +31,10 @@ from overlapkit.profiling.trace_loader import TraceFormatError
 logger = logging.getLogger(__name__)
 
 TRACE_SUFFIXES = (".json", ".json.gz")
+TRACE_NAMES = ("*.pt.trace.json*", "rank*_trace.json*")
+"""What torch.profiler's ``tensorboard_trace_handler`` and torchtitan's profiler name a trace."""
+TORCHTITAN_TRACES = "profiling/traces"
+"""Where torchtitan writes them under its dump folder (``Profiler.Config.save_traces_folder``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,9 +281,21 @@ class RunReport:
         }
 
 
-def find_trace_files(run_dir: Path) -> list[Path]:
-    """The ``*.json``/``*.json.gz`` files directly in ``run_dir`` (sorted by name)."""
-    return sorted(p for p in run_dir.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+def find_trace_files(run_dir: Path, iteration: int | None = None) -> list[Path]:
+    """The ``*.json``/``*.json.gz`` files directly in ``run_dir`` (sorted by name); else, or
+    with ``iteration``, torchtitan's: ``iteration_N/[leaf/]rankR_trace.json.gz`` under
+    ``run_dir`` or its ``profiling/traces`` (``run_dir`` a torchtitan dump folder), every N or
+    that one."""
+    direct = [p for p in run_dir.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES)]
+    if direct and iteration is None:
+        return sorted(direct)
+    folders = f"iteration_{'*' if iteration is None else iteration}"
+    return sorted(
+        p
+        for base in (run_dir, run_dir / TORCHTITAN_TRACES)
+        for p in base.glob(f"{folders}/**/*")
+        if p.is_file() and p.name.endswith(TRACE_SUFFIXES)
+    )
 
 
 def analyze_files(files: list[Path], run_dir: Path) -> RunReport:
@@ -321,12 +337,14 @@ def analyze_files(files: list[Path], run_dir: Path) -> RunReport:
     return report
 
 
-def analyze_run(run_dir: str | Path) -> RunReport:
-    """Analyse every trace directly inside ``run_dir`` (all ranks, all profiling cycles).
+def analyze_run(run_dir: str | Path, iteration: int | None = None) -> RunReport:
+    """Analyse every trace inside ``run_dir`` (all ranks, all profiling cycles).
 
     Args:
         run_dir (str | Path): the ``logdir`` given to ``ok.profile`` (or any directory of
-            ``.pt.trace.json`` / ``.json.gz`` traces).
+            ``.pt.trace.json`` / ``.json.gz`` traces), or a torchtitan dump folder
+            (``find_trace_files``).
+        iteration (int | None): only torchtitan's ``iteration_N`` folder of that N.
 
     Returns:
         RunReport: per step, per rank metrics in ms; skipped files with the reason.
@@ -341,18 +359,18 @@ def analyze_run(run_dir: str | Path) -> RunReport:
         raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} is a file, not a directory of traces")
-    report = analyze_files(find_trace_files(run_dir), run_dir)
+    report = analyze_files(find_trace_files(run_dir, iteration), run_dir)
     if report.files:
         return report
     detail = "; ".join(f"{Path(s['file']).name}: {s['reason']}" for s in report.skipped)
     nested = sorted(
-        str(p.relative_to(run_dir))
-        for p in run_dir.iterdir()
-        if p.is_dir() and any(p.glob("*.pt.trace.json*"))
+        {str(p.parent.relative_to(run_dir)) for name in TRACE_NAMES for p in run_dir.rglob(name)}
+        - {"."}
     )
     hint = f" Subdirectories with traces: {', '.join(nested)}." if nested else ""
+    where = f"iteration_{iteration} of " if iteration is not None else ""
     raise ValueError(
-        f"no readable profiler trace (*.pt.trace.json, *.json.gz) in {str(run_dir)!r}"
+        f"no readable profiler trace (*.pt.trace.json, *.json.gz) in {where}{str(run_dir)!r}"
         + (f"; skipped {detail}" if detail else "")
         + "."
         + hint

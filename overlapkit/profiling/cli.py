@@ -1,4 +1,4 @@
-"""``overlapkit report RUN_DIR [--json] [--png FILE] [--step N]``."""
+"""``overlapkit report RUN_DIR [--iteration N] [--json] [--png FILE] [--step N]``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "per rank compute, comm, exposed comm and tail times (ms)."
         ),
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="directory of *.pt.trace.json[.gz]")
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="directory of *.pt.trace.json[.gz], or a torchtitan dump folder",
+    )
+    parser.add_argument(
+        "--iteration",
+        type=int,
+        metavar="N",
+        help="a torchtitan run's iteration_N traces only (default: every iteration)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--png", metavar="FILE", help="draw a timeline of one step to FILE")
     parser.add_argument(
@@ -33,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     """Analyse ``args.run_dir``, print the report, optionally draw the timeline."""
-    report = analyze_run(args.run_dir)
+    report = analyze_run(args.run_dir, args.iteration)
     png = None
     if args.png:
         from overlapkit.profiling.timeline import draw_timeline  # matplotlib only when asked
