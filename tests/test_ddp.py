@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
+from overlapkit.ddp import hooks
+from overlapkit.ddp.comm_stats import CommRecorder
 from tests.multiproc import run_on_ranks
 from tests.reference import grads_of, make_batches, make_mlp, reference_grads, shard
 
@@ -79,6 +85,45 @@ def test_comm_stats_cover_every_gradient_byte_across_ddp_rebuild():
         assert len(latest) > 1
         assert sum(b.nbytes for b in latest) == grad_bytes
         assert all(b.steps == STEPS - 1 for b in latest)
+
+
+LINGER_S = 0.3
+
+
+def _backward_vs_lingering_gloo_thread(rank, world_size):
+    """ok.ddp's all-reduce hook, with a callback that keeps gloo's thread busy for LINGER_S after
+    the bucket's future completed: gloo closes the work (and its profiler range) only after it."""
+    model = DistributedDataParallel(make_mlp(), bucket_cap_mb=SMALL_BUCKET_MB)
+    state = hooks.CommHookState(dist.group.WORLD, CommRecorder(), list(model.parameters()))
+    lingered: list[float] = []
+
+    def lingering_hook(state, bucket):
+        future = hooks.allreduce_hook(state, bucket)
+        future.add_done_callback(lambda _: (time.sleep(LINGER_S), lingered.append(1)))
+        return future
+
+    model.register_comm_hook(state, lingering_hook)
+    state.relay.attach(model)
+    per_step = []
+    # Step 0 reduces every gradient in one bucket; from step 1, DDP's rebuilt buckets.
+    for batch in make_batches(2, world_size):
+        x, y = shard(batch, rank, world_size)
+        lingered.clear()
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        done_at_return = len(lingered)
+        time.sleep(2 * LINGER_S)  # let every callback end before the next step
+        per_step.append((done_at_return, len(lingered)))
+    return per_step
+
+
+@pytest.mark.slow
+def test_backward_returns_only_after_every_buckets_gloo_work_finished():
+    # Otherwise a profiler stopped right after backward (ok.profile at the end of its window)
+    # could get a range closed into its freed record queue by gloo's thread (failure_relay).
+    for per_step in run_on_ranks(_backward_vs_lingering_gloo_thread, 2):
+        assert per_step[1][1] > 1  # several buckets
+        assert [done for done, _ in per_step] == [buckets for _, buckets in per_step]
 
 
 def _powersgd_steps(rank, world_size, bucket_mb):
