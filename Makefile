@@ -1,7 +1,7 @@
 # Each target installs what it needs into .venv first, so a fresh clone needs only `make test`.
 PYTHON ?= python3
-# The CPU build that lies on this machine. `TORCH_SPEC=torch==2.10.0 make test` (any pip
-# requirement) builds and uses a venv of its own, .venv-torch-2.10.0, so .venv keeps its torch.
+# The CPU build that lies on this machine. `TORCH_SPEC=torch==2.14.1 make test` (any pip
+# requirement) builds and uses a venv of its own, .venv-torch-2.14.1, so .venv keeps its torch.
 ifeq ($(origin TORCH_SPEC),undefined)
 TORCH_SPEC := torch==2.13.0
 VENV := .venv
