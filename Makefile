@@ -2,11 +2,15 @@
 PYTHON ?= python3
 # The CPU build that lies on this machine. `TORCH_SPEC=torch==2.14.1 make test` (any pip
 # requirement) builds and uses a venv of its own, .venv-torch-2.14.1, so .venv keeps its torch.
+# A given TORCH_SPEC also goes with each install of the package, so that pip refuses one outside
+# pyproject.toml's torch range (naming both) instead of upgrading torch behind its back.
 ifeq ($(origin TORCH_SPEC),undefined)
 TORCH_SPEC := torch==2.13.0
 VENV := .venv
+TORCH_PIN :=
 else
 VENV := .venv-$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.' '-' | tr -s '-')
+TORCH_PIN := "$(TORCH_SPEC)"
 endif
 PY := $(VENV)/bin/python
 BASE_STAMP := $(VENV)/.installed-base
@@ -22,17 +26,17 @@ $(BASE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Keep a torch that is already installed; only a missing one is installed (never a CUDA build by accident).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e . $(TORCH_PIN)
 	touch $@
 
 # `make test` adds the test tools, the docs tools, HTA and the frameworks of overlapkit.integrations.
 $(STAMP): $(BASE_STAMP)
-	$(PY) -m pip install --quiet -e ".[dev,docs,hta,integrations]"
+	$(PY) -m pip install --quiet -e ".[dev,docs,hta,integrations]" $(TORCH_PIN)
 	touch $@ $(DOCS_STAMP)
 
 # `make docs` needs Zensical only.
 $(DOCS_STAMP): $(BASE_STAMP)
-	$(PY) -m pip install --quiet -e ".[docs]"
+	$(PY) -m pip install --quiet -e ".[docs]" $(TORCH_PIN)
 	touch $@
 
 # The docs are built first (strict): a broken link or a page missing from nav fails `make test`.
