@@ -1,12 +1,16 @@
 # Each target installs what it needs into .venv first, so a fresh clone needs only `make test`.
 PYTHON ?= python3
-# The CPU build that lies on this machine. `TORCH_SPEC=torch==2.10.0 make test` (any pip
-# requirement) builds and uses a venv of its own, .venv-torch-2.10.0, so .venv keeps its torch.
+# The CPU build that lies on this machine. `TORCH_SPEC=torch==2.14.1 make test` (any pip
+# requirement) builds and uses a venv of its own, .venv-torch-2.14.1, so .venv keeps its torch.
+# A given TORCH_SPEC also goes with each install of the package, so that pip refuses one outside
+# pyproject.toml's torch range (naming both) instead of upgrading torch behind its back.
 ifeq ($(origin TORCH_SPEC),undefined)
 TORCH_SPEC := torch==2.13.0
 VENV := .venv
+TORCH_PIN :=
 else
 VENV := .venv-$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.' '-' | tr -s '-')
+TORCH_PIN := "$(TORCH_SPEC)"
 endif
 PY := $(VENV)/bin/python
 BASE_STAMP := $(VENV)/.installed-base
@@ -22,14 +26,13 @@ $(BASE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Keep a torch that is already installed; only a missing one is installed (never a CUDA build by accident).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e . $(TORCH_PIN)
 	touch $@
 
 # torchtitan (pyproject's torchtitan extra) for the hand-off's acceptance test, without its
-# dependencies: torch_checkpointing wants torch >= 2.11 (pip would swap an older torch for a CUDA
-# build) and its install pulls triton. Only what its config, mesh and model-registry code
-# imports: the no-torch-needed ones with their dependencies, the rest with --no-deps. ~200 MB
-# (pyarrow, for `datasets`, is 176 of them). Python >= 3.11 only: elsewhere the test skips.
+# dependencies: torch_checkpointing's install pulls triton (a 286 MB GPU compiler) and wandb.
+# Only what its config, mesh and model-registry code imports: the no-torch-needed ones with
+# their dependencies, the rest with --no-deps. ~200 MB (pyarrow, for `datasets`, is 176 of them). Python >= 3.11 only: elsewhere the test skips.
 TORCHTITAN := torchtitan==0.3.0
 TORCHTITAN_NO_DEPS := spmd_types==0.2.3 torchdata==0.11.0
 TORCHTITAN_DEPS := tyro==1.0.17 "datasets>=3.6.0,<4.8.0"
@@ -37,22 +40,22 @@ TORCHTITAN_DEPS := tyro==1.0.17 "datasets>=3.6.0,<4.8.0"
 # `make test` adds the test tools, the docs tools, HTA, the frameworks of overlapkit.integrations
 # and torchtitan.
 $(STAMP): $(BASE_STAMP)
-	$(PY) -m pip install --quiet -e ".[dev,docs,hta,integrations]"
+	$(PY) -m pip install --quiet -e ".[dev,docs,hta,integrations]" $(TORCH_PIN)
 	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
 	  $(PY) -m pip install --quiet --no-deps "$(TORCHTITAN)" $(TORCHTITAN_NO_DEPS) && \
-	  $(PY) -m pip install --quiet $(TORCHTITAN_DEPS); \
+	  $(PY) -m pip install --quiet $(TORCHTITAN_DEPS) $(TORCH_PIN); \
 	else echo "torchtitan needs Python >= 3.11: tests/test_torchtitan_handoff.py skips its acceptance"; fi
 	touch $@ $(DOCS_STAMP)
 
-# `make docs` needs MkDocs and its theme only.
+# `make docs` needs Zensical only.
 $(DOCS_STAMP): $(BASE_STAMP)
-	$(PY) -m pip install --quiet -e ".[docs]"
+	$(PY) -m pip install --quiet -e ".[docs]" $(TORCH_PIN)
 	touch $@
 
 # The docs are built first (strict): a broken link or a page missing from nav fails `make test`.
 # Property tests draw the same examples on every run (tests/conftest.py, profile "ci")...
 test: $(STAMP)
-	$(MKDOCS_BUILD)
+	$(DOCS_BUILD)
 	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
 
 test-fast: $(STAMP)
@@ -73,12 +76,11 @@ fuzz: $(STAMP)
 demo: $(BASE_STAMP)
 	$(VENV)/bin/overlapkit-train recipe=demo
 
-# The site (docs/ and mkdocs.yml) into site/, strict: any warning (a broken link or anchor, a
-# page missing from nav) fails the build. Not --quiet: it hides the warnings from --strict too,
-# which then passes a broken link. NO_MKDOCS_2_WARNING silences the theme's end-of-life banner.
-MKDOCS_BUILD = NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+# The site (docs/ and mkdocs.yml) into site/ with Zensical, strict: any warning (a broken link
+# or anchor) fails the build; a page missing from nav fails tests/test_docs_nav.py.
+DOCS_BUILD = $(VENV)/bin/zensical build --strict
 docs: $(DOCS_STAMP)
-	$(MKDOCS_BUILD)
+	$(DOCS_BUILD)
 
 # Benchmarks print side-by-side ratios measured in one run; JSON copies go to bench/results/.
 bench: $(STAMP)
@@ -103,4 +105,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check overlapkit tests recipes bench
 
 clean:
-	rm -rf $(VENV) runs bench/results .pytest_cache site
+	rm -rf $(VENV) runs bench/results .pytest_cache site .cache

@@ -28,6 +28,14 @@ and the same three with global-norm clipping to 1.0 (train.clip_grad_norm's defa
     bucketer_opt_clip     ok.GradBucketer: wait(), clip_grad_norm_(1.0), optimizer.step()
     bucketer_overlap_clip ok.GradBucketer(optimizer=opt): step(clip_grad_norm=1.0), the exact
                           clip folded into the per-bucket updates
+With ``--only views`` (and an optimizer), ok.ddp(model) with its default bucket size and the
+optimizer, gradients copied into the buckets and back or kept as views of them, each with
+``zero_grad()`` (torch's default: gradients freed) and ``zero_grad(set_to_none=False)``; the
+setting ``ok.ddp``'s ``gradient_as_bucket_view`` default was chosen on (docs/ddp.md):
+    ok_ddp_copy          ok.ddp(model, gradient_as_bucket_view=False), step(), zero_grad()
+    ok_ddp_view          ok.ddp(model, gradient_as_bucket_view=True), step(), zero_grad()
+    ok_ddp_copy_zeroed   as ok_ddp_copy, zero_grad(set_to_none=False)
+    ok_ddp_view_zeroed   as ok_ddp_view, zero_grad(set_to_none=False)
 ``--profile-dir DIR`` then profiles the bucketer cases with an optimizer and ddp_opt_clip with
 ``ok.profile`` and reports their exposed communication per step (``overlapkit report
 DIR/<case>`` for detail).
@@ -49,6 +57,7 @@ Example::
     python -m bench.ddp_overlap --sweep 1,2,4,8,25   # ok_ddp / bucketer at these bucket sizes
     python -m bench.ddp_overlap --only optimizer --profile-dir runs/bucketer_overlap
     python -m bench.ddp_overlap --only optimizer --tails 0,4   # other forward_order_tail values
+    python -m bench.ddp_overlap --only views --rounds 9   # ok.ddp's gradient_as_bucket_view
     python -m bench.ddp_overlap --device cuda --rate none   # NCCL ranks on GPU 0 (gpu/overlap.sh)
 """
 
@@ -69,6 +78,8 @@ from bench.harness.ddp_cases import (
     OPTIMIZER_BASELINE,
     OPTIMIZER_CASES,
     OPTIMIZERS,
+    VIEW_BASELINE,
+    VIEW_CASES,
     optimizer_cases,
     rank_main,
     summarize,
@@ -126,7 +137,9 @@ def build_report(wall: dict[str, float], cpu: dict[str, float], cfg: dict, grad_
             "cpu_ms_all_ranks": round(cpu[name], 2),
             "overlap_efficiency_cpu": efficiency(t, t_cpu_bound) if overlapping else None,
         }
-        if with_optimizer(name):
+        if name in VIEW_CASES:
+            case["speedup_vs_ok_ddp_copy"] = round(wall[VIEW_BASELINE] / t, 3)
+        elif with_optimizer(name):
             case["speedup_vs_ddp_opt"] = round(wall[OPTIMIZER_BASELINE] / t, 3)
             if "bucketer_opt" in wall:
                 case["speedup_vs_bucketer_opt"] = round(wall["bucketer_opt"] / t, 3)
@@ -179,6 +192,18 @@ def print_table(report: dict) -> None:
                 f"{case['speedup_vs_ddp_opt']:>10.2f}x "
                 f"{case.get('speedup_vs_bucketer_opt', float('nan')):>15.2f}x "
                 f"{case.get('speedup_vs_ddp_opt_clip', float('nan')):>15.2f}x"
+            )
+    views = [c for c in report["cases"] if "speedup_vs_ok_ddp_copy" in c]
+    if views:
+        print(
+            f"\nok.ddp + {cfg['optimizer']}, gradient_as_bucket_view (blocks of {cfg['steps']} "
+            "back-to-back steps):"
+        )
+        print(f"{'case':<22} {'median ms':>10} {'vs ' + VIEW_BASELINE:>15}")
+        for case in views:
+            print(
+                f"{case['name']:<22} {case['median_ms']:>10.1f} "
+                f"{case['speedup_vs_ok_ddp_copy']:>14.2f}x"
             )
 
 
@@ -247,7 +272,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--only",
         default="",
         help="comma-separated cases to run besides the reference ones; 'optimizer' means "
-        + ",".join((*OPTIMIZER_CASES, *CLIPPED_CASES)),
+        + ",".join((*OPTIMIZER_CASES, *CLIPPED_CASES))
+        + "; 'views' means "
+        + ",".join(VIEW_CASES),
     )
     parser.add_argument(
         "--tails",
@@ -280,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg["device"] = args.device
     cfg["tails"] = [int(t) for t in args.tails.split(",") if t]
     only = [c for c in args.only.split(",") if c]
-    optimizer = (*OPTIMIZER_CASES, *CLIPPED_CASES)
-    cfg["only"] = [c for o in only for c in (optimizer if o == "optimizer" else (o,))]
+    groups = {"optimizer": (*OPTIMIZER_CASES, *CLIPPED_CASES), "views": VIEW_CASES}
+    cfg["only"] = [c for o in only for c in groups.get(o, (o,))]
     print(f"ddp_overlap: 2 gloo ranks, {cfg}", flush=True)
     results = run_on_ranks(
         rank_main, 2, cfg, collective_timeout_s=120, total_timeout_s=3600, backend=backend_for(cfg)

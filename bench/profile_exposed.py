@@ -35,8 +35,18 @@ from overlapkit.workers.local_ranks import run_on_ranks
 CASES = ("no_overlap", "ok_ddp")
 
 
+DDP_TIMES = ("backward_comm_time", "backward_compute_comm_overlap_time", "backward_compute_time")
+"""DDP's own timings of one iteration (ns), as its logging data holds them for the latest one."""
+
+
 def profiled_training(rank: int, world_size: int, case: str, logdir: str, cfg: dict) -> dict:
-    """Run ``cfg["steps"]`` profiled steps of ``case`` on this rank; return DDP's own timings."""
+    """Run ``cfg["steps"]`` profiled steps of ``case`` on this rank; return DDP's own timings.
+
+    DDP records an iteration's timings at the next forward, so one more step runs after the
+    profiled ones (untraced: the schedule has ended) and ``per_step`` holds DDP's timings of
+    every step by index, the profiled ones included; the ``avg_*`` keys are DDP's averages over
+    the iterations it sampled (every one but the last, the slow first step included).
+    """
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(cfg["batch"], cfg["width"], generator=g)
     y = torch.randn(cfg["batch"], cfg["width"], generator=g)
@@ -48,10 +58,18 @@ def profiled_training(rank: int, world_size: int, case: str, logdir: str, cfg: d
     params = list(model.parameters())
     flat = torch.zeros(sum(p.numel() for p in params))
     optimizer = torch.optim.SGD(params, lr=1e-3)
+    per_step: dict[int, dict[str, int]] = {}
     with ok.profile(logdir, wait=1, warmup=1, active=cfg["steps"], record_shapes=True) as prof:
-        for _ in range(2 + cfg["steps"]):
+        for _ in range(3 + cfg["steps"]):
             optimizer.zero_grad(set_to_none=True)
-            (model(x) - y).pow(2).mean().backward()
+            out = model(x)
+            if case == "ok_ddp":
+                # DDP's private logging: its forward has just recorded the previous iteration
+                # ("iteration" counts from 1).
+                logged = model._get_ddp_logging_data()
+                if DDP_TIMES[0] in logged:
+                    per_step[logged["iteration"] - 1] = {k: logged[k] for k in DDP_TIMES}
+            (out - y).pow(2).mean().backward()
             if case == "no_overlap":
                 torch.cat([p.grad.view(-1) for p in params], out=flat)
                 dist.all_reduce(flat)
@@ -62,18 +80,11 @@ def profiled_training(rank: int, world_size: int, case: str, logdir: str, cfg: d
                     offset += p.numel()
             optimizer.step()
             prof.step()
-    # DDP's own (private) logging: averages over its sampled iterations, in ns.
-    logging_data = model._get_ddp_logging_data() if case == "ok_ddp" else {}
-    return {
-        key: logging_data[key]
-        for key in (
-            "avg_backward_comm_time",
-            "avg_backward_compute_comm_overlap_time",
-            "avg_backward_compute_time",
-            "iteration",
-        )
-        if key in logging_data
-    }
+    if case != "ok_ddp":
+        return {}
+    logging_data = model._get_ddp_logging_data()
+    averages = {f"avg_{k}": logging_data[f"avg_{k}"] for k in DDP_TIMES}
+    return {**averages, "iteration": logging_data["iteration"], "per_step": per_step}
 
 
 def _all_cases(rank: int, world_size: int, root: str, cfg: dict) -> dict[str, dict]:

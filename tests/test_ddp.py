@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import overlapkit as ok
+from overlapkit.ddp import hooks
+from overlapkit.ddp.comm_stats import CommRecorder
 from tests.multiproc import run_on_ranks
 from tests.reference import grads_of, make_batches, make_mlp, reference_grads, shard
 
@@ -30,6 +37,32 @@ def _train_ddp(rank, world_size, ddp_kwargs):
     return grads, stats
 
 
+def _powersgd_refused(rank, world_size):
+    try:
+        ok.ddp(make_mlp(), bucket_mb=SMALL_BUCKET_MB, compress="powersgd")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _every_case(rank, world_size):
+    """Every multi-rank case of this module in one launch (a launch costs seconds)."""
+    return {
+        "fp32": _train_ddp(rank, world_size, {"bucket_mb": SMALL_BUCKET_MB}),
+        "bf16": _train_ddp(rank, world_size, {"bucket_mb": SMALL_BUCKET_MB, "compress": "bf16"}),
+        "fp16": _train_ddp(rank, world_size, {"bucket_mb": SMALL_BUCKET_MB, "compress": "fp16"}),
+        "powersgd": _powersgd_steps(rank, world_size, 25),
+        "powersgd_refused": _powersgd_refused(rank, world_size),
+        "lingering": _backward_vs_lingering_gloo_thread(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs():
+    per_rank = run_on_ranks(_every_case, 2, total_timeout_s=170)
+    return {case: [r[case] for r in per_rank] for case in per_rank[0]}
+
+
 def _assert_grads_match(per_rank, rtol, atol_scale):
     reference = reference_grads(make_mlp(), make_batches(STEPS, len(per_rank)), lr=LR)
     for rank, (grads, _) in enumerate(per_rank):
@@ -45,9 +78,8 @@ def _assert_grads_match(per_rank, rtol, atol_scale):
 
 
 @pytest.mark.slow
-def test_default_hook_gradients_equal_single_process_reference():
-    per_rank = run_on_ranks(_train_ddp, 2, {"bucket_mb": SMALL_BUCKET_MB})
-    _assert_grads_match(per_rank, rtol=1e-6, atol_scale=1e-6)
+def test_default_hook_gradients_equal_single_process_reference(runs):
+    _assert_grads_match(runs["fp32"], rtol=1e-6, atol_scale=1e-6)
 
 
 @pytest.mark.slow
@@ -55,16 +87,15 @@ def test_default_hook_gradients_equal_single_process_reference():
     "compress, unit_roundoff",
     [("bf16", 2.0**-8), ("fp16", 2.0**-11)],
 )
-def test_compressed_allreduce_is_within_rounding_of_reference(compress, unit_roundoff):
+def test_compressed_allreduce_is_within_rounding_of_reference(runs, compress, unit_roundoff):
     # Each rank's gradient is rounded once on the way out and the sum once more: a few unit
     # roundoffs of the largest gradient bound the error.
-    per_rank = run_on_ranks(_train_ddp, 2, {"bucket_mb": SMALL_BUCKET_MB, "compress": compress})
-    _assert_grads_match(per_rank, rtol=4 * unit_roundoff, atol_scale=4 * unit_roundoff)
+    _assert_grads_match(runs[compress], rtol=4 * unit_roundoff, atol_scale=4 * unit_roundoff)
 
 
 @pytest.mark.slow
-def test_comm_stats_cover_every_gradient_byte_across_ddp_rebuild():
-    per_rank = run_on_ranks(_train_ddp, 2, {"bucket_mb": SMALL_BUCKET_MB})
+def test_comm_stats_cover_every_gradient_byte_across_ddp_rebuild(runs):
+    per_rank = runs["fp32"]
     grad_bytes = sum(p.numel() * p.element_size() for p in make_mlp().parameters())
     for _, stats in per_rank:
         steps = sorted({r.step for r in stats.records})
@@ -79,6 +110,45 @@ def test_comm_stats_cover_every_gradient_byte_across_ddp_rebuild():
         assert len(latest) > 1
         assert sum(b.nbytes for b in latest) == grad_bytes
         assert all(b.steps == STEPS - 1 for b in latest)
+
+
+LINGER_S = 0.3
+
+
+def _backward_vs_lingering_gloo_thread(rank, world_size):
+    """ok.ddp's all-reduce hook, with a callback that keeps gloo's thread busy for LINGER_S after
+    the bucket's future completed: gloo closes the work (and its profiler range) only after it."""
+    model = DistributedDataParallel(make_mlp(), bucket_cap_mb=SMALL_BUCKET_MB)
+    state = hooks.CommHookState(dist.group.WORLD, CommRecorder(), list(model.parameters()))
+    lingered: list[float] = []
+
+    def lingering_hook(state, bucket):
+        future = hooks.allreduce_hook(state, bucket)
+        future.add_done_callback(lambda _: (time.sleep(LINGER_S), lingered.append(1)))
+        return future
+
+    model.register_comm_hook(state, lingering_hook)
+    state.relay.attach(model)
+    per_step = []
+    # Step 0 reduces every gradient in one bucket; from step 1, DDP's rebuilt buckets.
+    for batch in make_batches(2, world_size):
+        x, y = shard(batch, rank, world_size)
+        lingered.clear()
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        done_at_return = len(lingered)
+        time.sleep(2 * LINGER_S)  # let every callback end before the next step
+        per_step.append((done_at_return, len(lingered)))
+    return per_step
+
+
+@pytest.mark.slow
+def test_backward_returns_only_after_every_buckets_gloo_work_finished(runs):
+    # Otherwise a profiler stopped right after backward (ok.profile at the end of its window)
+    # could get a range closed into its freed record queue by gloo's thread (failure_relay).
+    for per_step in runs["lingering"]:
+        assert per_step[1][1] > 1  # several buckets
+        assert [done for done, _ in per_step] == [buckets for _, buckets in per_step]
 
 
 def _powersgd_steps(rank, world_size, bucket_mb):
@@ -98,19 +168,15 @@ def _powersgd_steps(rank, world_size, bucket_mb):
 
 
 @pytest.mark.slow
-def test_powersgd_runs_on_gloo_with_one_bucket():
-    for finite in run_on_ranks(_powersgd_steps, 2, 25):
+def test_powersgd_runs_on_gloo_with_one_bucket(runs):
+    for finite in runs["powersgd"]:
         assert all(finite)
 
 
-def _powersgd_several_buckets(rank, world_size):
-    with pytest.raises(ValueError, match=r"bucket_mb=0.004 splits .*Use bucket_mb >= 0\.0067,"):
-        ok.ddp(make_mlp(), bucket_mb=SMALL_BUCKET_MB, compress="powersgd")
-
-
 @pytest.mark.slow
-def test_powersgd_with_several_buckets_on_gloo_is_refused_not_hung():
-    run_on_ranks(_powersgd_several_buckets, 2)
+def test_powersgd_with_several_buckets_on_gloo_is_refused_not_hung(runs):
+    for message in runs["powersgd_refused"]:
+        assert re.search(r"bucket_mb=0.004 splits .*Use bucket_mb >= 0\.0067,", message), message
 
 
 @pytest.mark.parametrize("bucket_mb", [0, -1, float("nan")])

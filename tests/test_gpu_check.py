@@ -121,6 +121,7 @@ def test_gpu_check_without_cuda_skips_every_item_with_the_reason(tmp_path, capsy
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)  # two torchrun launches and a report command: minutes under load
 def test_gpu_check_dry_run_on_cpu_runs_the_torchrun_worker_and_the_report(tmp_path):
     done = subprocess.run(
         [
@@ -135,7 +136,7 @@ def test_gpu_check_dry_run_on_cpu_runs_the_torchrun_worker_and_the_report(tmp_pa
         ],
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=400,
         cwd=REPO,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

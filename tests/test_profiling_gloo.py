@@ -35,8 +35,17 @@ from overlapkit.profiling.tensorboard import TAGS
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-CFG = {"layers": 4, "width": 512, "batch": 32, "steps": 3, "bucket_mb": 1.0}
+# Batch 256: backward lasts long enough (71 ms against 21 ms at batch 32, one thread at load 9)
+# that a loaded machine still runs the first buckets' all-reduces while later layers compute,
+# so overlap shows under load too (at batch 32, seen once in 6 runs under load: none at all).
+CFG = {"layers": 4, "width": 512, "batch": 256, "steps": 3, "bucket_mb": 1.0}
 STEPS = [2, 3, 4]  # wait=1, warmup=1, then CFG["steps"] active steps
+
+
+# The fixture's two profiled runs took over 180 s under load (twice in 10 runs with two busy
+# processes beside other jobs, load 17-26): the first test to use it may take as long as its
+# run_cases limit.
+NEEDS_THE_RUNS = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +55,7 @@ def gloo_runs(tmp_path_factory):
     return root, run_cases(root, CFG)
 
 
+@NEEDS_THE_RUNS
 def test_no_overlap_loop_exposes_its_comm_within_ten_percent(gloo_runs):
     root, _ = gloo_runs
     report = analyze_run(root / "no_overlap")
@@ -57,28 +67,34 @@ def test_no_overlap_loop_exposes_its_comm_within_ten_percent(gloo_runs):
         assert (row.kinds["all_reduce"].count, row.kinds["all_reduce"].nbytes) == (1, grad_bytes)
 
 
+@NEEDS_THE_RUNS
 def test_ddp_trace_agrees_with_ddps_own_logging_data(gloo_runs):
     """DDP times its backward comm from the first bucket's launch to the last one's end.
 
     That is the span of the step's communication on the trace (gaps included), so it is compared
-    with the span; the union (``comm_ms``) can only be shorter. Both must see overlap.
+    with the span, over the same (profiled) steps; the union (``comm_ms``) can only be shorter.
+    Both must see overlap in those steps.
     """
     root, logging_data = gloo_runs
     report = analyze_run(root / "ok_ddp")
     for rank, ddp in enumerate(logging_data["ok_ddp"]):
         lanes = [s for s in report.lanes if s.rank == rank]
         rows = [r for r in report.steps if r.rank == rank]
+        assert [s.step for s in lanes] == STEPS
+        # Not DDP's averages: they include the first step, slower (and far slower under load).
+        timed = [ddp["per_step"][s.step] for s in lanes]
         span_ms = statistics.mean((s.comm[-1][1] - s.comm[0][0]) / 1e3 for s in lanes)
-        ddp_comm_ms = ddp["avg_backward_comm_time"] / 1e6
-        assert 0.5 * ddp_comm_ms < span_ms < 2.0 * ddp_comm_ms, (span_ms, ddp)
+        ddp_comm_ms = statistics.mean(t["backward_comm_time"] for t in timed) / 1e6
+        assert 0.5 * ddp_comm_ms < span_ms < 2.0 * ddp_comm_ms, (span_ms, timed)
         assert all(
             r.comm_ms <= (s.comm[-1][1] - s.comm[0][0]) / 1e3 + 1e-9
             for r, s in zip(rows, lanes, strict=True)
         )
-        assert ddp["avg_backward_compute_comm_overlap_time"] > 0
-        assert statistics.mean(r.comm_ms - r.exposed_comm_ms for r in rows) > 0
+        assert statistics.mean(t["backward_compute_comm_overlap_time"] for t in timed) > 0, timed
+        assert statistics.mean(r.comm_ms - r.exposed_comm_ms for r in rows) > 0, rows
 
 
+@NEEDS_THE_RUNS
 def test_report_command_reads_the_real_run(gloo_runs, capsys, tmp_path):
     root, _ = gloo_runs
     png = tmp_path / "ddp.png"

@@ -32,6 +32,11 @@ OPTIMIZER_CASES = (OPTIMIZER_BASELINE, "bucketer_opt", "bucketer_overlap", "ddp_
 TAIL_CASE = "bucketer_overlap@tail"  # + forward_order_tail, with --tails
 CLIPPED_CASES = ("ddp_opt_clip", "bucketer_opt_clip", "bucketer_overlap_clip")
 CLIPPED_TAIL_CASE = "bucketer_overlap_clip@tail"  # + forward_order_tail, with --tails
+# ok.ddp + the optimizer with gradients copied in and out of the buckets or kept as views of
+# them (gradient_as_bucket_view), each with zero_grad() freeing the gradients (torch's default)
+# and zero_grad(set_to_none=False) zeroing them in place: what ok.ddp's default was chosen on.
+VIEW_CASES = ("ok_ddp_copy", "ok_ddp_view", "ok_ddp_copy_zeroed", "ok_ddp_view_zeroed")
+VIEW_BASELINE = VIEW_CASES[0]
 MAX_NORM = 1.0
 """What the clipped cases clip the global gradient norm to (train.clip_grad_norm's default)."""
 
@@ -41,6 +46,7 @@ def with_optimizer(name: str) -> bool:
     return (
         name in OPTIMIZER_CASES
         or name in CLIPPED_CASES
+        or name in VIEW_CASES
         or name.startswith((TAIL_CASE, CLIPPED_TAIL_CASE))
     )
 
@@ -129,6 +135,34 @@ def optimizer_cases(
     return steps, finish
 
 
+def view_cases(
+    cfg: dict, new_model: Callable[[], nn.Module], loss: Callable
+) -> dict[str, Callable[[], None]]:
+    """``VIEW_CASES``: ``ok.ddp`` (its default bucket size) and the optimizer, one step each.
+
+    ``gradient_as_bucket_view`` is passed explicitly in every case, so the cases measure the
+    setting whatever ``ok.ddp``'s default is.
+    """
+    make_optimizer = OPTIMIZERS[cfg["optimizer"]]
+
+    def ok_ddp_step(*, view: bool, set_to_none: bool) -> Callable[[], None]:
+        model = ok.ddp(new_model(), gradient_as_bucket_view=view)
+        optimizer = make_optimizer(model.parameters())
+
+        def step() -> None:
+            loss(model).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+        return step
+
+    settings = ((False, True), (True, True), (False, False), (True, False))
+    return {
+        name: ok_ddp_step(view=view, set_to_none=set_to_none)
+        for name, (view, set_to_none) in zip(VIEW_CASES, settings, strict=True)
+    }
+
+
 def _build_cases(
     cfg: dict, rank: int
 ) -> tuple[dict[str, Callable[[], None]], list[float], int, dict[str, Callable[[], None]]]:
@@ -199,6 +233,7 @@ def _build_cases(
         clipped_steps, clipped_finish = optimizer_cases(cfg, new_model, loss, max_norm=MAX_NORM)
         cases |= clipped_steps
         finish |= clipped_finish
+        cases |= view_cases(cfg, new_model, loss)
     only = cfg.get("only")
     if only:
         cases = {

@@ -26,6 +26,13 @@ None on the ranks that saw the failure, so an ``optimizer.step()`` after catchin
 retry loop, a framework's error handler) leaves parameters and optimizer state unchanged instead
 of applying each rank's own un-averaged gradients and splitting the replicas apart.
 
+Backward also returns only once every bucket's gloo work has finished, not just its future: gloo
+completes a work's future first and closes the work's profiler range after, on its own thread
+(``ProcessGroupGloo::AsyncWork::finishWorkGloo``, then ``Work::finish``), so a profiler stopped
+right after backward (``ok.profile`` at the end of its window) could have that range written
+into its freed record queue: a rare native heap corruption under load. ``Work.wait()`` holds
+the work's lock until ``finish`` is done.
+
 Every failed bucket of the step is named, and the check-in (``overlapkit.group.failures``) runs
 once per step from the autograd thread, not in a backend's completion callback. The healthy path
 costs one queued callback and one list append per bucket per step, and no device sync.
@@ -33,12 +40,14 @@ costs one queued callback and one list append per bucket per step, and no device
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import weakref
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
@@ -69,6 +78,7 @@ class FailureRelay:
         "_lock",
         "_model",
         "_reset_pending",
+        "_works",
         "parameters",
     )
 
@@ -77,6 +87,7 @@ class FailureRelay:
         self._armed_step: int | None = None
         self._failed: list[tuple[CollectiveSite, int, BaseException]] = []
         self._futures: list[torch.futures.Future] = []
+        self._works: list[dist.Work] = []
         self._inside_end_of_backward = False
         self._reset_pending = False
         self._model: weakref.ref[DistributedDataParallel] | None = None
@@ -97,20 +108,29 @@ class FailureRelay:
             return
         self._armed_step = step
         with self._lock:  # a failure of an aborted backward is not this step's
-            self._failed, self._futures = [], []
+            self._failed, self._futures, self._works = [], [], []
         # No autograd node runs while final callbacks do: DDP's static-graph first step.
         self._inside_end_of_backward = torch._C._current_autograd_node() is None
         if not self._inside_end_of_backward:
             Variable._execution_engine.queue_callback(self._raise_if_failed)
 
-    def launched(self, future: torch.futures.Future, *, last: bool) -> torch.futures.Future:
+    def launched(
+        self, future: torch.futures.Future, *, last: bool, work: dist.Work | None = None
+    ) -> torch.futures.Future:
         """From a comm hook: ``future`` (which never fails) is this step's bucket; returns it.
+
+        Args:
+            future (Future): what the hook returns to DDP.
+            last (bool): the step's last bucket.
+            work (Work | None): the bucket's collective, waited for before backward returns.
 
         Raises:
             CollectiveFailure: ``last`` inside DDP's end-of-backward callback, and a bucket of
                 the step failed.
         """
         self._futures.append(future)
+        if work is not None:
+            self._works.append(work)
         if last and self._inside_end_of_backward:
             self._raise_if_failed()
         return future
@@ -124,8 +144,12 @@ class FailureRelay:
         # DDP would wait for the same futures next; they complete, failed or not.
         for future in self._futures:
             future.wait()
+        for work in self._works:
+            # A failed one re-raises its error, which the hook's callback recorded: raised below.
+            with contextlib.suppress(RuntimeError):
+                work.wait()
         with self._lock:
-            failed, self._failed, self._futures = self._failed, [], []
+            failed, self._failed, self._futures, self._works = self._failed, [], [], []
         if not failed:
             return
         for p in self.parameters:

@@ -143,7 +143,8 @@ def _allreduce_fut(
     """
     site = state.failures.site(state.process_group, collective, f"bucket {bucket.index()}")
     state.relay.arm(state.recorder.step)
-    future = dist.all_reduce(wire, group=state.process_group, async_op=True).get_future()
+    work = dist.all_reduce(wire, group=state.process_group, async_op=True)
+    future = work.get_future()
     _record(state.recorder, bucket, future, wire.numel() * wire.element_size())
 
     def done(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -154,7 +155,10 @@ def _allreduce_fut(
             reduced = wire  # not averaged; the relay drops it and raises before DDP's end
         return finish(reduced)
 
-    return state.relay.launched(future.then(done), last=bucket.is_last())
+    # The work too on host devices: gloo closes its profiler range after completing the future
+    # (failure_relay). NCCL's works are left to their CUDA futures, as before.
+    host_work = None if wire.is_cuda else work
+    return state.relay.launched(future.then(done), last=bucket.is_last(), work=host_work)
 
 
 def allreduce_hook(

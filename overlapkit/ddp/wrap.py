@@ -88,6 +88,7 @@ def ddp(
     powersgd_options: Mapping[str, Any] | None = None,
     check_finite: bool = False,
     on_nonfinite: str = "raise",
+    gradient_as_bucket_view: bool | None = None,
     **ddp_kwargs: Any,
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DistributedDataParallel with an overlapkit comm hook.
@@ -115,8 +116,15 @@ def ddp(
             every rank, naming the parameters) or ``"skip"`` (every ``.grad`` set to None at
             the end of backward, so ``optimizer.step()`` changes nothing; the step is listed
             in ``ok.comm_stats(model).skipped_steps``). Defaults to ``"raise"``.
+        gradient_as_bucket_view (bool | None): DDP's option of that name: each ``.grad`` is a
+            view into its bucket after the first step, so no gradient is copied into a bucket
+            and back and the gradients' second copy (their bytes) is never allocated. None (the
+            default) means True when ``ok.ddp`` builds the DDP (docs/ddp.md: measured, and what
+            changes for ``.grad``: it aliases the bucket, ``p.grad.detach_()`` raises, a
+            reference kept across steps sees the next step's values); an adopted
+            DistributedDataParallel keeps its own setting, so pass None there.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (``device_ids``,
-            ``find_unused_parameters``, ``gradient_as_bucket_view``...).
+            ``find_unused_parameters``, ``static_graph``...).
 
     Returns:
         DistributedDataParallel: the wrapped model; ``ok.comm_stats(model)`` reads its timings.
@@ -139,7 +147,13 @@ def ddp(
         powersgd=powersgd_options,
         check_finite=check_finite,
         on_nonfinite=on_nonfinite,
+        gradient_as_bucket_view=gradient_as_bucket_view,
     )
+    if gradient_as_bucket_view not in (None, True, False):
+        raise TypeError(
+            f"ok.ddp: gradient_as_bucket_view must be True, False or None (True unless the "
+            f"model already is a DistributedDataParallel), got {gradient_as_bucket_view!r}"
+        )
     if compress not in COMPRESSIONS:
         raise ValueError(
             f"ok.ddp: unknown compress={compress!r}; choose one of {list(COMPRESSIONS)}"
@@ -161,7 +175,8 @@ def ddp(
     adopted = isinstance(model, DistributedDataParallel)
     if adopted:
         # Built by a framework (Accelerate, HF Trainer): its buckets and group are fixed.
-        _check_adoptable(model, bucket_mb, process_group, ddp_kwargs)
+        given = {} if gradient_as_bucket_view is None else {"gradient_as_bucket_view": True}
+        _check_adoptable(model, bucket_mb, process_group, ddp_kwargs | given)
         module = model.module
         auto = False
         bucket_mb = model.bucket_bytes_cap / MiB
@@ -182,7 +197,11 @@ def ddp(
         model
         if adopted
         else DistributedDataParallel(
-            model, bucket_cap_mb=bucket_mb, process_group=group, **ddp_kwargs
+            model,
+            bucket_cap_mb=bucket_mb,
+            process_group=group,
+            gradient_as_bucket_view=gradient_as_bucket_view is not False,
+            **ddp_kwargs,
         )
     )
     refuse_small_first_bucket_under_compile(wrapped, caller="ok.ddp")
@@ -212,10 +231,12 @@ def ddp(
     if auto:
         attach_ddp_tuner(wrapped, params, group, recorder)
     logger.info(
-        "ok.ddp: %d parameters, bucket_mb=%g, compress=%s, backend=%s, group size %d",
+        "ok.ddp: %d parameters, bucket_mb=%g, compress=%s, gradient_as_bucket_view=%s, "
+        "backend=%s, group size %d",
         len(params),
         bucket_mb,
         compress,
+        wrapped.gradient_as_bucket_view,
         backend,
         group.size(),
     )
