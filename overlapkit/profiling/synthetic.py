@@ -33,6 +33,8 @@ class TraceBuilder:
         world_size (int): written to ``distributedInfo``. Defaults to 2.
         backend (str): written to ``distributedInfo``. Defaults to ``"nccl"``.
         distributed (bool): False leaves ``distributedInfo`` out. Defaults to True.
+        groups (list[dict] | None): ``distributedInfo.pg_config`` entries (``pg_name``,
+            ``ranks``); None leaves it out. Defaults to None.
         pid (int): the process id of the CPU threads. Defaults to 4242.
         main_tid (int): the training loop's thread id. Defaults to 4242.
     """
@@ -46,8 +48,10 @@ class TraceBuilder:
         distributed: bool = True,
         pid: int = 4242,
         main_tid: int = 4242,
+        groups: list[dict[str, Any]] | None = None,
     ):
         self.rank = rank
+        self.groups = groups
         self.world_size = world_size
         self.backend = backend
         self.distributed = distributed
@@ -90,6 +94,13 @@ class TraceBuilder:
         self._range(
             "user_annotation", f"ProfilerStep#{number}", start, end, pid=self.pid, tid=self.main_tid
         )
+
+    def user_annotation(
+        self, name: str, start: float, end: float, *, tid: int | None = None
+    ) -> None:
+        """A ``user_annotation`` range such as ``enumerate(DataLoader)#...`` on the main thread."""
+        tid = self.main_tid if tid is None else tid
+        self._range("user_annotation", name, start, end, pid=self.pid, tid=tid)
 
     def cpu_op(
         self,
@@ -139,6 +150,9 @@ class TraceBuilder:
         dtype: str = "Float",
         metadata_on_kernel: bool = True,
         mirror: bool = True,
+        seq: int | None = None,
+        group: str = "0",
+        group_ranks: list[int] | None = None,
     ) -> None:
         """A GPU kernel; with ``launch_at``, also its launch call and flow arrow.
 
@@ -148,6 +162,11 @@ class TraceBuilder:
                 whose ``gpu_user_annotation`` mirror is drawn on the stream when ``mirror``.
             metadata_on_kernel (bool): put the collective metadata on the kernel itself (newer
                 Kineto) rather than only on ``record_param_comms``.
+            seq (int | None): the collective's ``Seq`` in its group (torch >= 2.4 writes it);
+                None leaves it out.
+            group (str): its ``Process Group Name``. Defaults to ``"0"``.
+            group_ranks (list[int] | None): its ``Process Group Ranks`` (written as a string,
+                as Kineto does); None: ranks 0 .. world_size - 1.
         """
         self._streams.add(stream)
         correlation = self._id()
@@ -158,9 +177,14 @@ class TraceBuilder:
                 "Collective name": collective,
                 "dtype": dtype,
                 "Group size": self.world_size,
-                "Process Group Name": "0",
-                "Process Group Description": "default_pg",
+                "Process Group Name": group,
+                "Process Group Description": "default_pg" if group == "0" else f"pg{group}",
+                "Process Group Ranks": str(
+                    list(range(self.world_size)) if group_ranks is None else group_ranks
+                ),
             }
+            if seq is not None:
+                meta["Seq"] = seq
             if nelems is not None:
                 meta |= {"In msg nelems": nelems, "Out msg nelems": nelems}
         args = {
@@ -254,6 +278,12 @@ class TraceBuilder:
                 "rank": self.rank,
                 "world_size": self.world_size,
             }
+            if self.groups is not None:
+                head["distributedInfo"]["pg_count"] = len(self.groups)
+                head["distributedInfo"]["pg_config"] = [
+                    {"pg_name": g["pg_name"], "pg_size": len(g["ranks"]), "ranks": g["ranks"]}
+                    for g in self.groups
+                ]
         return head
 
     def to_dict(self) -> dict[str, Any]:
@@ -268,7 +298,7 @@ class TraceBuilder:
     def write(self, path: str | Path) -> Path:
         """Write the trace (gzip-compressed when ``path`` ends in ``.gz``)."""
         path = Path(path)
-        text = json.dumps(self.to_dict())
+        text = json.dumps(self.to_dict(), separators=(",", ":"))
         if path.name.endswith(".gz"):
             with gzip.open(path, "wt", encoding="utf-8") as f:
                 f.write(text)
