@@ -7,11 +7,13 @@ group's ranks are not all there (a trace missing, a rank whose collectives canno
 is left unmatched, and so are all collectives of a program that ``programs`` could not identify;
 ``Matching.unmatched`` says how many and why.
 
-**Clocks** (``align``): the ranks of a collective leave it at about the same moment (the last
-data arrives everywhere together), so each rank's offset is found from the ends of the matched
-collectives: alternately the common end of each collective (the median over its ranks of end
-less offset) and each rank's offset (the median over its collectives of end less common end),
-the lowest rank of each connected set of ranks fixed at 0. What remains, each end's distance
+**Clocks** (``align``): ranks on one host (the traces' ``host_name``) share its clock; between
+hosts, the ranks of a collective leave it at about the same moment (the last data arrives
+everywhere together), so each host's offset is found from the ends of the matched collectives:
+alternately the common end of each collective (the median over its ranks of end less offset)
+and each host's offset (the median over its ranks' collectives of end less common end), the
+host of the lowest rank of each connected set of hosts fixed at 0. A trace without
+``host_name`` is a host of its own. What remains, each end's distance
 from its collective's common end, is the **residual skew**, reported per rank (median and
 largest absolute value, µs). A rank whose transfers always end later (a link slower in every
 collective) cannot be told from a clock offset by timestamps alone; it shows as a rank that
@@ -173,7 +175,12 @@ def match(programs: list[RankProgram]) -> Matching:
 
 def align(m: Matching) -> None:
     """Estimate every rank's clock offset from the matched collectives' ends (in place)."""
-    ranks = sorted({p.rank for p in m.programs})
+    host_of = {}
+    for p in sorted(m.programs, key=lambda p: p.rank):
+        host_of.setdefault(p.rank, p.host if p.host is not None else f"rank {p.rank}")
+    ranks = sorted(host_of)
+    hosts = list(dict.fromkeys(host_of[r] for r in ranks))  # in order of their lowest rank
+    host_index = {h: i for i, h in enumerate(hosts)}
     rank_index = {r: i for i, r in enumerate(ranks)}
     matched = m.instance >= 0
     if not matched.any():
@@ -182,16 +189,17 @@ def align(m: Matching) -> None:
     ends = m.column("end")[matched]
     inst = m.instance[matched]
     who = np.array([rank_index[int(r)] for r in m.row_rank[matched]])
-    offsets = np.zeros(len(ranks))
-    anchors = _component_anchors(who, inst, len(ranks), m.instances)
-    for _ in range(_ALIGN_ROUNDS):
-        common = group_median(ends - offsets[who], inst, m.instances)
-        shift = group_median(ends - common[inst] - offsets[who], who, len(ranks))
+    where = np.array([host_index[host_of[int(r)]] for r in m.row_rank[matched]])
+    offsets = np.zeros(len(hosts))
+    anchors = _component_anchors(where, inst, len(hosts), m.instances)
+    for _ in range(_ALIGN_ROUNDS if len(hosts) > 1 else 0):
+        common = group_median(ends - offsets[where], inst, m.instances)
+        shift = group_median(ends - common[inst] - offsets[where], where, len(hosts))
         offsets += np.nan_to_num(shift)
         offsets -= offsets[anchors]
-    common = group_median(ends - offsets[who], inst, m.instances)
-    residual = np.abs(ends - offsets[who] - common[inst])
-    m.offsets_us = {r: float(offsets[i]) for r, i in rank_index.items()}
+    common = group_median(ends - offsets[where], inst, m.instances)
+    residual = np.abs(ends - offsets[where] - common[inst])
+    m.offsets_us = {r: float(offsets[host_index[host_of[r]]]) for r in ranks}
     med = group_median(residual, who, len(ranks))
     largest = np.zeros(len(ranks))
     np.maximum.at(largest, who, residual)
@@ -201,7 +209,7 @@ def align(m: Matching) -> None:
 
 
 def _component_anchors(who: np.ndarray, inst: np.ndarray, ranks: int, instances: int) -> np.ndarray:
-    """Per rank, the lowest rank it is connected to through shared collectives."""
+    """Per host (``who``: each row's), the first host it is connected to through collectives."""
     parent = list(range(ranks))
 
     def find(x: int) -> int:

@@ -268,13 +268,14 @@ class EventCollector:
     def _times(self, items: list) -> tuple[np.ndarray, np.ndarray]:
         start = np.fromiter((e.ts for e in items), float, len(items))
         dur = np.fromiter((e.dur or 0.0 for e in items), float, len(items))
-        end = start + dur
+        with np.errstate(over="ignore"):  # a sum beyond 1.8e308 is refused just below
+            end = start + dur
         bad = ~np.isfinite(end)
         if bad.any():
             i = int(np.argmax(bad))
             raise self.refuse(
                 EventError(
-                    f'{shown(_text(items[i].name))}: "ts" + "dur" is {end[i]!r}; '
+                    f'{shown(_text(items[i].name))}: "ts" + "dur" is {float(end[i])!r}; '
                     "expected a finite number of µs"
                 ),
                 items[i],

@@ -92,6 +92,8 @@ class RankProgram:
     names: list[str]
     """Operator / kernel name of each code in ``top_op``."""
     steps: list[int]
+    host: str | None = None
+    """Where the rank ran (``host_name``); ranks of one host share a clock."""
     unmatched: str | None = None
     """Why the collectives cannot be matched across ranks (None when they can)."""
     warnings: list[str] = field(default_factory=list)
@@ -250,6 +252,7 @@ def rank_program(trace: RankTrace, compute: RecordTable) -> RankProgram:
         group_ranks={g["pg_name"]: g["ranks"] for g in trace.groups},
         names=trace.names,
         steps=[number for number, _, _ in trace.steps],
+        host=trace.host,
         unmatched=unmatched,
     )
 

@@ -120,6 +120,8 @@ class RankTrace:
     groups: list[dict[str, Any]]
     """``distributedInfo.pg_config``: ``pg_name``, ``ranks`` of each group this rank is in."""
     backend: str | None
+    host: str | None
+    """The trace's ``host_name``: ranks on one host share one clock."""
     store: SpillStore
     warnings: list[str] = field(default_factory=list)
 
@@ -255,6 +257,7 @@ def load_rank_trace(path: str | Path, *, store: SpillStore | None = None) -> Ran
         dataloader=col.dataloader,
         groups=_groups(header),
         backend=str(info.get("backend")) if isinstance(info, dict) else None,
+        host=header["host_name"] if isinstance(header.get("host_name"), str) else None,
         store=store,
         warnings=warnings,
     )

@@ -20,10 +20,13 @@ absorbed costs 0.
 
 **What-if slowdown** (Lin et al., OSDI '25): ``S = T / T_ideal``, T the replayed run and T_ideal
 the run with every segment's compute and idle time replaced by the mean of its kind (its place
-in the step, over all ranks and steps) and every transfer by its median; ``S`` per rank (only
-that rank's segments and transfers ideal), per kind (``compute``, ``host_gap``, ``transfer``
-ideal everywhere), and ``M_W``: the share of ``T - T_ideal`` removed by making the worst 3 %
-of ranks (by their S) ideal.
+in the step, over all ranks and steps) and every transfer by the median of its kind, where they
+were longer: unlike the paper, a value below the ideal is kept, so that making a rank ideal
+never slows the run down (on a loaded machine a rank given the others' mean would often be the
+slowest) and ``S >= 1``, ``0 <= M_W <= 1``. ``S`` per rank (only that rank's segments and
+transfers made ideal), per kind (``compute``, ``host_gap``, ``transfer`` made ideal
+everywhere), and ``M_W``: the share of ``T - T_ideal`` removed by making the worst 3 % of
+ranks (by their S) ideal.
 """
 
 from __future__ import annotations
@@ -359,8 +362,9 @@ def _what_if(plan: Plan, m: Matching, index: np.ndarray, found: list[Straggler])
         for name in WORK
     }
     ideal["transfer"] = group_median(plan.values["transfer"], kind_of, types)[kind_of]
+    ideal = {name: np.minimum(x, plan.values[name]) for name, x in ideal.items()}
     tail_ideal = {
-        name: np.full(len(x), float(x.mean()) if len(x) else 0.0) for name, x in plan.tail.items()
+        name: np.minimum(x, float(x.mean()) if len(x) else 0.0) for name, x in plan.tail.items()
     }
     t = plan.run()
     t_ideal = plan.run(ideal, tail_ideal)

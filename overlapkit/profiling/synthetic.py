@@ -35,6 +35,7 @@ class TraceBuilder:
         distributed (bool): False leaves ``distributedInfo`` out. Defaults to True.
         groups (list[dict] | None): ``distributedInfo.pg_config`` entries (``pg_name``,
             ``ranks``); None leaves it out. Defaults to None.
+        host (str | None): the ``host_name`` key; None leaves it out. Defaults to None.
         pid (int): the process id of the CPU threads. Defaults to 4242.
         main_tid (int): the training loop's thread id. Defaults to 4242.
     """
@@ -49,9 +50,11 @@ class TraceBuilder:
         pid: int = 4242,
         main_tid: int = 4242,
         groups: list[dict[str, Any]] | None = None,
+        host: str | None = None,
     ):
         self.rank = rank
         self.groups = groups
+        self.host = host
         self.world_size = world_size
         self.backend = backend
         self.distributed = distributed
@@ -272,6 +275,8 @@ class TraceBuilder:
     def header(self) -> dict[str, Any]:
         """The top-level keys other than ``traceEvents``."""
         head: dict[str, Any] = {"schemaVersion": 1, "deviceProperties": []}
+        if self.host is not None:
+            head["host_name"] = self.host
         if self.distributed:
             head["distributedInfo"] = {
                 "backend": self.backend,
@@ -298,7 +303,7 @@ class TraceBuilder:
     def write(self, path: str | Path) -> Path:
         """Write the trace (gzip-compressed when ``path`` ends in ``.gz``)."""
         path = Path(path)
-        text = json.dumps(self.to_dict(), separators=(",", ":"))
+        text = json.dumps(self.to_dict())
         if path.name.endswith(".gz"):
             with gzip.open(path, "wt", encoding="utf-8") as f:
                 f.write(text)

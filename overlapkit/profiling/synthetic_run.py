@@ -76,6 +76,8 @@ class RunSpec:
     jitter: float = 0.002
     clock_offset_s: float = 0.0
     nelems: int = 1 << 20
+    ranks_per_host: int = 1
+    """Ranks sharing a host, and so a clock (its ``host_name`` and offset)."""
     seed: int = 0
     injections: tuple[Injection, ...] = ()
 
@@ -200,9 +202,11 @@ def truth(spec: RunSpec) -> Truth:
 
 
 def _offsets(spec: RunSpec) -> np.ndarray:
+    """Each rank's clock: one offset per host, µs since the epoch as Kineto's clock."""
     rng = np.random.default_rng(spec.seed + 7919)
-    offsets = rng.uniform(-1, 1, spec.ranks) * spec.clock_offset_s * 1e6
-    return 1.7e12 + offsets  # µs since the epoch, as Kineto's clock
+    hosts = -(-spec.ranks // spec.ranks_per_host)
+    offsets = rng.uniform(-1, 1, hosts) * spec.clock_offset_s * 1e6
+    return 1.7e12 + np.repeat(offsets, spec.ranks_per_host)[: spec.ranks]
 
 
 def _rank_trace(spec: RunSpec, t: Timeline, rank: int, origin: float) -> TraceBuilder:
@@ -214,6 +218,7 @@ def _rank_trace(spec: RunSpec, t: Timeline, rank: int, origin: float) -> TraceBu
         groups=groups,
         pid=1000 + rank,
         main_tid=1000 + rank,
+        host=f"node{rank // spec.ranks_per_host}",
     )
     gpu = spec.backend == "nccl"
     seq = 0
