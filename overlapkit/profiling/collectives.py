@@ -36,8 +36,11 @@ from overlapkit.profiling.programs import RankProgram
 _ALIGN_ROUNDS = 8
 
 
-def group_median(values: np.ndarray, groups: np.ndarray, count: int) -> np.ndarray:
-    """The median of ``values`` in each group ``0 .. count - 1`` (NaN for an empty group)."""
+def group_median(
+    values: np.ndarray, groups: np.ndarray, count: int, *, lower: bool = False
+) -> np.ndarray:
+    """The median of ``values`` in each group ``0 .. count - 1`` (NaN for an empty group);
+    with ``lower``, the lower of the two middle values of an even-sized group."""
     out = np.full(count, np.nan)
     if len(values) == 0:
         return out
@@ -47,7 +50,7 @@ def group_median(values: np.ndarray, groups: np.ndarray, count: int) -> np.ndarr
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     present = sizes > 0
     lo = first + (sizes - 1) // 2
-    hi = first + sizes // 2
+    hi = lo if lower else first + sizes // 2
     out[present] = (v[lo[present]] + v[hi[present]]) / 2
     return out
 

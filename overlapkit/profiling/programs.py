@@ -16,7 +16,7 @@ rank's own clock):
   unconfirmed one was a wait followed by a host gap is for the replay to decide, from what the
   other ranks did (``replay``). Each part is split into ``busy`` (the compute lane: main-thread
   operators on CPU, compute kernels on GPU) and ``gap`` (idle: the host gap). ``loader`` is
-  the part of the idle time a DataLoader range covers; ``top_op`` / ``top_us`` the ``TOP_OPS``
+  the part of the idle time (waits included) a DataLoader range covers; ``top_op`` / ``top_us`` the ``TOP_OPS``
   operators or kernels that ran longest in the segment;
 - ``fifo_prev``: the previous collective on the same comm lane (stream or gloo group) when this
   one started only after that one ended (the lane is a queue), else -1.
@@ -231,9 +231,8 @@ def rank_program(trace: RankTrace, compute: RecordTable) -> RankProgram:
     bounds = np.maximum.accumulate(bounds)
     seg_lo, seg_hi = bounds[:-1], bounds[1:]
     segs = _segments(busy, rows["end"], seg_lo, seg_hi, WAIT_SLACK_US[trace.device])
-    segs["loader"] = np.minimum(
-        _loader_cover(trace, seg_lo, seg_hi, busy), segs["gap_pre"] + segs["gap_post"]
-    )
+    idle = segs["gap_pre"] + segs["gap_post"] + segs["wait"]
+    segs["loader"] = np.minimum(_loader_cover(trace, seg_lo, seg_hi, busy), idle)
     segs["top_op"], segs["top_us"] = _segment_ops(trace, bounds)
     for name in SEGMENT_FIELDS:
         rows[name] = segs[name][:n]

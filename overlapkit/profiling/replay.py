@@ -12,10 +12,11 @@ the observed timeline (``Plan.check``: to float precision); with some work or tr
 it gives the run that would have been, as far as this dependency graph goes (the what-if of
 Lin et al., OSDI '25).
 
-A wait ``programs`` could not confirm (the lane went on later than a wake-up after the end:
-a wait and then a host gap, or an idle stretch that merely held an end) is kept where most of
-the collective's other ranks (of the cycle's programs, for the tail) waited, confirmed, on the
-same collective there, and otherwise folded into the segment's work before it.
+Waits are part of the program, the same on every rank: a rank's wait (confirmed by
+``programs`` or not: the lane may have gone on late, a wait and then a host gap) is kept where
+most of the collective's ranks (of the cycle's programs, for the tail) waited, confirmed, on the
+same collective there; elsewhere, an idle stretch that merely held an end, it is folded into the
+segment's work before it.
 
 ``Plan.run`` replays everything; ``Plan.delta`` replays from one collective on and stops once
 every later dependency is shifted by the same amount (the usual case a collective or two later),
@@ -242,8 +243,8 @@ def _fold(values: dict[str, np.ndarray], at: np.ndarray, wait: np.ndarray) -> No
 
 
 def _settle_waits(m: Matching, wait_on, confirmed, wait, values) -> np.ndarray:
-    """Keep confirmed waits, and unconfirmed ones where most of the collective's ranks waited,
-    confirmed, on the same collective; fold the rest (see the module docstring)."""
+    """Keep a rank's wait where most of the collective's ranks waited, confirmed, on the same
+    collective there, and fold the others (see the module docstring)."""
     inst = m.instance
     has = wait_on >= 0
     waited_inst = np.where(has, inst[np.maximum(wait_on, 0)], -1)
@@ -252,11 +253,10 @@ def _settle_waits(m: Matching, wait_on, confirmed, wait, values) -> np.ndarray:
         inst[has & confirmed].tolist(), waited_inst[has & confirmed].tolist(), strict=True
     ):
         votes[(i, w)] = votes.get((i, w), 0) + 1
-    keep = has & confirmed
-    for row in np.flatnonzero(has & ~confirmed).tolist():
-        i = int(inst[row])
-        if i >= 0 and waited_inst[row] >= 0:
-            keep[row] = votes.get((i, int(waited_inst[row])), 0) * 2 > len(m.members[i])
+    keep = np.zeros(len(wait_on), bool)
+    for row in np.flatnonzero(has).tolist():
+        i, w = int(inst[row]), int(waited_inst[row])
+        keep[row] = i >= 0 and w >= 0 and votes.get((i, w), 0) * 2 > len(m.members[i])
     _fold(values, np.flatnonzero(has & ~keep), wait)
     return np.where(keep, wait_on, -1)
 
@@ -272,8 +272,8 @@ def _settle_tail_waits(m: Matching, programs, tails, tail_wait, tail) -> np.ndar
         size[c] = size.get(c, 0) + 1
         if ok and w >= 0:
             votes[(c, w)] = votes.get((c, w), 0) + 1
-    keep = (tail_wait >= 0) & confirmed
-    for p in np.flatnonzero((tail_wait >= 0) & ~confirmed).tolist():
+    keep = np.zeros(len(tail_wait), bool)
+    for p in np.flatnonzero(tail_wait >= 0).tolist():
         keep[p] = target[p] >= 0 and votes.get((cycle[p], int(target[p])), 0) * 2 > size[cycle[p]]
     wait = np.array([t["wait"] for t in tails], float)
     _fold(tail, np.flatnonzero((tail_wait >= 0) & ~keep), wait)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from overlapkit.profiling.stragglers import StragglerReport
 
 MiB = 1024 * 1024
-RANKS_LISTED = 64
+RANKS_LISTED = 32
 """Above this many ranks, the per rank sections list only the slowest ``RANKS_SHOWN``."""
 RANKS_SHOWN = 10
 STRAGGLERS_LISTED = 20

@@ -1,7 +1,9 @@
 """Which ranks delay the others, in which collective, why, and what it costs.
 
 For every rank of every matched collective (``collectives``), its segment before the
-collective is compared with the same segment on the collective's other ranks (the median):
+collective is compared with the same segment on the collective's ranks (their lower median:
+the lower of the two middle values for an even count, so that with two ranks, or two slow
+ranks of four, the baseline is a rank that was not slow):
 
 - ``compute``: it computed longer (``busy``); named with the operator or kernel whose time in
   the segment exceeds the others' most;
@@ -12,8 +14,8 @@ collective is compared with the same segment on the collective's other ranks (th
   comm lane or compute held back), or at that one when nothing was held back.
 
 A rank is named a straggler there when one of these excesses is above the run's noise: six
-times the robust spread (1.4826 x the median absolute deviation) of that excess over all ranks
-and collectives, and at least ``FLOOR_US``. Its **cost** is the what-if (``replay``): how much
+times the robust spread (1.4826 x the median absolute deviation) of the ranks' deviations from
+their collective's median, over all ranks and collectives, and at least ``FLOOR_US``. Its **cost** is the what-if (``replay``): how much
 shorter the run would be with those excesses removed (the segment's busy / gap time, or that
 transfer, set to the others' median) and everything else as observed. An excess that others
 absorbed costs 0.
@@ -179,10 +181,14 @@ def _index_in_step(m: Matching) -> np.ndarray:
     return out
 
 
-def _noise(excess: np.ndarray) -> float:
-    if len(excess) == 0:
+def _noise(values: np.ndarray, inst: np.ndarray, count: int) -> float:
+    """The excess a rank needs to be named: ``NOISE_FACTOR`` x the robust spread of the values'
+    deviations from their collective's median (the symmetric one: the lower median, the
+    baseline of the excess, is 0 away for half the ranks, which says nothing of the noise)."""
+    if len(values) == 0:
         return FLOOR_US
-    spread = 1.4826 * float(np.median(np.abs(excess - np.median(excess))))
+    deviation = values - group_median(values, inst, count)[inst]
+    spread = 1.4826 * float(np.median(np.abs(deviation - np.median(deviation))))
     return max(NOISE_FACTOR * spread, FLOOR_US)
 
 
@@ -224,7 +230,7 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     loader = m.column("loader")
     _, s, _, _ = plan.observed
     med = {
-        name: group_median(x[ok], inst[ok], n_inst)
+        name: group_median(x[ok], inst[ok], n_inst, lower=True)
         for name, x in (
             *values.items(),
             ("busy", busy),
@@ -238,7 +244,10 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     gap_ex = gap[rows] - med["gap"][inst[rows]]
     loader_ex = loader[rows] - med["loader"][inst[rows]]
     comm_ex = transfer[rows] - med["transfer"][inst[rows]]
-    tau = {"compute": _noise(busy_ex), "host_gap": _noise(gap_ex), "comm": _noise(comm_ex)}
+    tau = {
+        cause: _noise(x[rows], inst[rows], n_inst)
+        for cause, x in (("compute", busy), ("host_gap", gap), ("comm", transfer))
+    }
     # Where a long transfer makes the others wait: at the rank's next collective held back by
     # it (its queue successor, or the collective its compute waited on it for).
     user = np.full(len(busy), -1, np.int64)
