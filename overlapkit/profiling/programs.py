@@ -16,8 +16,8 @@ rank's own clock):
   unconfirmed one was a wait followed by a host gap is for the replay to decide, from what the
   other ranks did (``replay``). Each part is split into ``busy`` (the compute lane: main-thread
   operators on CPU, compute kernels on GPU) and ``gap`` (idle: the host gap). ``loader`` is
-  the part of the idle time (waits included) a DataLoader range covers; ``top_op`` / ``top_us`` the ``TOP_OPS``
-  operators or kernels that ran longest in the segment;
+  the part of the idle time (waits included) a DataLoader range covers; ``top_op`` /
+  ``top_us`` the ``TOP_OPS`` operators or kernels that ran longest in the segment;
 - ``fifo_prev``: the previous collective on the same comm lane (stream or gloo group) when this
   one started only after that one ended (the lane is a queue), else -1.
 

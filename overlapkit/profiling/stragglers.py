@@ -15,10 +15,10 @@ ranks of four, the baseline is a rank that was not slow):
 
 A rank is named a straggler there when one of these excesses is above the run's noise: six
 times the robust spread (1.4826 x the median absolute deviation) of the ranks' deviations from
-their collective's median, over all ranks and collectives, and at least ``FLOOR_US``. Its **cost** is the what-if (``replay``): how much
-shorter the run would be with those excesses removed (the segment's busy / gap time, or that
-transfer, set to the others' median) and everything else as observed. An excess that others
-absorbed costs 0.
+their collective's median, over all ranks and collectives, and at least ``FLOOR_US``. Its
+**cost** is the what-if (``replay``): how much shorter the run would be with those excesses
+removed (the segment's busy / gap time, or that transfer, set to the baseline) and everything
+else as observed. An excess that others absorbed costs 0.
 
 **What-if slowdown** (Lin et al., OSDI '25): ``S = T / T_ideal``, T the replayed run and T_ideal
 the run with every segment's compute and idle time replaced by the mean of its kind (its place
