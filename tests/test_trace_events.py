@@ -119,6 +119,17 @@ def test_fast_and_standard_library_paths_give_the_same_events(
     _same(fast, slow)
 
 
+@pytest.mark.parametrize("layout", ["indented", "compact"])
+def test_the_fast_path_decodes_kineto_shaped_traces_with_shapes_and_metadata(tmp_path, layout):
+    """Events with ``Input Dims``, collective metadata, string ids: none sends a run to the
+    standard library (that would be correct, only slow, so equality tests cannot see it)."""
+    path = tmp_path / "t.json"
+    path.write_text(_layouts(_gpu_trace(12).to_dict())[layout])
+    header = read_trace_batches(path, lambda batch: None)
+    # All but the event at each buffer's edge (and the few before the first "},").
+    assert header["_fast_events"] >= header["_event_count"] - 3
+
+
 def test_a_run_the_types_refuse_is_read_by_the_standard_library_alike(tmp_path):
     document = _gpu_trace(3).to_dict()
     # Values the typed fields refuse but the checks accept: a float pid, a whole float count,

@@ -49,13 +49,13 @@ def test_events_and_header_equal_json_load_for_any_chunk_size(
     header, events = _read(path)
     assert events == SAMPLE["traceEvents"]
     expected = {k: v for k, v in SAMPLE.items() if k != "traceEvents"}
-    assert header == {**expected, "_event_count": 3}
+    assert header == {**expected, "_event_count": 3, "_fast_events": 0}
 
 
 def test_an_empty_event_list_is_a_trace(tmp_path):
     path = tmp_path / "t.json"
     path.write_text('{"traceEvents": [ ]}')
-    assert _read(path) == ({"_event_count": 0}, [])
+    assert _read(path) == ({"_event_count": 0, "_fast_events": 0}, [])
 
 
 @pytest.mark.parametrize("cut", [1, 40, 150, 260, -2, -1])

@@ -79,11 +79,14 @@ def _build_types():
             slots=True,
         )
         return args, event
-    raw = msgspec.Raw | None
+    # A Raw field cannot be optional (``Raw | None`` is no union msgspec decodes): an empty Raw
+    # stands for an absent key (``raw_value`` gives None for it).
     args = msgspec.defstruct(
         "EventArgs",
         [
-            (attr, raw if kind == "raw" else kind, msgspec.field(default=None, name=key))
+            (attr, msgspec.Raw, msgspec.field(default=msgspec.Raw(), name=key))
+            if kind == "raw"
+            else (attr, kind, msgspec.field(default=None, name=key))
             for attr, key, kind, _ in _ARG_FIELDS
         ],
         gc=False,  # scalars only: no reference cycles, so the collector need not track them
@@ -225,7 +228,8 @@ def event_from_dict(event: Any) -> TraceEvent | None:
 
 
 def raw_value(value: Any) -> Any:
-    """A ``raw`` field's value: decoded from JSON on the fast path, as it is on the other."""
+    """A ``raw`` field's value: decoded from JSON on the fast path (None for an empty Raw: the
+    key was absent), as it is on the other."""
     if msgspec is not None and isinstance(value, msgspec.Raw):
-        return msgspec.json.decode(value)
+        return msgspec.json.decode(value) if len(value) else None
     return value

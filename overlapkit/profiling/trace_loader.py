@@ -242,6 +242,7 @@ class _Events:
         self.decode = batch_decoder() if convert else None
         self.refused = decode_errors()
         self.count = 0
+        self.fast = 0  # events the fast path decoded
 
     def _refusal(self, err: EventError, k: int, offset_of: Callable[[int], int]) -> Exception:
         return TraceFormatError(
@@ -291,6 +292,7 @@ class _Events:
             return False
         reader.pos = cut + 2
         self.deliver(events, lambda k: _event_offset(reader, start, k), stdlib=False)
+        self.fast += len(events)
         return True
 
     def slow_run(self) -> None:
@@ -366,7 +368,9 @@ def _read(path: str | Path, sink: Callable[[list], None], convert: bool) -> dict
                         raise reader.error(f"invalid JSON: top-level key {key!r} is not a string")
                     reader.expect(":", f"after key {key!r}")
                     if key == "traceEvents":
-                        header["_event_count"] = _Events(reader, sink, convert).read()
+                        events = _Events(reader, sink, convert)
+                        header["_event_count"] = events.read()
+                        header["_fast_events"] = events.fast
                         seen_events = True
                     else:
                         header[key] = reader.value(f"top-level key {key!r}")
@@ -400,7 +404,8 @@ def read_trace_batches(path: str | Path, on_batch: Callable[[list], None]) -> di
     with ``at`` set to the refused event's position in the batch.
 
     Returns:
-        dict: the top-level keys other than ``traceEvents``, plus ``"_event_count"``.
+        dict: the top-level keys other than ``traceEvents``, plus ``"_event_count"`` and
+        ``"_fast_events"`` (how many of them the fast path decoded).
 
     Raises:
         TraceFormatError: as ``read_trace``, and for a kept event whose fields the analysis
