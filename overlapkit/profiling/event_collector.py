@@ -177,9 +177,10 @@ def _host_class(name: str) -> int:
 class EventCollector:
     """Receives event batches and keeps only what the analysis needs, compactly.
 
-    The bulk (operators, kernels, launches) is handled a category at a time with list
-    comprehensions and numpy, and what depends on a name (is it a step, a backward op, a
-    collective's enqueue?) is decided once per distinct name.
+    A batch's complete events are handled in one pass of list comprehensions and numpy (times,
+    names, threads, categories as arrays), each category then by array masks; what depends on a
+    name (is it a step, a backward op, a collective's enqueue?) is decided once per distinct
+    name, and what depends on a category string once per distinct string.
     """
 
     def __init__(self, store: SpillStore) -> None:
@@ -191,6 +192,7 @@ class EventCollector:
         self.name_class = np.zeros(0, np.int8)
         self.name_nccl = np.zeros(0, bool)
         self.codes: dict[Any, int] = {}
+        self.categories: dict[Any, int] = {}
         self.ops = RecordTable(OP_DTYPE, ("start", "end", "thread"), store)
         self.kernels = RecordTable(KERNEL_DTYPE, ("start", "end", "corr"), store)
         self.launches = RecordTable(LAUNCH_DTYPE, ("corr", "start", "end"), store)
@@ -202,12 +204,29 @@ class EventCollector:
         self.dataloader: list[tuple[float, float, int]] = []
         self.batch: list = []
 
-    def _thread_codes(self, items: list) -> list[int]:
-        keys = [(e.pid, e.tid) for e in items]
+    def _thread_codes(self, items: list) -> np.ndarray:
+        """The thread code of each event (its ``(pid, tid)``), with numpy when both are ints."""
+        pids = np.array([e.pid for e in items])
+        tids = np.array([e.tid for e in items])
         table = self.threads
+        small = pids.dtype.kind == "i" and tids.dtype.kind == "i" and len(items)
+        if (
+            small
+            and pids.min() >= 0
+            and pids.max() < 2**31
+            and tids.min() >= 0
+            and tids.max() < 2**32
+        ):
+            keys, inverse = np.unique((pids << 32) | tids, return_inverse=True)
+            codes = np.array(
+                [table.setdefault((k >> 32, k & 0xFFFFFFFF), len(table)) for k in keys.tolist()],
+                np.int64,
+            )
+            return codes[inverse.reshape(-1)]
+        keys = list(zip(pids.tolist(), tids.tolist(), strict=True))
         for key in set(keys) - table.keys():
             table[key] = len(table)
-        return [table[key] for key in keys]
+        return np.array([table[key] for key in keys], np.int64)
 
     def _name_codes(self, items: list) -> np.ndarray:
         raw = [e.name for e in items]
@@ -226,13 +245,31 @@ class EventCollector:
             self.name_nccl = np.append(self.name_nccl, [n[:4].lower() == "nccl" for n in added])
         return np.array([table[value] for value in raw], np.int64)
 
+    def _category_codes(self, items: list) -> np.ndarray:
+        """Per event: 1 kernel, 2 launch, 3 cpu_op, 4 user_annotation, 0 another category."""
+        raw = [e.cat for e in items]
+        table = self.categories
+        for cat in set(raw) - table.keys():
+            kind = cat.lower() if isinstance(cat, str) else ""
+            table[cat] = (
+                1
+                if kind == "kernel"
+                else 2
+                if kind in LAUNCH_CATEGORIES
+                else 3
+                if kind == "cpu_op"
+                else 4
+                if kind == "user_annotation"
+                else 0
+            )
+        return np.array([table[cat] for cat in raw], np.int8)
+
     def _correlations(self, values: list) -> np.ndarray:
-        try:
-            codes = np.array(values, np.int64)
-            if len(codes) == 0 or (codes.min() >= 0 and codes.max() < _CODED):
-                return codes
-        except (TypeError, ValueError, OverflowError):
-            pass
+        codes = np.array(values)
+        if codes.dtype.kind == "i" and (
+            len(codes) == 0 or (codes.min() >= 0 and codes.max() < _CODED)
+        ):
+            return codes.astype(np.int64)
         return np.array([self._correlation(v) for v in values], np.int64)
 
     def _correlation(self, value: Any) -> int:
@@ -240,6 +277,8 @@ class EventCollector:
             return NO_CORRELATION
         if type(value) is int and 0 <= value < _CODED:
             return value
+        if type(value) is float and value.is_integer() and 0 <= value < _CODED:
+            return int(value)  # a dict key equal to the int, as the ids compare in Python
         return self.codes.setdefault(value, _CODED + len(self.codes))
 
     def refuse(self, err: EventError, event: Any) -> EventError:
@@ -249,25 +288,33 @@ class EventCollector:
 
     def __call__(self, batch: list) -> None:
         self.batch = batch
-        groups: dict[Any, list] = {}
-        for e in batch:
-            if e.ph == "X" and e.ts is not None:
-                group = groups.get(e.cat)
-                if group is None:
-                    groups[e.cat] = group = []
-                group.append(e)
-        for cat, items in groups.items():
-            kind = cat.lower() if isinstance(cat, str) else ""
-            if kind == "kernel":
-                self._kernels(items)
-            elif kind in LAUNCH_CATEGORIES:
-                self._launches(items)
-            elif kind in ("cpu_op", "user_annotation"):
-                self._host(items, kind == "cpu_op")
+        items = [e for e in batch if e.ph == "X" and e.ts is not None]
+        if not items:
+            return
+        category = self._category_codes(items)
+        if not category.all():
+            chosen = np.flatnonzero(category)
+            items, category = [items[i] for i in chosen.tolist()], category[chosen]
+            if not items:
+                return
+        start, end = self._times(items)
+        names = self._name_codes(items)
+        threads = self._thread_codes(items)
+        for code, handle in (
+            (1, self._kernels),
+            (2, self._launches),
+            (3, self._host),
+            (4, self._host),
+        ):
+            where = np.flatnonzero(category == code)
+            if len(where):
+                chosen = items if len(where) == len(items) else [items[i] for i in where.tolist()]
+                handle(chosen, start[where], end[where], names[where], threads[where], code == 3)
 
     def _times(self, items: list) -> tuple[np.ndarray, np.ndarray]:
-        start = np.fromiter((e.ts for e in items), float, len(items))
-        dur = np.fromiter((e.dur or 0.0 for e in items), float, len(items))
+        start = np.array([e.ts for e in items], float)
+        dur = np.array([e.dur for e in items], float)  # None (no "dur") is NaN: a point, 0
+        dur[np.isnan(dur)] = 0.0
         with np.errstate(over="ignore"):  # a sum beyond 1.8e308 is refused just below
             end = start + dur
         bad = ~np.isfinite(end)
@@ -282,9 +329,7 @@ class EventCollector:
             )
         return start, end
 
-    def _kernels(self, items: list) -> None:
-        start, end = self._times(items)
-        names = self._name_codes(items)
+    def _kernels(self, items, start, end, names, threads, _cpu_op) -> None:
         collective = [a.collective if (a := e.args) is not None else None for e in items]
         comm = self.name_nccl[names] | np.array([c is not None for c in collective], bool)
         for i in np.flatnonzero(comm).tolist():
@@ -295,14 +340,13 @@ class EventCollector:
                     kind, nbytes = collective_kind(args.collective), _metadata_bytes(args)
             except EventError as err:
                 raise self.refuse(_named(err, e.name), e) from None
-            [stream] = self._thread_codes([e])
             self.comm_kernels.append(
                 (
                     start[i],
                     end[i],
                     self._correlation(args.correlation),
                     args.external_id,
-                    stream,
+                    int(threads[i]),
                     kind,
                     nbytes,
                     args.group_name,
@@ -311,49 +355,46 @@ class EventCollector:
             )
         compute = np.flatnonzero(~comm)
         if len(compute):
-            chosen = [items[i] for i in compute.tolist()]
+            chosen = items if len(compute) == len(items) else [items[i] for i in compute.tolist()]
             rows = np.empty(len(compute), KERNEL_DTYPE)
             rows["start"], rows["end"], rows["name"] = start[compute], end[compute], names[compute]
             rows["corr"] = self._correlations(
                 [a.correlation if (a := e.args) is not None else None for e in chosen]
             )
-            rows["stream"] = self._thread_codes(chosen)
+            rows["stream"] = threads[compute]
             self.kernels.append(rows)
 
-    def _launches(self, items: list) -> None:
-        start, end = self._times(items)
+    def _launches(self, items, start, end, names, threads, _cpu_op) -> None:
         rows = np.empty(len(items), LAUNCH_DTYPE)
         rows["corr"] = self._correlations(
             [a.correlation if (a := e.args) is not None else None for e in items]
         )
-        rows["start"], rows["end"] = start, end
-        rows["thread"] = self._thread_codes(items)
+        rows["start"], rows["end"], rows["thread"] = start, end, threads
         self.launches.append(rows[rows["corr"] != NO_CORRELATION])
 
-    def _host(self, items: list, cpu_op: bool) -> None:
-        start, end = self._times(items)
-        names = self._name_codes(items)
+    def _host(self, items, start, end, names, threads, cpu_op) -> None:
         classes = self.name_class[names]
         if not cpu_op:  # operators and enqueue ops are cpu_ops; other annotations only mark
             classes = np.where((classes == _OP) | (classes == _ENQUEUE), _OTHER, classes)
         for i in np.flatnonzero((classes != _OP) & (classes != _OTHER)).tolist():
             e = items[i]
             try:
-                self._special(int(classes[i]), self.name_list[names[i]], e, start[i], end[i])
+                self._special(
+                    int(classes[i]), self.name_list[names[i]], e, start[i], end[i], int(threads[i])
+                )
             except EventError as err:
                 raise self.refuse(_named(err, e.name), e) from None
         ops = np.flatnonzero(classes == _OP)
         if len(ops):
             rows = np.empty(len(ops), OP_DTYPE)
             rows["start"], rows["end"], rows["name"] = start[ops], end[ops], names[ops]
-            rows["thread"] = self._thread_codes([items[i] for i in ops.tolist()])
+            rows["thread"] = threads[ops]
             rows["backward"] = self.name_backward[names[ops]]
             self.ops.append(rows)
 
-    def _special(self, kind: int, name: str, e: Any, start: float, end: float) -> None:
+    def _special(self, kind: int, name: str, e: Any, start: float, end: float, thread: int) -> None:
         """File a step, gloo, DataLoader or enqueue range."""
         args = e.args or NO_ARGS
-        [thread] = self._thread_codes([e])
         if kind == _STEP:
             digits = _STEP_NAME.match(name).group(1)
             if len(digits) > 18:  # beyond int64 (and int() refuses strings past 4300 digits)

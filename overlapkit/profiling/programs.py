@@ -18,8 +18,9 @@ rank's own clock):
   operators on CPU, compute kernels on GPU) and ``gap`` (idle: the host gap). ``loader`` is
   the part of the idle time (waits included) a DataLoader range covers; ``top_op`` /
   ``top_us`` the ``TOP_OPS`` operators or kernels that ran longest in the segment;
-- ``fifo_prev``: the previous collective on the same comm lane (stream or gloo group) when this
-  one started only after that one ended (the lane is a queue), else -1.
+- ``fifo_prev``: the previous collective on the same comm lane (a stream, a gloo worker thread:
+  each runs its collectives one after another), -1 for the first, or where this one started
+  before that one ended (then the lane is not a queue).
 
 ``tail`` holds the same split for the time after the last collective to the end of the
 cycle's last step.
@@ -145,7 +146,7 @@ def _collectives(trace: RankTrace, compute: np.ndarray) -> tuple[list[tuple], st
         out = []
         for seq, (q, op) in enumerate(pairs):
             arrival = min(q.start, op.start)
-            out.append((arrival, op.start, op.end, op.kind, op.nbytes, group, seq, 0))
+            out.append((arrival, op.start, op.end, op.kind, op.nbytes, group, seq, op.lane))
         return out, reason
     order = np.argsort(compute["anchor"], kind="stable")
     anchors, ends = compute["anchor"][order], compute["end"][order]

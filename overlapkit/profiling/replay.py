@@ -14,9 +14,9 @@ Lin et al., OSDI '25).
 
 Waits are part of the program, the same on every rank: a rank's wait (confirmed by
 ``programs`` or not: the lane may have gone on late, a wait and then a host gap) is kept where
-most of the collective's ranks (of the cycle's programs, for the tail) waited, confirmed, on the
-same collective there; elsewhere, an idle stretch that merely held an end, it is folded into the
-segment's work before it.
+at least half of the collective's other ranks (of the cycle's other programs, for the tail)
+have one on the same collective there and one of them is confirmed; elsewhere (an idle stretch
+that merely held an end) it is folded into the segment's work before it.
 
 ``Plan.run`` replays everything; ``Plan.delta`` replays from one collective on and stops once
 every later dependency is shifted by the same amount (the usual case a collective or two later),
@@ -171,8 +171,6 @@ def build_plan(m: Matching) -> Plan:
     prev = np.where(local > 0, np.arange(n) - 1, -1)
     wait_on = _global(m.column("wait_on"), m.row_program, first)
     fifo = _global(m.column("fifo_prev"), m.row_program, first)
-    # The replay follows the observed timeline: a queue edge only where it held the start back.
-    fifo = np.where((fifo >= 0) & (e[np.maximum(fifo, 0)] > a), fifo, -1)
     ready = np.where(fifo >= 0, np.maximum(a, e[np.maximum(fifo, 0)]), a)
     latency = s - ready
     matched = m.instance >= 0
@@ -242,39 +240,47 @@ def _fold(values: dict[str, np.ndarray], at: np.ndarray, wait: np.ndarray) -> No
     values["busy_post"][at] = values["gap_post"][at] = 0.0
 
 
+def _structural(groups: list, target: list[int], confirmed: list[bool], size: dict) -> list[bool]:
+    """Per candidate wait (``groups[i]`` its collective or cycle, ``target[i]`` the collective
+    waited on, -1 none): whether at least half of the group's other members have a candidate
+    wait on the same collective and one of them, or itself, is confirmed."""
+    candidates: dict[tuple, int] = {}
+    sure: dict[tuple, int] = {}
+    for g, w, ok in zip(groups, target, confirmed, strict=True):
+        if w >= 0:
+            candidates[(g, w)] = candidates.get((g, w), 0) + 1
+            sure[(g, w)] = sure.get((g, w), 0) + int(ok)
+    keep = []
+    for g, w in zip(groups, target, strict=True):
+        others = candidates.get((g, w), 0) - 1
+        keep.append(w >= 0 and others >= 1 and 2 * others >= size[g] - 1 and sure[(g, w)] >= 1)
+    return keep
+
+
 def _settle_waits(m: Matching, wait_on, confirmed, wait, values) -> np.ndarray:
-    """Keep a rank's wait where most of the collective's ranks waited, confirmed, on the same
-    collective there, and fold the others (see the module docstring)."""
+    """Keep a rank's wait where it is structural (``_structural``: the collective's ranks
+    wait there too), fold the others (see the module docstring)."""
     inst = m.instance
-    has = wait_on >= 0
-    waited_inst = np.where(has, inst[np.maximum(wait_on, 0)], -1)
-    votes: dict[tuple[int, int], int] = {}
-    for i, w in zip(
-        inst[has & confirmed].tolist(), waited_inst[has & confirmed].tolist(), strict=True
-    ):
-        votes[(i, w)] = votes.get((i, w), 0) + 1
-    keep = np.zeros(len(wait_on), bool)
-    for row in np.flatnonzero(has).tolist():
-        i, w = int(inst[row]), int(waited_inst[row])
-        keep[row] = i >= 0 and w >= 0 and votes.get((i, w), 0) * 2 > len(m.members[i])
-    _fold(values, np.flatnonzero(has & ~keep), wait)
+    has = (wait_on >= 0) & (inst >= 0)
+    waited = np.where(has, inst[np.maximum(wait_on, 0)], -1)
+    waited = np.where(has, waited, -1)
+    size = {i: len(rows) for i, rows in enumerate(m.members)}
+    size[-1] = 0
+    keep = np.array(_structural(inst.tolist(), waited.tolist(), confirmed.tolist(), size), bool)
+    keep &= has
+    _fold(values, np.flatnonzero((wait_on >= 0) & ~keep), wait)
     return np.where(keep, wait_on, -1)
 
 
 def _settle_tail_waits(m: Matching, programs, tails, tail_wait, tail) -> np.ndarray:
-    """``_settle_waits`` for the programs' tails, voting over the programs of a cycle."""
+    """``_settle_waits`` for the programs' tails, the programs of a cycle voting."""
     cycle = [tuple(p.steps) for p in programs]
     target = np.where(tail_wait >= 0, m.instance[np.maximum(tail_wait, 0)], -1)
-    confirmed = np.array([bool(t["confirmed"]) for t in tails])
-    votes: dict[tuple, int] = {}
+    confirmed = [bool(t["confirmed"]) for t in tails]
     size: dict[tuple, int] = {}
-    for c, w, ok in zip(cycle, target.tolist(), confirmed.tolist(), strict=True):
+    for c in cycle:
         size[c] = size.get(c, 0) + 1
-        if ok and w >= 0:
-            votes[(c, w)] = votes.get((c, w), 0) + 1
-    keep = np.zeros(len(tail_wait), bool)
-    for p in np.flatnonzero(tail_wait >= 0).tolist():
-        keep[p] = target[p] >= 0 and votes.get((cycle[p], int(target[p])), 0) * 2 > size[cycle[p]]
+    keep = np.array(_structural(cycle, target.tolist(), confirmed, size), bool) & (tail_wait >= 0)
     wait = np.array([t["wait"] for t in tails], float)
     _fold(tail, np.flatnonzero((tail_wait >= 0) & ~keep), wait)
     return np.where(keep, tail_wait, -1)

@@ -1,9 +1,10 @@
 """Which ranks delay the others, in which collective, why, and what it costs.
 
 For every rank of every matched collective (``collectives``), its segment before the
-collective is compared with the same segment on the collective's ranks (their lower median:
-the lower of the two middle values for an even count, so that with two ranks, or two slow
-ranks of four, the baseline is a rank that was not slow):
+collective is compared with the same segment on the collective's ranks: the baseline is the
+lower median (the lower of the two middle values for an even count) of the ranks not named for
+that cause, found again once named ranks are left out, so that two slow ranks of two, three or
+four leave a baseline that was not slow:
 
 - ``compute``: it computed longer (``busy``); named with the operator or kernel whose time in
   the segment exceeds the others' most;
@@ -15,7 +16,9 @@ ranks of four, the baseline is a rank that was not slow):
 
 A rank is named a straggler there when one of these excesses is above the run's noise: six
 times the robust spread (1.4826 x the median absolute deviation) of the ranks' deviations from
-their collective's median, over all ranks and collectives, and at least ``FLOOR_US``. Its
+their collective's median, over all ranks and collectives, at least ``FLOOR_US``, and in any
+case when it makes the segment (or the transfer) ``ALWAYS_SHARE`` (20 %) longer than the median
+one (in a short run where most collectives have a straggler, the spread is no guide). Its
 **cost** is the what-if (``replay``): how much shorter the run would be with those excesses
 removed (the segment's busy / gap time, or that transfer, set to the baseline) and everything
 else as observed. An excess that others absorbed costs 0.
@@ -46,6 +49,9 @@ from overlapkit.profiling.replay import VALUES, WORK, Plan, build_plan
 
 FLOOR_US = 10.0
 NOISE_FACTOR = 6.0
+ALWAYS_SHARE = 0.2
+"""An excess of this share of the typical segment (or transfer) is named whatever the noise:
+where most collectives have a straggler (a short run), the noise estimate is no guide."""
 WORST_SHARE = 0.03
 MAX_RANK_REPLAYS = 64
 
@@ -181,15 +187,24 @@ def _index_in_step(m: Matching) -> np.ndarray:
     return out
 
 
-def _noise(values: np.ndarray, inst: np.ndarray, count: int) -> float:
+def _noise(values: np.ndarray, inst: np.ndarray, count: int, typical: float) -> float:
     """The excess a rank needs to be named: ``NOISE_FACTOR`` x the robust spread of the values'
     deviations from their collective's median (the symmetric one: the lower median, the
-    baseline of the excess, is 0 away for half the ranks, which says nothing of the noise)."""
+    baseline of the excess, is 0 away for half the ranks, which says nothing of the noise), at
+    most ``ALWAYS_SHARE`` x ``typical`` and at least ``FLOOR_US``."""
     if len(values) == 0:
         return FLOOR_US
     deviation = values - group_median(values, inst, count)[inst]
     spread = 1.4826 * float(np.median(np.abs(deviation - np.median(deviation))))
-    return max(NOISE_FACTOR * spread, FLOOR_US)
+    return max(min(NOISE_FACTOR * spread, ALWAYS_SHARE * typical), FLOOR_US)
+
+
+def _baseline(values: np.ndarray, inst: np.ndarray, count: int, named: np.ndarray) -> np.ndarray:
+    """Per collective, the lower median of its values on the ranks not ``named`` (all of its
+    values where every rank is named)."""
+    base = group_median(values[~named], inst[~named], count, lower=True)
+    everyone = group_median(values, inst, count, lower=True)
+    return np.where(np.isnan(base), everyone, base)
 
 
 def _op_excess(m: Matching, row: int, members: np.ndarray) -> str | None:
@@ -229,25 +244,36 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     transfer = values["transfer"]
     loader = m.column("loader")
     _, s, _, _ = plan.observed
-    med = {
-        name: group_median(x[ok], inst[ok], n_inst, lower=True)
-        for name, x in (
-            *values.items(),
-            ("busy", busy),
-            ("gap", gap),
-            ("loader", loader),
-            ("start", s),
-        )
-    }
     rows = np.flatnonzero(ok)
-    busy_ex = busy[rows] - med["busy"][inst[rows]]
-    gap_ex = gap[rows] - med["gap"][inst[rows]]
-    loader_ex = loader[rows] - med["loader"][inst[rows]]
-    comm_ex = transfer[rows] - med["transfer"][inst[rows]]
+    segment = float(np.median(busy[rows] + gap[rows])) if len(rows) else 0.0
+    typical = {"compute": segment, "host_gap": segment}
+    typical["comm"] = float(np.median(transfer[rows])) if len(rows) else 0.0
     tau = {
-        cause: _noise(x[rows], inst[rows], n_inst)
+        cause: _noise(x[rows], inst[rows], n_inst, typical[cause])
         for cause, x in (("compute", busy), ("host_gap", gap), ("comm", transfer))
     }
+    # Each cause's baseline: the lower median of the collective's ranks not named for it.
+    parts = {"compute": ("busy_pre", "busy_post"), "host_gap": ("gap_pre", "gap_post")}
+    parts["comm"] = ("transfer",)
+    totals = {"compute": busy, "host_gap": gap, "comm": transfer}
+    med, excess = {}, {}
+    for cause, total in totals.items():
+        named_mask = np.zeros(len(rows), bool)
+        for _ in range(4):
+            base = _baseline(total[rows], inst[rows], n_inst, named_mask)
+            now = total[rows] - base[inst[rows]] > tau[cause]
+            if (now == named_mask).all():
+                break
+            named_mask = now
+        excess[cause] = total[rows] - base[inst[rows]]
+        med[cause] = base
+        for name in parts[cause]:
+            med[name] = _baseline(values[name][rows], inst[rows], n_inst, named_mask)
+        if cause == "host_gap":
+            med["loader"] = _baseline(loader[rows], inst[rows], n_inst, named_mask)
+    med["start"] = group_median(s[rows], inst[rows], n_inst, lower=True)
+    busy_ex, gap_ex, comm_ex = excess["compute"], excess["host_gap"], excess["comm"]
+    loader_ex = loader[rows] - med["loader"][inst[rows]]
     # Where a long transfer makes the others wait: at the rank's next collective held back by
     # it (its queue successor, or the collective its compute waited on it for).
     user = np.full(len(busy), -1, np.int64)

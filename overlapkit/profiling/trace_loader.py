@@ -91,25 +91,36 @@ def _too_deep(text: str, start: int, end: int, value: Any) -> bool:
 
 
 def _shallow(run: bytes) -> bool:
-    """Whether no value in ``run`` (whole JSON values separated by commas) nests deeper than
-    ``MAX_DEPTH``, found with a few C-speed passes: the fast path skips the keys it does not
-    read, so without this a deep value there would pass where the standard library refuses it.
+    """Whether no value in ``run`` (whole JSON values separated by commas, valid JSON) nests
+    deeper than ``MAX_DEPTH``, found with a few C-speed passes: the fast path skips the keys it
+    does not read, so without this a deep value there would pass where the standard library
+    refuses it.
 
     Escapes go first (a run of backslashes keeps its parity; an escaped quote then goes), so
-    every quote left opens or closes a string; everything but quotes and brackets goes; strings
-    go (``""`` first: most hold no bracket); then each pass deletes the innermost ``[]`` and
-    ``{}``. A run of values at most ``MAX_DEPTH`` deep is empty after ``MAX_DEPTH`` passes.
+    every quote left opens or closes a string; everything but quotes and brackets goes. When
+    each quote then pairs with the next (``""``: a count tells), no string holds a bracket and
+    the quotes go; else the strings do. The running sum of +1 per opening and -1 per closing
+    bracket is the depth.
     """
     if b"\\" in run:
         run = run.replace(b"\\\\", b"").replace(b'\\"', b"")
-    run = run.translate(None, _NOT_STRUCTURE).replace(b'""', b"")
-    if b'"' in run:
-        run = _STRING.sub(b"", run)
-    for _ in range(MAX_DEPTH):
-        if not run:
-            return True
-        run = run.replace(b"[]", b"").replace(b"{}", b"")
-    return not run
+    structure = run.translate(None, _NOT_STRUCTURE)
+    if structure.count(b'"') == 2 * structure.count(b'""'):
+        brackets = structure.translate(None, b'"')
+    else:
+        brackets = _STRING.sub(b"", structure)
+    if len(brackets) <= MAX_DEPTH:
+        return True
+    # numpy only here: this module stays standard-library-only without the fast path (msgspec,
+    # and so numpy, may be missing: tests/test_trace_loader.py runs it on other Pythons).
+    import numpy as np
+
+    step = np.zeros(256, np.int8)
+    step[[ord("["), ord("{")]] = 1
+    step[[ord("]"), ord("}")]] = -1
+    return (
+        int(np.cumsum(step[np.frombuffer(brackets, np.uint8)], dtype=np.int32).max()) <= MAX_DEPTH
+    )
 
 
 def open_text(path: Path) -> TextIO:
