@@ -57,7 +57,6 @@ once per level, and how deep they may go differs between interpreters)."""
 
 # What the depth check keeps of a run of events: brackets, and quotes to tell strings apart.
 _NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b'"[]{}')))
-_STRING = re.compile(rb'"[^"]*"')
 
 
 class TraceFormatError(ValueError):
@@ -97,30 +96,38 @@ def _shallow(run: bytes) -> bool:
     refuses it.
 
     Escapes go first (a run of backslashes keeps its parity; an escaped quote then goes), so
-    every quote left opens or closes a string; everything but quotes and brackets goes. When
-    each quote then pairs with the next (``""``: a count tells), no string holds a bracket and
-    the quotes go; else the strings do. The running sum of +1 per opening and -1 per closing
-    bracket is the depth.
+    every quote left opens or closes a string; everything but quotes and brackets goes. The
+    running sum of +1 per opening and -1 per closing bracket outside strings is the depth; a
+    bracket is inside a string when an odd number of quotes comes before it. When each quote
+    pairs with the next (``""``: two counts tell), no string holds a bracket and the quotes
+    simply go.
     """
+    # numpy only here: this module stays standard-library-only without the fast path (msgspec,
+    # and so numpy, may be missing: tests/test_trace_loader.py runs it on other Pythons).
+    import numpy as np
+
     if b"\\" in run:
         run = run.replace(b"\\\\", b"").replace(b'\\"', b"")
     structure = run.translate(None, _NOT_STRUCTURE)
-    if structure.count(b'"') == 2 * structure.count(b'""'):
-        brackets = structure.translate(None, b'"')
-    else:
-        brackets = _STRING.sub(b"", structure)
-    if len(brackets) <= MAX_DEPTH:
+    plain = structure.count(b'"') == 2 * structure.count(b'""')
+    if plain:
+        structure = structure.translate(None, b'"')
+    if len(structure) <= MAX_DEPTH:
         return True
-    # numpy only here: this module stays standard-library-only without the fast path (msgspec,
-    # and so numpy, may be missing: tests/test_trace_loader.py runs it on other Pythons).
+    chars = np.frombuffer(structure, np.uint8)
+    step = _bracket_step()[chars]
+    if not plain:  # an odd count of quotes so far (uint8 wraps at 256, keeping the parity)
+        step[np.cumsum(chars == ord('"'), dtype=np.uint8) & 1 == 1] = 0
+    return int(np.cumsum(step, dtype=np.int32).max()) <= MAX_DEPTH
+
+
+def _bracket_step():
     import numpy as np
 
     step = np.zeros(256, np.int8)
     step[[ord("["), ord("{")]] = 1
     step[[ord("]"), ord("}")]] = -1
-    return (
-        int(np.cumsum(step[np.frombuffer(brackets, np.uint8)], dtype=np.int32).max()) <= MAX_DEPTH
-    )
+    return step
 
 
 def open_text(path: Path) -> TextIO:
