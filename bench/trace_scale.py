@@ -6,17 +6,21 @@ the same files; and a thousand ranks with stragglers.
    analysed (``analysis.analyze_file``, what ``overlapkit report`` runs per file) on 1, 2, ...
    spawned worker processes (``--workers``): MB/s per core is the trace's megabytes over the
    workers' own CPU time (process start and imports left out), the scaling is the wall time's
-   ratio, the peak memory is each worker's ``ru_maxrss``. Then ``overlapkit report --json``
+   ratio, the peak memory is each worker's ``ru_maxrss``; beside them, ``json.loads`` and
+   msgspec's typed decoding alone on one of the files, the machine's speed at the time (a
+   shared machine's CPU time per MB varies with its load). Then ``overlapkit report --json``
    end to end (CPU time of all its processes, peak memory of the largest), and HTA's
    ``TraceAnalysis`` + ``get_potential_stragglers`` on the same directory in its own process
    (its result or its failure, wall time, CPU time, peak memory; ``--hta-timeout``).
 2. ``--thousand``: 1,024 ranks x 400 steps of synthetic NCCL traces (``profiling.synthetic_run``,
-   about 1 MB per rank, 8 ranks per host, clocks off by up to 2 s, three injected stragglers)
+   ``lean``: about 1.5 MB per rank, 8 ranks per host, clocks off by up to 2 s, three injected
+   stragglers)
    summarised by ``overlapkit report --stragglers --json --step-rows 0 --collective-rows 0``:
    wall and CPU time, and the stragglers it names against the injected ones.
 
 The machine's load average is printed before and after: on a shared machine CPU time per MB is
-the number that transfers; wall-time scaling needs as many idle cores as workers.
+the number that transfers; wall-time scaling needs as many idle cores as workers (the benchmark
+asks for a high-priority scheduling group, ``harness.cpu_priority``, as the others do).
 
 Example::
 
@@ -39,6 +43,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from bench.harness.cpu_priority import prioritize
 from bench.harness.json_report import write_json_report
 from bench.harness.kineto_writer import write_gpu_trace
 
@@ -70,6 +75,30 @@ def _measured(path: str) -> dict:
     }
 
 
+def _baselines(path: str) -> dict:
+    """On one file, in a fresh worker: MB/s per core of ``json.loads`` of the whole file and of
+    msgspec decoding its events typed (what the fast path does, alone), best of three, CPU
+    time: the machine's speed at the time, to read the analysis's number against."""
+    from overlapkit.profiling.trace_events import batch_decoder
+
+    data = Path(path).read_bytes()
+    start = data.index(b"[", data.index(b'"traceEvents"'))
+    events = data[start : data.rindex(b"]") + 1]
+    decode = batch_decoder()
+    out = {}
+    for name, fn in (
+        ("json_loads", lambda: json.loads(data)),
+        ("msgspec_typed", lambda: decode(events)),
+    ):
+        best = float("inf")
+        for _ in range(3):
+            cpu = time.process_time()
+            fn()
+            best = min(best, time.process_time() - cpu)
+        out[name] = round(len(data) / 1e6 / best, 1)
+    return out
+
+
 def measure_workers(files: list[Path], workers: int) -> dict:
     """Every file analysed on ``workers`` spawned processes."""
     start = time.perf_counter()
@@ -94,22 +123,41 @@ def measure_workers(files: list[Path], workers: int) -> dict:
     }
 
 
+# Runs a command and reports the CPU time and the largest peak memory of it and its children
+# on the last line of stderr: RUSAGE_CHILDREN of this process would mix every command's.
+_MEASURE = textwrap.dedent(
+    """
+    import json, resource, subprocess, sys
+    done = subprocess.run(sys.argv[1:])
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(json.dumps({"rc": done.returncode, "cpu_s": use.ru_utime + use.ru_stime,
+                      "peak_rss_mb": use.ru_maxrss / 1024}), file=sys.stderr)
+    """
+)
+
+
 def _child(cmd: list[str], timeout: float) -> dict:
-    """Run ``cmd``; its wall time, the CPU time and peak memory of it and its children."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """Run ``cmd``; its wall time, the CPU time of it and its children, and the largest peak
+    memory among them."""
     start = time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        status, out, err = done.returncode, done.stdout, done.stderr
+        done = subprocess.run(
+            [sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True, timeout=timeout
+        )
+        out, err = done.stdout, done.stderr
+        *rest, last = err.rstrip().splitlines() or [""]
+        measured = json.loads(last)
+        status, err = measured["rc"], "\n".join(rest)
     except subprocess.TimeoutExpired as expired:
-        status, out, err = "timeout", expired.stdout or "", f"no result within {timeout:.0f} s"
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        out = expired.stdout or ""
+        status, err, measured = "timeout", f"no result within {timeout:.0f} s", {}
+    except (json.JSONDecodeError, KeyError):
+        status, measured = "no measurement", {}
     return {
         "status": status,
         "wall_s": round(time.perf_counter() - start, 2),
-        "cpu_s": round(cpu, 2),
-        "peak_rss_mb": round(after.ru_maxrss / 1024, 1),
+        "cpu_s": round(measured.get("cpu_s", float("nan")), 2),
+        "peak_rss_mb": round(measured.get("peak_rss_mb", float("nan")), 1),
         "stdout": out if isinstance(out, str) else out.decode(errors="replace"),
         "stderr": err if isinstance(err, str) else err.decode(errors="replace"),
     }
@@ -164,6 +212,14 @@ def files_part(args: argparse.Namespace) -> dict:
         print(
             f"wrote {args.ranks} x {shapes[0]['mb']:.1f} MB ({shapes[0]['kernels']} kernels, "
             f"{shapes[0]['steps']} steps each) in {out['files']['write_s']} s",
+            flush=True,
+        )
+        with ProcessPoolExecutor(max_workers=1, mp_context=_SPAWN) as pool:
+            out["baselines_mb_per_s"] = pool.submit(_baselines, str(files[0])).result()
+        print(
+            f"  same file, one core, best of 3: json.loads "
+            f"{out['baselines_mb_per_s']['json_loads']} MB/s, msgspec typed decode alone "
+            f"{out['baselines_mb_per_s']['msgspec_typed']} MB/s",
             flush=True,
         )
         out["workers"] = []
@@ -320,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    print(f"[cpu priority] {prioritize()}", flush=True)
     print(f"trace_scale on {os.cpu_count()} cores, load average {_load()}", flush=True)
     results: dict = {"cores": os.cpu_count()}
     if not args.skip_files:

@@ -156,6 +156,8 @@ class TraceBuilder:
         seq: int | None = None,
         group: str = "0",
         group_ranks: list[int] | None = None,
+        flows: bool = True,
+        ranks_in_metadata: bool = True,
     ) -> None:
         """A GPU kernel; with ``launch_at``, also its launch call and flow arrow.
 
@@ -170,6 +172,10 @@ class TraceBuilder:
             group (str): its ``Process Group Name``. Defaults to ``"0"``.
             group_ranks (list[int] | None): its ``Process Group Ranks`` (written as a string,
                 as Kineto does); None: ranks 0 .. world_size - 1.
+            flows (bool): also write the ``ac2g`` flow arrow of the launch (the analysis reads
+                ``correlation``, not flows). Defaults to True.
+            ranks_in_metadata (bool): write ``Process Group Ranks`` (5 KB for 1,024 ranks, on
+                every collective; the groups are in ``pg_config`` too). Defaults to True.
         """
         self._streams.add(stream)
         correlation = self._id()
@@ -182,10 +188,10 @@ class TraceBuilder:
                 "Group size": self.world_size,
                 "Process Group Name": group,
                 "Process Group Description": "default_pg" if group == "0" else f"pg{group}",
-                "Process Group Ranks": str(
-                    list(range(self.world_size)) if group_ranks is None else group_ranks
-                ),
             }
+            if ranks_in_metadata:
+                ranks = list(range(self.world_size)) if group_ranks is None else group_ranks
+                meta["Process Group Ranks"] = str(ranks)
             if seq is not None:
                 meta["Seq"] = seq
             if nelems is not None:
@@ -244,11 +250,14 @@ class TraceBuilder:
                 tid=tid,
                 args={"cbid": 211, "correlation": correlation},
             )
-            flow = {"id": correlation, "cat": "ac2g", "name": "ac2g"}
-            self.events.append({"ph": "s", "pid": self.pid, "tid": tid, "ts": launch_at, **flow})
-            self.events.append(
-                {"ph": "f", "bp": "e", "pid": GPU_PID, "tid": stream, "ts": start, **flow}
-            )
+            if flows:
+                flow = {"id": correlation, "cat": "ac2g", "name": "ac2g"}
+                self.events.append(
+                    {"ph": "s", "pid": self.pid, "tid": tid, "ts": launch_at, **flow}
+                )
+                self.events.append(
+                    {"ph": "f", "bp": "e", "pid": GPU_PID, "tid": stream, "ts": start, **flow}
+                )
 
     def metadata(self) -> list[dict[str, Any]]:
         """Process and thread name events, as Kineto writes them."""

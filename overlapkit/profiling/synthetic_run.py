@@ -78,6 +78,10 @@ class RunSpec:
     nelems: int = 1 << 20
     ranks_per_host: int = 1
     """Ranks sharing a host, and so a clock (its ``host_name`` and offset)."""
+    lean: bool = False
+    """Write only what the analysis reads (no flow arrows, no GPU mirrors of CPU ranges, no
+    ``Process Group Ranks`` on every collective: ``pg_config`` has them): for thousands of
+    ranks."""
     seed: int = 0
     injections: tuple[Injection, ...] = ()
 
@@ -234,7 +238,11 @@ def _rank_trace(spec: RunSpec, t: Timeline, rank: int, origin: float) -> TraceBu
                 name = OP_NAMES[(p * spec.ops_per_segment + j) % len(OP_NAMES)]
                 if gpu:
                     builder.kernel(
-                        f"void {name.split('::')[1]}_kernel<float>(float*)", s, e, launch_at=s - 4.0
+                        f"void {name.split('::')[1]}_kernel<float>(float*)",
+                        s,
+                        e,
+                        launch_at=s - 4.0,
+                        flows=not spec.lean,
                     )
                 else:
                     builder.cpu_op(name, s, e)
@@ -250,6 +258,9 @@ def _rank_trace(spec: RunSpec, t: Timeline, rank: int, origin: float) -> TraceBu
                     collective="allreduce",
                     nelems=spec.nelems,
                     seq=seq,
+                    flows=not spec.lean,
+                    mirror=not spec.lean,
+                    ranks_in_metadata=not spec.lean,
                 )
             else:
                 dims = [[[spec.nelems]], [], [], [], [], []]
@@ -266,7 +277,13 @@ def _rank_trace(spec: RunSpec, t: Timeline, rank: int, origin: float) -> TraceBu
             seq += 1
         s, e = origin + t.optimizer[k, rank]
         if gpu:
-            builder.kernel("void multi_tensor_apply_kernel<adam>(float*)", s, e, launch_at=s - 4.0)
+            builder.kernel(
+                "void multi_tensor_apply_kernel<adam>(float*)",
+                s,
+                e,
+                launch_at=s - 4.0,
+                flows=not spec.lean,
+            )
         else:
             builder.cpu_op("aten::_fused_adamw_", s, e)
     return builder
