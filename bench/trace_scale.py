@@ -13,7 +13,7 @@ the same files; and a thousand ranks with stragglers.
    ``TraceAnalysis`` + ``get_potential_stragglers`` on the same directory in its own process
    (its result or its failure, wall time, CPU time, peak memory; ``--hta-timeout``).
 2. ``--thousand``: 1,024 ranks x 400 steps of synthetic NCCL traces (``profiling.synthetic_run``,
-   ``lean``: about 1.5 MB per rank, 8 ranks per host, clocks off by up to 2 s, three injected
+   ``lean``: about 1 MB per rank, 8 ranks per host, clocks off by up to 2 s, three injected
    stragglers)
    summarised by ``overlapkit report --stragglers --json --step-rows 0 --collective-rows 0``:
    wall and CPU time, and the stragglers it names against the injected ones.
@@ -293,9 +293,10 @@ def thousand_part(args: argparse.Namespace) -> dict:
         ranks=1024,
         steps=400,
         collectives_per_step=1,
-        ops_per_segment=2,
+        ops_per_segment=1,
         ranks_per_host=8,
         clock_offset_s=2.0,
+        lean=True,
         injections=injections,
     )
     out: dict = {"load_before": _load()}

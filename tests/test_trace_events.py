@@ -16,7 +16,7 @@ from overlapkit.profiling import trace_loader
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.rank_trace import load_rank_trace
 from overlapkit.profiling.synthetic import TraceBuilder
-from overlapkit.profiling.trace_events import KEPT_CATEGORIES, event_from_dict
+from overlapkit.profiling.trace_events import KEPT_CATEGORIES, TraceEvent, event_from_dict
 from overlapkit.profiling.trace_loader import (
     MAX_DEPTH,
     TraceFormatError,
@@ -82,7 +82,7 @@ def _both_paths(path):
     keep = [
         e
         for e in fast
-        if e.ph == "X" and e.ts is not None and str(e.cat).lower() in KEPT_CATEGORIES
+        if type(e) is TraceEvent and e.ts is not None and str(e.cat).lower() in KEPT_CATEGORIES
     ]
     return keep, [e for e in slow if e is not None]
 

@@ -26,6 +26,7 @@ from overlapkit.profiling.trace_events import (
     MAX_COUNT,
     NO_ARGS,
     EventError,
+    TraceEvent,
     check_count,
     raw_value,
     shown,
@@ -288,7 +289,8 @@ class EventCollector:
 
     def __call__(self, batch: list) -> None:
         self.batch = batch
-        items = [e for e in batch if e.ph == "X" and e.ts is not None]
+        event = TraceEvent  # complete events; the other phases are other (empty) types
+        items = [e for e in batch if type(e) is event and e.ts is not None]
         if not items:
             return
         category = self._category_codes(items)
@@ -298,7 +300,6 @@ class EventCollector:
             if not items:
                 return
         start, end = self._times(items)
-        names = self._name_codes(items)
         threads = self._thread_codes(items)
         for code, handle in (
             (1, self._kernels),
@@ -309,7 +310,9 @@ class EventCollector:
             where = np.flatnonzero(category == code)
             if len(where):
                 chosen = items if len(where) == len(items) else [items[i] for i in where.tolist()]
-                handle(chosen, start[where], end[where], names[where], threads[where], code == 3)
+                # A launch's name (cudaLaunchKernel) is not needed: one pass fewer over them.
+                names = None if code == 2 else self._name_codes(chosen)
+                handle(chosen, start[where], end[where], names, threads[where], code == 3)
 
     def _times(self, items: list) -> tuple[np.ndarray, np.ndarray]:
         start = np.array([e.ts for e in items], float)

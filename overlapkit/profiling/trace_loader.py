@@ -96,8 +96,7 @@ def _shallow(run: bytes) -> bool:
     refuses it.
 
     Escapes go first (a run of backslashes keeps its parity; an escaped quote then goes), so
-    every quote left opens or closes a string; strings that start with a bracket are blanked
-    (``_blank_bracket_strings``); everything but quotes and brackets goes. The
+    every quote left opens or closes a string; everything but quotes and brackets goes. The
     running sum of +1 per opening and -1 per closing bracket outside strings is the depth; a
     bracket is inside a string when an odd number of quotes comes before it. When each quote
     pairs with the next (``""``: two counts tell), no string holds a bracket and the quotes
@@ -109,7 +108,6 @@ def _shallow(run: bytes) -> bool:
 
     if b"\\" in run:
         run = run.replace(b"\\\\", b"").replace(b'\\"', b"")
-    run = _blank_bracket_strings(run)
     structure = run.translate(None, _NOT_STRUCTURE)
     plain = structure.count(b'"') == 2 * structure.count(b'""')
     if plain:
@@ -118,30 +116,9 @@ def _shallow(run: bytes) -> bool:
         return True
     chars = np.frombuffer(structure, np.uint8)
     step = _bracket_step()[chars]
-    if not plain:  # an odd count of quotes so far (uint8 wraps at 256, keeping the parity)
-        step[np.cumsum(chars == ord('"'), dtype=np.uint8) & 1 == 1] = 0
+    if not plain:  # outside strings only: an even count of quotes so far (uint8 keeps parity)
+        step *= 1 - (np.cumsum(chars == ord('"'), dtype=np.uint8) & 1).view(np.int8)
     return int(np.cumsum(step, dtype=np.int32).max()) <= MAX_DEPTH
-
-
-def _blank_bracket_strings(run: bytes) -> bytes:
-    """``run`` with every string that starts with a bracket made ``""`` (NCCL's ``"Process
-    Group Ranks": "[0, 1]"``, ``"In split size": "[]"``). In valid JSON without escaped quotes
-    ``"[`` and ``"{`` can only open a string (a closing quote is followed by ``:``, ``,``, a
-    closing bracket or space), and the next quote closes it."""
-    parts, pos = [], 0
-    for opener in (b'"[', b'"{'):
-        if opener not in run:
-            continue
-        while True:
-            start = run.find(opener, pos)
-            end = run.find(b'"', start + 1) if start >= 0 else -1
-            if end < 0:
-                break
-            parts += (run[pos:start], b'""')
-            pos = end + 1
-        parts.append(run[pos:])
-        run, parts, pos = b"".join(parts), [], 0
-    return run
 
 
 def _bracket_step():
