@@ -25,9 +25,23 @@ $(BASE_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
-# `make test` adds the test tools, the docs tools, HTA and the frameworks of overlapkit.integrations.
+# torchtitan (pyproject's torchtitan extra) for the hand-off's acceptance test, without its
+# dependencies: torch_checkpointing wants torch >= 2.11 (pip would swap an older torch for a CUDA
+# build) and its install pulls triton. Only what its config, mesh and model-registry code
+# imports: the no-torch-needed ones with their dependencies, the rest with --no-deps. ~200 MB
+# (pyarrow, for `datasets`, is 176 of them). Python >= 3.11 only: elsewhere the test skips.
+TORCHTITAN := torchtitan==0.3.0
+TORCHTITAN_NO_DEPS := spmd_types==0.2.3 torchdata==0.11.0
+TORCHTITAN_DEPS := tyro==1.0.17 "datasets>=3.6.0,<4.8.0"
+
+# `make test` adds the test tools, the docs tools, HTA, the frameworks of overlapkit.integrations
+# and torchtitan.
 $(STAMP): $(BASE_STAMP)
 	$(PY) -m pip install --quiet -e ".[dev,docs,hta,integrations]"
+	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
+	  $(PY) -m pip install --quiet --no-deps "$(TORCHTITAN)" $(TORCHTITAN_NO_DEPS) && \
+	  $(PY) -m pip install --quiet $(TORCHTITAN_DEPS); \
+	else echo "torchtitan needs Python >= 3.11: tests/test_torchtitan_handoff.py skips its acceptance"; fi
 	touch $@ $(DOCS_STAMP)
 
 # `make docs` needs MkDocs and its theme only.
@@ -83,6 +97,7 @@ bench: $(STAMP)
 	$(PY) -m bench.autotune --json bench/results/autotune.json
 	$(PY) -m bench.scaling --json bench/results/scaling.json
 	$(PY) -m bench.compress_hooks --json bench/results/compress_hooks.json
+	$(PY) -m bench.integrations_overlap --json bench/results/integrations_overlap.json
 	$(PY) -m bench.fsdp_compile --json bench/results/fsdp_compile.json
 	# Exits 1 when the planner orders a pair beyond the noise the other way (docs/auto-planner.md).
 	$(PY) -m bench.planner_ranking --rounds 9 --json bench/results/planner_ranking.json

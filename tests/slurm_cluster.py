@@ -18,7 +18,10 @@ default), which is also how long Slurm holds a requeued job back.
 Everything is removed on exit, also after a failure: jobs, daemons (by their process ids),
 every process left in the namespaces, the namespaces, ``/etc/netns/<namespace>`` and the
 temporary directory. Slurm's ports are inside the namespaces, so none is bound on the machine
-itself; ``__exit__`` checks that no process is left in them.
+itself; ``__exit__`` checks that no process is left in them. A run killed outright (SIGKILL)
+cannot clean up: the next cluster first removes the namespaces named after a process that is
+gone, with the daemons still running in them (``remove_stale_namespaces``; the sweep is
+``bench.harness.netns``'s, shared with the benchmarks' ``TwoNodes``).
 """
 
 from __future__ import annotations
@@ -34,9 +37,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.harness import netns
+
 PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 _BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "ip", "nsenter", "unshare")
 _SUBNET = "10.232.0"
+NAMESPACES = re.compile(r"ovkslurm(?P<pid>\d+)n\d+")
+"""The cluster's namespace names, ``ovkslurm<pid of the process that made them><node>``."""
 _FINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
     "DEADLINE", "PREEMPTED",
@@ -56,6 +63,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def remove_stale_namespaces() -> list[str]:
+    """Remove the namespaces (and what runs in them) of clusters whose process was killed."""
+    return netns.remove_stale_namespaces(NAMESPACES)
+
+
 def _run(command: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
         list(command), check=True, capture_output=True, text=True, timeout=60, **kwargs
@@ -72,6 +84,7 @@ class SlurmCluster:
         suffix = os.getpid()
         self.names = ["n1", "n2"]
         self.namespaces = [f"ovkslurm{suffix}{name}" for name in self.names]
+        assert all(NAMESPACES.fullmatch(namespace) for namespace in self.namespaces)
         self.addresses = [f"{_SUBNET}.{i + 1}" for i in range(len(self.names))]
         self.root = Path(tempfile.mkdtemp(prefix="ovk-slurm-"))
         self.conf = self.root / "slurm.conf"
@@ -89,6 +102,7 @@ class SlurmCluster:
         self._previous_handlers = {
             signum: signal.signal(signum, leave) for signum in (signal.SIGTERM, signal.SIGHUP)
         }
+        remove_stale_namespaces()
         try:
             self._start()
         except BaseException:
@@ -308,13 +322,11 @@ MinJobAge=3600
         leftovers = []
         for namespace in self._created:
             # Job processes that outlived their slurmd (slurmstepd, tasks) are ours: kill them.
-            pids = subprocess.run(
-                ["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False
-            ).stdout.split()
+            pids = netns.processes_in(namespace)
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            leftovers += pids
+                    os.kill(pid, signal.SIGKILL)
+            leftovers += [str(pid) for pid in pids]
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
         self._created.clear()
         shutil.rmtree(self.root, ignore_errors=True)
@@ -327,7 +339,7 @@ MinJobAge=3600
         """What ``__exit__`` found still running or existing: must be empty."""
         found = [f"process {pid} in a namespace" for pid in self.leftover_pids]
         found += [f"daemon {d.args} pid {d.pid}" for d in self._daemons if d.poll() is None]
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        listed = netns.namespaces()
         found += [f"namespace {ns}" for ns in self.namespaces if ns in listed]
         if self.root.exists():
             found.append(str(self.root))

@@ -11,9 +11,11 @@ from hydra.utils import instantiate
 
 import overlapkit as ok
 from overlapkit.autoplan.auto import auto_plan
-from overlapkit.autoplan.auto_cli import place_inside, render_auto, run_instructions
+from overlapkit.autoplan.auto_cli import render_auto, run_instructions
 from overlapkit.autoplan.compute import measured_accelerator
-from overlapkit.autoplan.run_config import train_lacks, train_overrides
+from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
+from overlapkit.autoplan.layout_warnings import place_inside
+from overlapkit.autoplan.run_config import train_overrides
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.cli import main
 from overlapkit.planner.placement import plan as place
@@ -30,7 +32,9 @@ CANDIDATE_KEYS = {
     "num_micro_batches",
     "virtual_stages",
     "recompute",
+    "recompute_layers",
     "sharding",
+    "dp_shard",
     "step_time_s",
     "tokens_per_s_per_gpu",
     "model_tflops_per_gpu",
@@ -82,7 +86,8 @@ def test_fixed_layout_that_does_not_fit_is_listed_with_its_breakdown(capsys):
 
 
 def test_fixed_layout_where_nothing_fits_names_the_best_that_fits(capsys):
-    argv = ["plan", "--auto", "--topology", "dgx-h100x2", "--model", "llama3-70b", "--tp", "16"]
+    model = "gpt:layers=88,hidden=8192,heads=64"  # 71B; tp 16 splits its 64 key/value heads
+    argv = ["plan", "--auto", "--topology", "dgx-h100x2", "--model", model, "--tp", "16"]
     assert main([*argv, "--global-batch", "64", "--seq-len", "4096"]) == 0
     out = capsys.readouterr().out
     assert "why #1: nothing listed fits in 80 GB; #1 comes closest" in out
@@ -92,11 +97,14 @@ def test_fixed_layout_where_nothing_fits_names_the_best_that_fits(capsys):
 
 def test_the_printed_device_mesh_call_keeps_the_fixed_sizes(capsys):
     argv = [*AUTO, "--global-batch", "64", "--seq-len", "4096", "--tp", "2", "--pp", "2"]
-    call = _json(capsys, argv)["run"]["device_mesh"]
-    assert ", tp=2, pp=2, auto=True)" in call
+    doc = _json(capsys, argv)
+    call = doc["run"]["device_mesh"]
+    assert ", tp=2, pp=2, " in call
     # It is runnable as printed: the same layout comes back.
     placement = eval(call.removesuffix(".device_mesh()"), {"ok": ok})
-    assert (placement.training.tp, placement.training.pp) == (2, 2)
+    best = doc["candidates"][0]
+    assert placement.training.dims == best["dims"]
+    assert placement.training.virtual_stages == best["virtual_stages"]
 
 
 def test_manual_tp_across_nodes_warns_with_its_cost(capsys):
@@ -122,7 +130,8 @@ def test_tp_inside_a_domain_is_compared_at_the_same_sequences_per_step():
 
 
 def test_manual_plan_with_a_model_is_compared_with_the_best(capsys):
-    argv = ["plan", "--topology", "dgx-h100x2", "--tp", "16", "--model", "llama3-8b"]
+    model = "gpt:layers=32,hidden=4096,heads=32"  # GPT-3 6.7B: 32 key/value heads for tp 16
+    argv = ["plan", "--topology", "dgx-h100x2", "--tp", "16", "--model", model]
     doc = _json(capsys, [*argv, "--global-batch", "64", "--seq-len", "8192"])
     assert any("slower than the best layout" in w for w in doc["warnings"])
 
@@ -181,7 +190,7 @@ def test_overrides_for_a_layout_overlapkit_train_runs_compose_and_pass_its_check
     fixed = {"tp": 2, "sharding": "ddp"}
     answer = auto_plan(_cpu_topology(), tiny_spec(), global_batch=8, seq_len=64, fixed=fixed)
     best = answer.best.layout
-    assert train_lacks(best) == []
+    assert OVERLAPKIT_TRAIN.refusal(best) is None
     overrides = train_overrides(
         best, topology="cpu-gloox2", nodes=1, ranks_per_node=4, model="gpt_tiny"
     )
@@ -214,8 +223,8 @@ def test_layouts_overlapkit_train_lacks_say_what():
         load_topology("dgx-h100x4"), "llama3-70b", global_batch=64, seq_len=8192, fixed={"pp": 2}
     )
     layout = answer.best.layout
-    assert "pipeline parallelism (pp=2)" in train_lacks(layout)
-    with pytest.raises(ValueError, match=r"lacks .*pipeline parallelism \(pp=2\)"):
+    assert "pipeline parallelism (pp=2)" in OVERLAPKIT_TRAIN.lacks(layout)
+    with pytest.raises(ValueError, match=r"does not run .*pipeline parallelism \(pp=2\)"):
         train_overrides(layout, topology="dgx-h100x4", nodes=4, ranks_per_node=8, model=None)
 
 

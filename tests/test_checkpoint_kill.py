@@ -33,20 +33,22 @@ from overlapkit.train.checkpoint import (
     step_dir,
 )
 from overlapkit.train.data import BatchStream, SyntheticRegression
+from overlapkit.train.resume import NoUsableCheckpoint, resume_from_newest_usable
 from overlapkit.train.schedule import warmup_cosine
 
 WIDTH = 1024  # 4 layers of 1024 x 1024: 16 MB of parameters, 48 MB per checkpoint with AdamW
+SMALL_WIDTH = 64  # where the size of a checkpoint does not matter
 
 
-def _training_state() -> TrainingState:
+def _training_state(width: int = WIDTH) -> TrainingState:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(4)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():  # one step, so that the optimizer has moments to save
         p.grad = torch.ones_like(p)
     optimizer.step()
     scheduler = warmup_cosine(optimizer, total_steps=1000, warmup_steps=0)
-    stream = BatchStream(SyntheticRegression(width=WIDTH), rank=0, batch_size=1)
+    stream = BatchStream(SyntheticRegression(width=width), rank=0, batch_size=1)
     return TrainingState(model, optimizer, scheduler, stream, rank=0)
 
 
@@ -121,8 +123,8 @@ def _run_victim(root: Path, mode: str, kill_after_s=None) -> list[str]:
     return lines
 
 
-def _load(path: Path) -> tuple[int, TrainingState]:
-    state = _training_state()
+def _load(path: Path, width: int = WIDTH) -> tuple[int, TrainingState]:
+    state = _training_state(width)
     for p in state.model.parameters():
         p.detach().zero_()
     return state.load(path), state
@@ -227,6 +229,54 @@ def test_truncated_checkpoint_metadata_is_a_clear_error(tmp_path):
     (path / ".metadata").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"\.metadata: not a readable DCP checkpoint metadata"):
         _load(path)
+
+
+def test_resume_passes_over_refused_checkpoints_to_the_newest_usable_one(tmp_path, caplog):
+    marker = tmp_path / "ran"
+    state = _training_state(SMALL_WIDTH)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in state.model.parameters():
+                p.fill_(step)
+        state.stream.position = step
+        dcp.save(state.state_dict(step), checkpoint_id=step_dir(tmp_path, step))
+    (step_dir(tmp_path, 3) / ".metadata").write_bytes(pickle.dumps(_WritesAFile(marker)))
+    _, fresh = _load(step_dir(tmp_path, 1), SMALL_WIDTH)
+    assert resume_from_newest_usable(fresh, committed_checkpoints(tmp_path)) == (
+        2,
+        step_dir(tmp_path, 2),
+    )
+    assert all(torch.equal(p, torch.full_like(p, 2)) for p in fresh.model.parameters())
+    assert fresh.stream.position == 2 and not marker.exists()
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.endswith("resume")]
+    assert logged[0][0] == "ERROR" and logged[0][1].startswith(
+        f"checkpoint refused: {step_dir(tmp_path, 3)}/.metadata: not a readable DCP checkpoint"
+    ), logged
+    assert logged[1] == (
+        "WARNING",
+        f"resuming from {step_dir(tmp_path, 2)}, the newest checkpoint every rank can use, "
+        f"instead of the newer {step_dir(tmp_path, 3)} (refused, see above)",
+    )
+    for step in (1, 2):
+        (shard,) = step_dir(tmp_path, step).glob("*.distcp")
+        shard.write_bytes(shard.read_bytes()[:1000])  # a pickle that ends early: EOFError()
+    with pytest.raises(NoUsableCheckpoint) as refusal:
+        resume_from_newest_usable(fresh, committed_checkpoints(tmp_path))
+    assert str(refusal.value) == (
+        f"no usable checkpoint to resume from in {tmp_path}: {step_dir(tmp_path, 3)}/.metadata: "
+        "not a readable DCP checkpoint metadata file: checkpoint metadata refers to io.open, "
+        "which DCP metadata never holds; refusing to unpickle it (it could run code); "
+        f"{step_dir(tmp_path, 2)}: EOFError while reading it; "
+        f"{step_dir(tmp_path, 1)}: EOFError while reading it. "
+        "Move them away (or repair them), or start another run (name=...)"
+    )
+
+
+def test_no_checkpoint_is_a_fresh_start_not_a_refusal(tmp_path):
+    assert (
+        resume_from_newest_usable(_training_state(SMALL_WIDTH), committed_checkpoints(tmp_path))
+        is None
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, open_dict, read_write
 from omegaconf.errors import InterpolationKeyError
 
 import overlapkit as ok
+from overlapkit.conf.run_name import path_safe_name
 from overlapkit.profiling import Profile
 from overlapkit.topology import detect_topology, load_topology
 from overlapkit.train.cli import check_fresh_start, check_job, check_missing, node_rank_from_argv
@@ -80,6 +81,8 @@ def test_every_option_composes_and_builds(group, option, monkeypatch):
         overrides += ["model=mlp"]  # the data for a model of float features
     if group == "parallel" and option == "bucketer_overlap":
         overrides += ["train.clip_grad_norm=null"]  # refused with per-bucket updates
+    if group == "parallel" and option == "pp_dp":
+        overrides += ["train.grad_accum=2"]  # 1F1B keeps pp micro-batches in flight
     cfg = _compose(*overrides)
     launcher = instantiate(cfg.launcher)
     assert isinstance(launcher, LauncherConfig)
@@ -100,8 +103,12 @@ def test_parallel_options_call_the_public_api_with_planned_sizes():
         "fsdp_prefetch2": (ok.fsdp, fsdp | {"prefetch": 2}, {}),
         "fsdp_overlap": (ok.fsdp, fsdp | {"optimizer_step": "by_block"}, {}),
         "hsdp": (ok.fsdp, fsdp, {"dp_shard": 2}),
+        "zero1": (ok.fsdp, fsdp | {"reshard_after_forward": None, "zero": 1}, {}),
+        "zero2": (ok.fsdp, fsdp | {"reshard_after_forward": None, "zero": 2}, {}),
+        "cp_dp": (ok.ddp, {"bucket_mb": None, "compress": None}, {"cp": 2}),
         "tp_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"tp": 2}),
         "ep_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"ep": 2}),
+        "pp_dp": (ok.ddp, {"bucket_mb": None, "compress": None}, {"pp": 2}),
     }
     assert {option for group, option in OPTIONS if group == "parallel"} == set(expected)
     for option, (target, keywords, sizes) in expected.items():
@@ -131,6 +138,43 @@ def test_defaults_are_gpt_tiny_ddp_synthetic_unprofiled():
     assert cfg.get("profiler") is None
     assert isinstance(instantiate(cfg.data), SyntheticTokens)
     assert cfg.data.seq_len == cfg.model.config.block_size
+
+
+def _run_dir(*overrides: str) -> str:
+    with initialize_config_module("overlapkit.conf", version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    return cfg.hydra.run.dir
+
+
+@pytest.mark.parametrize(
+    "name, directory",
+    [
+        ("team/exp1", "team%2Fexp1"),  # before: runs/team/exp1, inside run "team"'s directory
+        ("/etc", "%2Fetc"),
+        ("..", "%2E."),  # before: runs/.., outside runs/
+        (".hidden", "%2Ehidden"),
+        ("a%2Fb", "a%252Fb"),  # not the directory of "a/b"
+        ("back\\slash\nnew line\x7f", "back%5Cslash%0Anew line%7F"),
+        ("two=(a,b)", "two=(a,b)"),
+        ("ünïcode", "ünïcode"),
+    ],
+)
+def test_a_run_name_is_one_directory_under_runs(name, directory):
+    assert path_safe_name(name) == directory
+    if "\n" not in name:  # what Hydra's override grammar can spell
+        assert _run_dir(f"name='{name}'") == f"runs/{directory}"
+
+
+def test_the_default_run_directory_is_model_and_parallel():
+    assert _run_dir() == "runs/gpt_tiny-ddp"
+
+
+def test_a_run_name_that_no_directory_can_hold_is_refused_naming_it():
+    with pytest.raises(ValueError, match="name must not be empty"):
+        _run_dir("name=''")
+    with pytest.raises(ValueError, match=r"name='x+'\.\.\. is 300 bytes as a directory name"):
+        _run_dir(f"name={'x' * 300}")
 
 
 def test_choosing_mlp_also_chooses_regression_data_unless_data_is_given():
@@ -163,6 +207,8 @@ def test_demo_recipe_builds_with_every_parallel_option(option):
     overrides = ["recipe=demo", f"parallel={option}"]
     if option == "bucketer_overlap":
         overrides += ["train.clip_grad_norm=null"]
+    if option == "pp_dp":
+        overrides += ["train.grad_accum=2"]
     cfg = _compose(*overrides)
     check_job(cfg, instantiate(cfg.launcher))
     _, factory_cfg = split_parallel(cfg.parallel)
@@ -240,6 +286,32 @@ def test_override_typo_fails_with_hydras_message():
             r"parallel.plan.tp=2 needs parallel._target_ overlapkit.GradBucketer",
         ),
         (["parallel=tp_dp", "~topology"], ValueError, r"parallel.plan needs a topology"),
+        (
+            ["parallel=cp_dp", "parallel.plan.cp=2", "data.seq_len=30"],
+            ValueError,
+            r"parallel.plan.cp=2: the load-balanced split .* must divide data.seq_len \(30\)",
+        ),
+        (
+            ["parallel=cp_dp", "model=mlp"],
+            ValueError,
+            r"parallel.plan.cp=2 splits the sequences of a transformer",
+        ),
+        (["train.recompute=some"], ValueError, r"train.recompute must be one of \['none'"),
+        (
+            ["train.recompute=full", "train.recompute_layers=5"],
+            ValueError,
+            r"train.recompute_layers \(5\) exceeds the 4 blocks of a stage",
+        ),
+        (
+            ["model=mlp", "train.recompute=selective"],
+            ValueError,
+            r"train.recompute=selective recomputes the attention core",
+        ),
+        (
+            ["parallel=zero1", "parallel.reshard_after_forward=true"],
+            ValueError,
+            r"zero=1 keeps the parameters gathered",
+        ),
         (
             # 2 nodes of 2 ranks: this axis order puts each tp pair on both nodes.
             [

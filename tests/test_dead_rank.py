@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 import overlapkit as ok
+from overlapkit.fsdp.failed_step import FailedStep
 from overlapkit.group.failures import CheckIn, check_in, describe_failure, grace_s
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
@@ -186,41 +188,74 @@ def _ddp_run(rank, world_size, mode):
     return _train_until_failure(rank, default.step, default.mlp, mode, world_size, after_failure)
 
 
-def _fsdp_step(model):
-    def step(batch):
-        x, y = batch
-        model.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
+class _FSDPRun:
+    """``ok.fsdp`` + SGD with momentum; steps as a user's loop would; rank 1 faults."""
 
-    return step
+    def __init__(self, rank, world_size, **fsdp_kwargs):
+        self.rank, self.world_size = rank, world_size
+        self.model = ok.fsdp(make_mlp(), blocks=nn.Linear, **fsdp_kwargs)
+        self.params = list(self.model.parameters())  # the sharded ones, as the optimizer holds
+        self.opt = torch.optim.SGD(self.params, lr=0.1, momentum=0.9)
+        self.before = self._shards()
+
+    def _shards(self):
+        """This rank's shards of the parameters and of the momentum buffers."""
+        momentum = [self.opt.state[p]["momentum_buffer"] for p in self.params if self.opt.state[p]]
+        return [t.to_local().detach().clone() for t in self.params + momentum]
+
+    def _unchanged(self):
+        now = self._shards()
+        return len(now) == len(self.before) and all(map(torch.equal, now, self.before))
+
+    def step(self, batch):
+        x, y = batch
+        self.before = self._shards()
+        self.opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(self.model(x), y).backward()
+        self.opt.step()
+
+    def after_failure(self):
+        """What a retry loop may do after catching the error: ``optimizer.step()``, which must
+        apply nothing, then the next step, which must fail again, and ``optimizer.step()``."""
+        report = {"grads_left": [i for i, p in enumerate(self.params) if p.grad is not None]}
+        self.opt.step()
+        report["unchanged"] = self._unchanged()
+        report["params"] = [p.to_local().detach().clone() for p in self.params]
+        os.environ["OVERLAPKIT_CHECKIN_GRACE_S"] = "0.5"  # each retry's check-in waits too
+        try:
+            self.step(_shard_of(self.rank % 2, 2))
+            report["retry"] = None  # the step "succeeded" with a rank dead
+        except Exception as error:
+            report["retry"] = f"{type(error).__name__}: {error}"
+        self.opt.step()
+        report["unchanged_after_retry"] = self._unchanged()
+        return report
+
+    def run(self, mode):
+        return _train_until_failure(
+            self.rank, self.step, self.model, mode, after_failure=self.after_failure
+        )
 
 
 def _fsdp_run(rank, world_size, mode):
-    model = ok.fsdp(make_mlp(), prefetch=1, blocks=nn.Linear)
-    return _train_until_failure(rank, _fsdp_step(model), model, mode)
+    return _FSDPRun(rank, world_size, prefetch=1).run(mode)
 
 
 def _fsdp_own_reduce_scatter_run(rank, world_size, mode):
     # Not resharded after forward: backward's only collectives are the reduce-scatters.
-    model = ok.fsdp(
-        make_mlp(),
-        prefetch=1,
-        overlap_reduce_scatter=False,
-        reshard_after_forward=False,
-        blocks=nn.Linear,
+    run = _FSDPRun(
+        rank, world_size, prefetch=1, overlap_reduce_scatter=False, reshard_after_forward=False
     )
-    return _train_until_failure(rank, _fsdp_step(model), model, mode)
+    return run.run(mode)
 
 
 def _hsdp_run(rank, world_size, mode):
     """HSDP on a planned 2x2 (dp_replicate x dp_shard) mesh with FSDP2's own reduce-scatter."""
     placement = ok.plan(ok.load_topology("cpu-gloox2"), dp_shard=2)
     mesh = placement.device_mesh("cpu")["dp_replicate", "dp_shard"]
-    model = ok.fsdp(
-        make_mlp(), prefetch=0, mesh=mesh, reshard_after_forward=False, blocks=nn.Linear
-    )
+    run = _FSDPRun(rank, world_size, prefetch=0, mesh=mesh, reshard_after_forward=False)
     return {
-        "report": _train_until_failure(rank, _fsdp_step(model), model, mode),
+        "report": run.run(mode),
         "replicas": placement.groups("dp_replicate"),
         "shards": placement.groups("dp_shard"),
     }
@@ -344,9 +379,33 @@ def test_ddp_step_after_a_failure_raises_collective_failure_again(ddp_survivors,
         assert f"(step {retry_step}) failed on rank {rank}" in report["retry"], report["retry"]
 
 
+@pytest.fixture(scope="module")
+def fsdp_survivors():
+    """Rank 0 of two, after rank 1 was SIGKILLed in the middle of ``ok.fsdp``'s backward."""
+    return {0: _survivor_report(_fsdp_run, "kill")}
+
+
+@pytest.fixture(scope="module")
+def fsdp_own_reduce_scatter_survivors():
+    """The same with FSDP2's own reduce-scatter (``overlap_reduce_scatter=False``)."""
+    return {0: _survivor_report(_fsdp_own_reduce_scatter_run, "kill")}
+
+
+@pytest.fixture(scope="module")
+def hsdp_survivors():
+    """Ranks 0, 2 and 3 of an HSDP 2x2 mesh, after rank 1 was SIGKILLed in backward."""
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(
+            _hsdp_run, 4, "kill", collective_timeout_s=TIMEOUT_S, env=ENV, total_timeout_s=90
+        )
+    results = failure.value.results
+    assert sorted(results) == [0, 2, 3], str(failure.value)
+    return results
+
+
 @pytest.mark.slow
-def test_fsdp_survivor_names_collective_block_and_missing_rank():
-    report = _survivor_report(_fsdp_run, "kill")
+def test_fsdp_survivor_names_collective_block_and_missing_rank(fsdp_survivors):
+    report = fsdp_survivors[0]
     assert report["type"] == "CollectiveFailure"
     assert re.search(
         rf"ok\.fsdp: (all_gather|reduce_scatter) of (block \d \('\d'\)|the root) "
@@ -371,21 +430,18 @@ def _assert_fsdp_failure(report, collective, group):
 
 
 @pytest.mark.slow
-def test_fsdp_with_its_own_reduce_scatter_names_the_block_and_step():
+def test_fsdp_with_its_own_reduce_scatter_names_the_block_and_step(
+    fsdp_own_reduce_scatter_survivors,
+):
     # overlap_reduce_scatter=False (like prefetch=0): FSDP2's reduce-scatter, explained.
-    _assert_fsdp_failure(
-        _survivor_report(_fsdp_own_reduce_scatter_run, "kill"), "reduce_scatter", [0, 1]
-    )
+    _assert_fsdp_failure(fsdp_own_reduce_scatter_survivors[0], "reduce_scatter", [0, 1])
 
 
 @pytest.mark.slow
-def test_hsdp_reduce_scatter_and_all_reduce_across_replicas_name_the_block_and_step():
-    with pytest.raises(RankFailure) as failure:
-        run_on_ranks(
-            _hsdp_run, 4, "kill", collective_timeout_s=TIMEOUT_S, env=ENV, total_timeout_s=90
-        )
-    results = failure.value.results
-    assert sorted(results) == [0, 2, 3], str(failure.value)
+def test_hsdp_reduce_scatter_and_all_reduce_across_replicas_name_the_block_and_step(
+    hsdp_survivors,
+):
+    results = hsdp_survivors
     (shards,) = [g for g in results[0]["shards"] if 1 in g]
     (replicas,) = [g for g in results[0]["replicas"] if 1 in g]
     (shard_peer,) = set(shards) - {1}
@@ -410,6 +466,48 @@ def test_hsdp_reduce_scatter_and_all_reduce_across_replicas_name_the_block_and_s
         rf"because one of theirs failed first \(rank {shard_peer} failed first in {what}\)",
         report["message"],
     ), report["message"]
+
+
+FSDP_RUNS = ["fsdp_survivors", "fsdp_own_reduce_scatter_survivors", "hsdp_survivors"]
+
+
+def _fsdp_reports(request, run):
+    survivors = request.getfixturevalue(run)
+    return {rank: r.get("report", r) for rank, r in survivors.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", FSDP_RUNS)
+def test_fsdp_failure_drops_the_gradients_so_a_caught_step_changes_nothing(request, run):
+    reports = _fsdp_reports(request, run)
+    for rank, report in reports.items():
+        assert report["type"] == "CollectiveFailure", report["message"]
+        # Before: the blocks whose reduction finished kept averaged gradients, and the block
+        # whose asynchronous reduce-scatter failed a view of a buffer it never filled.
+        assert report["grads_left"] == [], (rank, report["grads_left"])
+        # optimizer.step() after the error left parameters and momentum as before the step.
+        assert report["unchanged"], rank
+    if run == "hsdp_survivors":
+        # The replicas of a shard that both survived still hold the same parameters.
+        (pair,) = [g for g in request.getfixturevalue(run)[0]["replicas"] if 1 not in g]
+        for a, b in zip(reports[pair[0]]["params"], reports[pair[1]]["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", FSDP_RUNS)
+def test_fsdp_step_after_a_failure_resets_fsdp2_and_fails_again(request, run):
+    for rank, report in _fsdp_reports(request, run).items():
+        # Before: FSDP2's modules stayed in PRE_BACKWARD, so the HSDP survivors' retry ran a
+        # step that reduced nothing and raised nothing.
+        assert report["retry"] is not None, rank
+        assert report["retry"].startswith("CollectiveFailure: ok.fsdp: "), report["retry"]
+        # The retry's own collectives (step 3) or, when one was still in flight, the failed
+        # step's prefetched all-gather, which the reset waits for (step 2).
+        assert re.search(
+            rf"\(step ({FAULT_STEP}|{FAULT_STEP + 1})\) failed on rank {rank}:", report["retry"]
+        ), report["retry"]
+        assert report["unchanged_after_retry"], rank
 
 
 @pytest.mark.slow
@@ -510,3 +608,26 @@ def test_grace_period_env_must_be_a_non_negative_number(monkeypatch):
         monkeypatch.setenv("OVERLAPKIT_CHECKIN_GRACE_S", bad)
         with pytest.raises(ValueError, match=f"OVERLAPKIT_CHECKIN_GRACE_S .* got '{bad}'"):
             grace_s()
+
+
+def test_fsdp_failed_step_drops_gradients_and_refuses_a_retry_torch_cannot_reset(monkeypatch):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = ok.fsdp(make_mlp(), blocks=nn.Linear)
+        failed = FailedStep(model)
+        x, y = make_batches(1, 1)[0]
+        nn.functional.mse_loss(model(x), y).backward()
+        assert all(p.grad is not None for p in model.parameters())
+        failed()
+        assert all(p.grad is None for p in model.parameters())
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")  # as in a torch without it
+        with pytest.raises(RuntimeError, match=r"has no FSDPModule\.reset_iter_state\(\)"):
+            failed.reset_if_failed()
+        assert failed.reset_pending  # and the next forward refuses again
+        monkeypatch.undo()
+        failed.reset_if_failed()
+        assert not failed.reset_pending
+        nn.functional.mse_loss(model(x), y).backward()  # a normal step after the reset
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

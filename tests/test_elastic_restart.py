@@ -1,19 +1,30 @@
 """A worker SIGKILLed mid-run under ``launcher.max_restarts=1``: torch elastic restarts the job,
-it resumes from the newest checkpoint and ends with the parameters of an uninterrupted run.
+it resumes from the newest checkpoint every rank can use and ends with the parameters of an
+uninterrupted run; a run none of whose checkpoints can be used stops with one line.
 
-The kill comes from the test-only hook ``overlapkit.train.faults`` (``OVERLAPKIT_TEST_KILL``).
+The kill comes from the test-only hook ``overlapkit.train.faults`` (``OVERLAPKIT_TEST_KILL``), and
+so does the damage to the newest checkpoint (``OVERLAPKIT_TEST_DAMAGE_NEWEST``).
 """
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from overlapkit.train.faults import KILL_ENV, install_kill_from_env, parse_kill_spec
-from tests.test_train_e2e import _finish, _losses, _start, _summary
+from overlapkit.train.faults import (
+    DAMAGE_ENV,
+    KILL_ENV,
+    RAN_MARKER,
+    damage_newest_checkpoint,
+    install_kill_from_env,
+    parse_kill_spec,
+)
+from tests.test_train_e2e import _finish, _losses, _start, _summary, kill_tree
 
 
 def _final_state(run_dir: Path, step: int) -> dict:
@@ -28,48 +39,148 @@ def _assert_same_training_state(a: dict, b: dict) -> None:
     assert a["model"].keys() == b["model"].keys()
     for name, value in a["model"].items():
         assert torch.equal(value, b["model"][name]), name
+    if "state" not in a["optim"]:  # flattened per parameter (pipeline stages)
+        assert a["optim"].keys() == b["optim"].keys()
+        for key, value in a["optim"].items():
+            other = b["optim"][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
+        return
     assert a["optim"]["state"].keys() == b["optim"]["state"].keys()
     for name, moments in a["optim"]["state"].items():
         for key, value in moments.items():
             assert torch.equal(value, b["optim"]["state"][name][key]), (name, key)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-# bucketer_overlap: per-bucket updates with train.clip_grad_norm=1.0 folded in; the kill counts
-# steps with a global optimizer post-hook, which runs once per step there too.
-@pytest.mark.parametrize("parallel", ["ddp", "bucketer_overlap"])
-def test_worker_killed_mid_run_restarts_and_ends_bitwise_equal_to_an_uninterrupted_run(
-    tmp_path, parallel
-):
-    # Checkpoints at steps 2 and 4; rank 1 dies in step 5's forward, so step 5 is lost and redone.
-    common = [
-        f"parallel={parallel}",
-        "train.steps=6",
-        "train.checkpoint_every=2",
-        "train.keep_checkpoints=0",
-        "train.grad_accum=2",
-        "launcher.max_restarts=1",
-    ]
-    whole, restarted = tmp_path / "whole", tmp_path / "restarted"
-    _finish(_start([*common, f"hydra.run.dir={whole}"], tmp_path), timeout_s=280)
+COMMON = [
+    "train.steps=6",
+    "train.checkpoint_every=2",
+    "train.keep_checkpoints=0",
+    "train.grad_accum=2",
+    "launcher.max_restarts=1",
+]
+"""Checkpoints at steps 2 and 4; rank 1 dies in step 5's forward, so step 5 is lost and redone."""
+
+
+def _whole_and_restarted(directory: Path, parallel: str, env: dict[str, str]):
+    """An uninterrupted run and one whose rank 1 is SIGKILLed in step 5 (``env`` adds to it)."""
+    common = [f"parallel={parallel}", *COMMON]
+    whole, restarted = directory / "whole", directory / "restarted"
+    _finish(_start([*common, f"hydra.run.dir={whole}"], directory), timeout_s=280)
     output = _finish(
-        _start([*common, f"hydra.run.dir={restarted}"], tmp_path, env={KILL_ENV: "1:5"}),
+        _start([*common, f"hydra.run.dir={restarted}"], directory, env={KILL_ENV: "1:5", **env}),
         timeout_s=280,
     )
     assert "rank 1 will SIGKILL itself in step 5" in output
+    return whole, restarted, output
+
+
+def _assert_ends_as_the_uninterrupted_run(whole: Path, restarted: Path) -> None:
+    _assert_same_training_state(_final_state(whole, 6), _final_state(restarted, 6))
+    # The losses the restarted run logged (at least the restart's) are the uninterrupted run's.
+    whole_losses, restarted_losses = _losses(whole), _losses(restarted)
+    assert {5, 6} <= restarted_losses.keys()
+    assert restarted_losses == {step: whole_losses[step] for step in restarted_losses}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+# bucketer_overlap: per-bucket updates with train.clip_grad_norm=1.0 folded in; the kill counts
+# steps with a global optimizer post-hook, which runs once per step there too. pp_dp: a 1F1B
+# pipeline of 2 stages (rank 1, the one killed, is the last stage: it computes the loss), its
+# optimizer state saved per parameter, the tied head's copy on rank 1. (parallel=ddp restarts
+# in test_restart_meeting_a_damaged_newest_checkpoint_resumes_from_the_previous_one below.)
+@pytest.mark.parametrize("parallel", ["bucketer_overlap", "pp_dp"])
+def test_worker_killed_mid_run_restarts_and_ends_bitwise_equal_to_an_uninterrupted_run(
+    tmp_path, parallel
+):
+    whole, restarted, output = _whole_and_restarted(tmp_path, parallel, {})
     assert "resumed from step 4" in output
     summary = _summary(restarted)
     assert (summary["start_step"], summary["steps_run"], summary["final_step"]) == (4, 2, 6)
     # The first attempt died before step 5's checkpoint; the restart wrote steps 5 and 6 only.
     kept = sorted(p.name for p in (restarted / "checkpoints").iterdir())
     assert kept == ["step_00000002", "step_00000004", "step_00000006"], kept
+    _assert_ends_as_the_uninterrupted_run(whole, restarted)
 
-    _assert_same_training_state(_final_state(whole, 6), _final_state(restarted, 6))
-    # The losses the restarted run logged (at least the restart's) are the uninterrupted run's.
-    whole_losses, restarted_losses = _losses(whole), _losses(restarted)
-    assert {5, 6} <= restarted_losses.keys()
-    assert restarted_losses == {step: whole_losses[step] for step in restarted_losses}
+
+@pytest.fixture(scope="module")
+def damaged_restart(tmp_path_factory):
+    """``parallel=ddp``: rank 1 overwrites step 4's ``.metadata`` with a pickled callable (as a
+    tampered checkpoint would hold) right before it kills itself in step 5."""
+    return _whole_and_restarted(tmp_path_factory.mktemp("damaged"), "ddp", {DAMAGE_ENV: "1"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_restart_meeting_a_damaged_newest_checkpoint_resumes_from_the_previous_one(
+    damaged_restart,
+):
+    whole, restarted, output = damaged_restart
+    checkpoints = restarted / "checkpoints"
+    newest, previous = checkpoints / "step_00000004", checkpoints / "step_00000002"
+    # One line per rank saying why (before: a traceback per rank and attempt, and the run
+    # stopped), then rank 0's warning naming both.
+    for rank in (0, 1):
+        refusals = re.findall(
+            rf"^\[rank{rank}\] ERROR overlapkit\.train\.resume: checkpoint refused: "
+            rf"{re.escape(str(newest))}/\.metadata: not a readable DCP checkpoint metadata file: "
+            r"checkpoint metadata refers to (io|builtins)\.open, .*$",
+            output,
+            re.MULTILINE,
+        )
+        assert len(refusals) == 1, output[-5000:]
+    assert (
+        f"resuming from {previous}, the newest checkpoint every rank can use, instead of the "
+        f"newer {newest} (refused, see above)"
+    ) in output
+    assert "resumed from step 2" in output
+    assert not (restarted / RAN_MARKER).exists()  # the pickled callable never ran
+    summary = _summary(restarted)
+    assert (summary["start_step"], summary["steps_run"], summary["final_step"]) == (2, 4, 6)
+    # The restart wrote steps 3..6; its step 4 replaced the damaged one.
+    kept = sorted(p.name for p in checkpoints.iterdir())
+    assert kept == ["step_00000002", "step_00000004", "step_00000006"], kept
+    _assert_ends_as_the_uninterrupted_run(whole, restarted)
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_whose_every_checkpoint_is_damaged_stops_with_one_line_and_no_traceback(
+    damaged_restart, tmp_path
+):
+    # The damaged restart's checkpoints, each damaged in another way: metadata naming a callable,
+    # truncated metadata, a truncated data file (found only inside DCP's collective load).
+    run = tmp_path / "run"
+    shutil.copytree(damaged_restart[1] / "checkpoints", run / "checkpoints")
+    checkpoints = run / "checkpoints"
+    damage_newest_checkpoint(checkpoints)  # step 6
+    _truncate(checkpoints / "step_00000004" / ".metadata")
+    _truncate(checkpoints / "step_00000002" / "__0_0.distcp")
+    proc = _start(["parallel=ddp", *COMMON, "train.steps=8", f"hydra.run.dir={run}"], tmp_path)
+    try:
+        out, err = proc.communicate(timeout=280)
+    finally:
+        kill_tree(proc.pid)  # nothing is left after an exit; all of it after a timeout
+    output = out + err
+    assert proc.returncode == 1, output[-5000:]
+    assert "Traceback" not in output, output[-5000:]  # before: one per rank and attempt
+    (line,) = [x for x in output.splitlines() if x.startswith("overlapkit-train: error:")]
+    assert line.startswith(
+        f"overlapkit-train: error: no usable checkpoint to resume from in "
+        f"{checkpoints}: {checkpoints / 'step_00000006'}/.metadata: "
+    ), line
+    assert f"{checkpoints / 'step_00000004'}/.metadata: not a readable DCP" in line
+    assert f"{checkpoints / 'step_00000002'}: RuntimeError: PytorchStreamReader failed" in line
+    assert line.endswith("Move them away (or repair them), or start another run (name=...)")
+    # Each rank said why for each checkpoint, once; no restart (the workers did not fail).
+    refusal = r"^\[rank[01]\] ERROR overlapkit\.train\.resume: checkpoint refused: "
+    assert len(re.findall(refusal, output, re.MULTILINE)) == 6, output[-5000:]
+    assert not (run / RAN_MARKER).exists()
 
 
 def test_kill_spec_is_rank_and_step():

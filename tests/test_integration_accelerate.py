@@ -1,9 +1,13 @@
-"""Real ``Accelerator.prepare`` and HF ``Trainer.train()`` on two gloo ranks with ok.ddp's hook.
+"""Real ``Accelerator.prepare`` and HF ``Trainer.train()`` on two gloo ranks with overlapkit.
 
 Each rank runs as under ``accelerate launch``/torchrun (``LOCAL_RANK`` set, the process group
 already initialised), with a tiny model built here and nothing downloaded. One spawn trains, with
 the same model and data each time: plain Accelerate (the reference), ``use_ok_ddp`` (fp32 and
-bf16 on gloo), plain ``Trainer`` and ``OverlapTrainer``.
+bf16 on gloo), plain ``Trainer`` and ``OverlapTrainer``; then the per-bucket runs of
+``tests/accelerate_per_bucket.py`` (``use_ok_ddp(optimizer_overlap=True)`` and
+``OverlapTrainer(overlapkit_options={"optimizer_overlap": True})`` against plain Accelerate and
+the plain Trainer, bitwise). The fp16 GradScaler path needs CUDA (Accelerate makes no scaler on
+CPU): ``tests/test_per_bucket_integrations_cuda.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import torch.nn.functional as F
 pytest.importorskip("accelerate", reason="the integrations extra is not installed")
 pytest.importorskip("transformers", reason="the integrations extra is not installed")
 
+from tests import accelerate_per_bucket as per_bucket
+from tests.doc_examples import assert_doc_examples_run_in_tests
 from tests.multiproc import run_on_ranks
+from tests.reference import assert_bitwise
 from tests.test_fsdp_blocks import make_mlp
 
 STEPS = 3
@@ -132,6 +139,7 @@ def _all_runs(rank: int, world_size: int, tmp: str) -> dict:
         # DDP options stay DDP's: ours are not passed to the DDP constructor.
         "ddp_kwargs": OverlapDDPKwargs(bucket_cap_mb=5, compress="bf16").to_kwargs(),
         "plain_kwargs": DistributedDataParallelKwargs(bucket_cap_mb=5).to_kwargs(),
+        "per_bucket": per_bucket.scenarios(os.path.join(tmp, "per_bucket")),
     }
 
 
@@ -139,7 +147,7 @@ def _all_runs(rank: int, world_size: int, tmp: str) -> dict:
 def two_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("hf"))
     return run_on_ranks(
-        _all_runs, 2, tmp, total_timeout_s=240, collective_timeout_s=60, env=OFFLINE
+        _all_runs, 2, tmp, total_timeout_s=400, collective_timeout_s=60, env=OFFLINE
     )
 
 
@@ -179,3 +187,109 @@ def test_overlap_kwargs_keep_ddp_options_and_refuse_accelerates_hook(two_ranks):
     result = two_ranks[0]
     assert result["ddp_kwargs"] == result["plain_kwargs"] == {"bucket_cap_mb": 5}
     assert result["hook_error"] is not None and "comm_hook" in result["hook_error"]
+
+
+# -- per-bucket updates (tests/accelerate_per_bucket.py), against plain Accelerate and Trainer
+
+
+def _trained(result: dict, norms: str) -> dict:
+    return {"params": result["params"], "optim": result["optim"], norms: result[norms]}
+
+
+@pytest.mark.slow
+def test_use_ok_ddp_per_bucket_trains_bitwise_as_accelerates_ddp(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        runs = result["per_bucket"]["accelerate"]
+        plain = _trained(runs["plain"], "norms")
+        # One prepare call or two (model first, then the optimizer).
+        for name in ("per_bucket", "two_calls"):
+            assert_bitwise(_trained(runs[name], "norms"), plain, f"rank {rank} {name}")
+        # Evaluated under inference_mode right after each step, updates still pending.
+        assert_bitwise(runs["per_bucket"]["evals"], runs["plain"]["evals"], f"rank {rank}")
+        assert runs["plain"]["ddp"] == [True] * per_bucket.STEPS
+        assert runs["per_bucket"]["ddp"] == [False] * per_bucket.STEPS
+        # Stepped on sync steps only: once per optimizer step, not per micro-batch.
+        assert runs["per_bucket"]["bucketer_steps"] == list(range(per_bucket.STEPS))
+    # Rank 1 built other weights: both forms trained rank 0's.
+    first, second = (r["per_bucket"]["accelerate"]["per_bucket"] for r in two_ranks)
+    assert_bitwise(second["params"], first["params"], "ranks")
+
+
+@pytest.mark.slow
+def test_accelerate_clipping_was_active_on_some_steps_only_and_matters(two_ranks):
+    runs = two_ranks[0]["per_bucket"]["accelerate"]
+    norms = runs["plain"]["norms"]
+    assert any(n > per_bucket.ACCELERATE_MAX_NORM for n in norms), norms
+    assert any(n < per_bucket.ACCELERATE_MAX_NORM for n in norms), norms
+    unclipped, plain = runs["unclipped"]["params"], runs["plain"]["params"]
+    assert any(not torch.equal(unclipped[k], plain[k]) for k in plain)  # control
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["accelerate", "trainer"])
+def test_parameters_read_right_after_the_step_need_synchronize(two_ranks, framework):
+    for rank, result in enumerate(two_ranks):
+        runs = result["per_bucket"][framework]
+        plain = runs["plain"]["snapshots"]["synchronized"]
+        snapshots = runs["per_bucket"]["snapshots"]
+        assert_bitwise(snapshots["synchronized"], plain, f"rank {rank}")
+        stale = snapshots["unsynchronized"]  # control: updates still pending
+        assert any(not torch.equal(stale[k], plain[k]) for k in plain)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["accelerate", "trainer"])
+def test_checkpoint_saved_by_either_form_resumes_in_the_other_bitwise(two_ranks, framework):
+    norms = "norms" if framework == "accelerate" else "grad_norms"
+    for rank, result in enumerate(two_ranks):
+        runs = result["per_bucket"][framework]
+        reference = _trained(runs["plain"], norms)  # uninterrupted
+        if framework == "accelerate":
+            reference[norms] = reference[norms][per_bucket.CHECKPOINT_AT :]
+        for (form, by), resumed in runs["resumed"].items():
+            assert_bitwise(_trained(resumed, norms), reference, f"rank {rank} {form}<-{by}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["create_optimizer", "own_optimizer"])
+def test_overlap_trainer_per_bucket_trains_and_logs_bitwise_as_the_trainer(two_ranks, optimizer):
+    for rank, result in enumerate(two_ranks):
+        runs = result["per_bucket"]["trainer"]
+        pair = runs if optimizer == "create_optimizer" else runs[optimizer]
+        plain, overlap = pair["plain"], pair["per_bucket"]
+        assert_bitwise(_trained(overlap, "grad_norms"), _trained(plain, "grad_norms"), f"{rank}")
+        assert overlap["eval_losses"] == plain["eval_losses"]  # evaluated mid-run
+        assert [step for step, _ in plain["grad_norms"]] == [2, 4, 6, 8]  # logging steps only
+        assert overlap["param_groups"] == 2  # the default create_optimizer's, or ours
+        assert plain["ddp"] == [True] * per_bucket.STEPS
+        assert overlap["ddp"] == [False] * per_bucket.STEPS
+        assert overlap["bucketer_steps"] == list(range(per_bucket.STEPS))
+
+
+@pytest.mark.slow
+def test_trainer_max_grad_norm_zero_measures_without_clipping(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        runs = result["per_bucket"]["trainer"]
+        plain, overlap = runs["no_clip"]["plain"], runs["no_clip"]["per_bucket"]
+        assert_bitwise(_trained(overlap, "grad_norms"), _trained(plain, "grad_norms"), f"{rank}")
+        # Control: clipping at TRAINER_MAX_NORM (active on logged steps 2, 4, 8) ends elsewhere.
+        clipped = runs["plain"]
+        assert any(
+            not torch.equal(overlap["params"][k], clipped["params"][k]) for k in plain["params"]
+        )
+        norms = [n for _, n in clipped["grad_norms"]]
+        assert any(n > per_bucket.TRAINER_MAX_NORM for n in norms), norms
+        assert any(n < per_bucket.TRAINER_MAX_NORM for n in norms), norms
+
+
+@pytest.mark.slow
+def test_per_bucket_accelerate_refuses_what_it_cannot_run_as_ddp(two_ranks):
+    refused = two_ranks[0]["per_bucket"]["refused"]
+    assert "sync_each_batch=True" in refused["sync_each_batch"]
+    assert "compress='bf16'" in refused["compress"]
+    assert "clip_grad_value_(clip_value=0.1)" in refused["clip_value"]
+    assert "sync_each_batch=True" in refused["trainer_sync_each_batch"]  # at OverlapTrainer()
+
+
+def test_integrations_doc_accelerate_and_trainer_examples_are_the_tested_code():
+    assert_doc_examples_run_in_tests("tests/accelerate_per_bucket.py")

@@ -1,12 +1,17 @@
 """A real ``lightning.Trainer`` on two gloo ranks: OverlapDDPStrategy; ok.fsdp in configure_model.
 
 Each rank runs as under torchrun (``LOCAL_RANK`` set, so Lightning launches nothing itself and
-uses the process group that is already there). One spawn fits four times with the same model and
-data: Lightning's own ``DDPStrategy`` (the reference), ``strategy="overlapkit_ddp"`` (fp32),
-``OverlapDDPStrategy(compress="bf16")`` and ``ModelParallelStrategy`` + ``ok.fsdp``.
+uses the process group that is already there). One spawn fits with the same model and data:
+Lightning's own ``DDPStrategy`` (the reference), ``strategy="overlapkit_ddp"`` (fp32),
+``OverlapDDPStrategy(compress="bf16")`` and ``ModelParallelStrategy`` + ``ok.fsdp``; then the
+per-bucket fits of ``tests/lightning_per_bucket.py`` (``OverlapDDPStrategy(optimizer_overlap=True)``
+against ``DDPStrategy``, bitwise).
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import pytest
 import torch
@@ -14,7 +19,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("lightning", reason="the integrations extra is not installed")
 
+from tests import lightning_per_bucket as per_bucket
+from tests.doc_examples import assert_doc_examples_run_in_tests
 from tests.multiproc import run_on_ranks
+from tests.reference import assert_bitwise
 from tests.test_fsdp_blocks import make_mlp
 
 STEPS = 3
@@ -94,7 +102,7 @@ def _fit(strategy, fsdp: bool = False) -> dict:
     }
 
 
-def _all_fits(rank: int, world_size: int) -> dict:
+def _all_fits(rank: int, world_size: int, root: str) -> dict:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from overlapkit.integrations.lightning import OverlapDDPStrategy
@@ -111,13 +119,15 @@ def _all_fits(rank: int, world_size: int) -> dict:
         "bf16": _fit(OverlapDDPStrategy(compress="bf16", bucket_mb=0.02)),
         "fsdp": _fit(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), True),
         "hook_error": hook_error,
+        "per_bucket": per_bucket.scenarios(root),
     }
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
+def two_ranks(tmp_path_factory):
     # Lightning reads the torchrun-style environment run_on_ranks sets (LOCAL_RANK, RANK...).
-    return run_on_ranks(_all_fits, 2, total_timeout_s=240, collective_timeout_s=60)
+    root = str(tmp_path_factory.mktemp("lightning"))
+    return run_on_ranks(_all_fits, 2, root, total_timeout_s=300, collective_timeout_s=60)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -160,3 +170,106 @@ def test_ok_fsdp_in_configure_model_matches_lightning_ddp(two_ranks):
 def test_strategy_refuses_a_second_comm_hook(two_ranks):
     message = two_ranks[0]["hook_error"]
     assert message is not None and "ddp_comm_hook" in message
+
+
+# -- OverlapDDPStrategy(optimizer_overlap=True), against DDPStrategy (tests/lightning_per_bucket.py)
+
+
+def _trained(result: dict) -> dict:
+    return {"params": result["params"], "optim": result["optim"], "norms": result["norms"]}
+
+
+@pytest.mark.slow
+def test_per_bucket_strategy_trains_bitwise_as_lightning_ddp_with_clipping_and_accumulation(
+    two_ranks,
+):
+    for rank, result in enumerate(two_ranks):
+        plain, overlap = result["per_bucket"]["plain"], result["per_bucket"]["per_bucket"]
+        assert_bitwise(_trained(overlap), _trained(plain), f"rank {rank}")
+        # The sample under inference_mode right after `extra`'s first update saw it applied,
+        # and the optimizer state that update created there is no inference tensor.
+        assert_bitwise(overlap["inference"], plain["inference"], f"rank {rank} inference")
+        assert not overlap["inference_state"]
+        assert overlap["global_step"] == per_bucket.STEPS
+    assert_bitwise(
+        two_ranks[1]["per_bucket"]["per_bucket"]["params"],
+        two_ranks[0]["per_bucket"]["per_bucket"]["params"],
+        "ranks",
+    )
+
+
+@pytest.mark.slow
+def test_per_bucket_strategy_builds_no_ddp_and_steps_the_bucketer_once_per_optimizer_step(
+    two_ranks,
+):
+    for result in two_ranks:
+        plain, overlap = result["per_bucket"]["plain"], result["per_bucket"]["per_bucket"]
+        assert plain["ddp"] == [True] * per_bucket.STEPS  # the reference is DDP
+        assert overlap["ddp"] == [False] * per_bucket.STEPS
+        assert overlap["bucketer_steps"] == list(range(per_bucket.STEPS))
+
+
+@pytest.mark.slow
+def test_lightning_clipping_was_active_on_some_steps_only_and_matters(two_ranks):
+    result = two_ranks[0]["per_bucket"]
+    norms = [float(n) for n in result["plain"]["norms"]]
+    assert any(n > per_bucket.MAX_NORM for n in norms), norms
+    assert any(n < per_bucket.MAX_NORM for n in norms), norms
+    # Control: the same per-bucket fit without clipping ends elsewhere.
+    unclipped, plain = result["per_bucket_unclipped"]["params"], result["plain"]["params"]
+    assert any(not torch.equal(unclipped[k], plain[k]) for k in plain)
+
+
+@pytest.mark.slow
+def test_parameters_read_between_step_and_forward_need_synchronize(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        plain = result["per_bucket"]["plain"]["snapshots"]["synchronized"]
+        snapshots = result["per_bucket"]["per_bucket"]["snapshots"]
+        assert_bitwise(snapshots["synchronized"], plain, f"rank {rank}")
+        # Control: read directly after the step, the updates are still pending.
+        stale = snapshots["unsynchronized"]
+        assert any(not torch.equal(stale[k], plain[k]) for k in plain)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_mid_run_equals_ddps_and_resumes_in_the_other_form(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        saved = result["per_bucket"]["checkpoints"]
+        assert_bitwise(saved["per_bucket"], saved["plain"], f"rank {rank} checkpoint")
+        resumed = result["per_bucket"]["resumed"]
+        reference = _trained(resumed["plain", "plain"])
+        for form, by in (("per_bucket", "plain"), ("plain", "per_bucket")):
+            assert_bitwise(_trained(resumed[form, by]), reference, f"rank {rank} {form}<-{by}")
+        # The resumed fit's own bucketer, numbering its steps from 0.
+        steps = per_bucket.STEPS - per_bucket.CHECKPOINT_EVERY
+        assert resumed["per_bucket", "plain"]["bucketer_steps"] == list(range(steps))
+
+
+@pytest.mark.slow
+def test_16_mixed_grad_scaler_skips_the_same_steps_as_lightning_ddp(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        plain, overlap = (
+            result["per_bucket"]["fp16"]["plain"],
+            result["per_bucket"]["fp16"]["per_bucket"],
+        )
+        assert_bitwise(_trained(overlap), _trained(plain), f"rank {rank}")
+        assert overlap["scales"] == plain["scales"]
+        # Some steps overflowed (the scale backed off, the norm is not finite), others did not.
+        scales = [per_bucket.FP16_INIT_SCALE, *overlap["scales"]]
+        assert any(b < a for a, b in itertools.pairwise(scales)), scales
+        finite = [math.isfinite(float(n)) for n in overlap["norms"]]
+        assert any(finite) and not all(finite), overlap["norms"]
+
+
+@pytest.mark.slow
+def test_per_bucket_strategy_refuses_what_it_cannot_train_as_ddp(two_ranks):
+    result = two_ranks[0]["per_bucket"]
+    assert "['compress']" in result["compress_refused"]
+    refused = result["refused"]
+    assert "gradient_clip_algorithm='value'" in refused["value_clip"]
+    assert "manual optimization" in refused["manual"]
+    assert "'net.1.num_batches_tracked' changed during training" in refused["batch_norm"]
+
+
+def test_integrations_doc_lightning_examples_are_the_tested_code():
+    assert_doc_examples_run_in_tests("tests/lightning_per_bucket.py")

@@ -59,7 +59,12 @@ def test_json_has_the_design_keys_and_the_numbers_of_the_analysis(tmp_path, caps
     assert (row["comm_ms"], row["exposed_comm_ms"], row["tail_ms"]) == pytest.approx(
         (0.4, 0.3, 0.3)
     )
-    assert row["kinds"]["all_reduce"] == {"count": 1, "bytes": 1024, "time_ms": pytest.approx(0.4)}
+    assert row["kinds"]["all_reduce"] == {
+        "count": 1,
+        "bytes": 1024,
+        "time_ms": pytest.approx(0.4),
+        "exposed_ms": pytest.approx(0.3),
+    }
     assert [s["file"].rsplit("/", 1)[-1] for s in payload["skipped"]] == ["notes.json"]
     assert [(t["rank"], t["world_size"], t["device"], t["steps"]) for t in payload["traces"]] == [
         (0, 2, "cpu", [4, 5]),

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.harness import netns, two_nodes
 from overlapkit.train.slurm import expand_hostlist
 from tests.slurm_cluster import SlurmCluster, unavailable_reason
 
@@ -69,8 +72,8 @@ def _run_job(
     return job, state
 
 
-def _output(cwd: Path, name: str, job: int) -> str:
-    return (cwd / f"{name}-{job}.out").read_text()
+def _output(cwd: Path, job: int) -> str:
+    return (cwd / f"slurm-{job}.out").read_text()
 
 
 @pytest.mark.slow  # not the test itself: starting and stopping the cluster takes ~7 s
@@ -102,26 +105,30 @@ def test_expand_hostlist_agrees_with_scontrol_show_hostnames(cluster):
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_two_node_job_rendezvous_across_the_nodes(cluster, tmp_path, job_env):
     # One task per node: on each, torch elastic starts launcher.nproc_per_node workers. The job
-    # name holds what Hydra's override grammar reads (=, parentheses, a comma: a sweep), and
-    # the rendezvous is given by address (launcher.host), as where node names do not resolve.
-    name = "two=(a,b)"
+    # name holds what Hydra's override grammar reads (=, parentheses, a comma: a sweep) and a
+    # path separator, and the rendezvous is given by address (launcher.host), as where node
+    # names do not resolve.
+    name = "team/two=(a,b)"
     args = ["--nodes=2", "--ntasks-per-node=1", f"--job-name={name}", *NO_GPUS, str(RECIPE)]
     overrides = [*SMALL, "train.steps=3", "train.checkpoint_every=3", "launcher.nproc_per_node=1"]
     overrides.append(f"launcher.host={cluster.addresses[0]}")
     job, state = _run_job(cluster, [*args, *overrides], tmp_path, job_env)
-    output = _output(tmp_path, name, job)
+    output = _output(tmp_path, job)  # before: the job FAILED, Slurm could not open team/...out
     assert state == "COMPLETED", f"{output[-5000:]}\n{cluster.logs()}"
     assert f"job {job} ({name}) on n[1-2], restart 0" in output
     assert f"(static rendezvous at {cluster.addresses[0]}:" in output
-    run_dir = tmp_path / "runs" / name  # the job's name, verbatim
+    # One directory, the job's name with its / percent-encoded; before: runs/team/two=(a,b).
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["team%2Ftwo=(a,b)"]
+    run_dir = tmp_path / "runs" / "team%2Ftwo=(a,b)"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["world_size"], summary["nodes"], summary["final_step"]) == (2, 2, 3)
+    assert summary["name"] == name
     topology = json.loads((run_dir / "topology.json").read_text())
     assert topology["nodes"] == [{"node": 0, "ranks": [0]}, {"node": 1, "ranks": [1]}]
     shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_00000003").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     # The second node ran Hydra in a scratch directory and removed it; only n1 kept outputs.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "tmp", f"{name}-{job}.out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", f"slurm-{job}.out", "tmp"]
     assert list(Path(job_env["TMPDIR"]).glob("overlapkit-node*")) == []
     assert "Failed to recv" not in output
 
@@ -137,7 +144,7 @@ def test_failed_job_requeued_resumes_from_its_newest_checkpoint(cluster, tmp_pat
     overrides = [*SMALL, "train.steps=6", "train.checkpoint_every=3"]
     env = {**job_env, "OVERLAPKIT_TEST_KILL": "1:5"}
     job, state = _run_job(cluster, [*args, *overrides], tmp_path, env)
-    output = _output(tmp_path, "requeue", job)
+    output = _output(tmp_path, job)
     assert state == "FAILED", f"{output[-5000:]}\n{cluster.logs()}"
     run_dir = tmp_path / "runs" / "requeue"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000003"]
@@ -150,7 +157,7 @@ def test_failed_job_requeued_resumes_from_its_newest_checkpoint(cluster, tmp_pat
     # Slurm holds it back for the credential lifetime (cred_expire, 10 s here), until the node
     # forgets the revoked credential of the last run; starting earlier, the launch fails.
     state = cluster.wait(job, timeout_s=JOB_TIMEOUT_S)
-    output = _output(tmp_path, "requeue", job)  # --open-mode=append: both runs
+    output = _output(tmp_path, job)  # --open-mode=append: both runs
     assert state == "COMPLETED", f"{output[-5000:]}\n{cluster.logs()}"
     assert f"job {job} (requeue) on n1, restart 1" in output
     assert "resumed from step 3" in output
@@ -162,7 +169,7 @@ def test_failed_job_requeued_resumes_from_its_newest_checkpoint(cluster, tmp_pat
     shards = sorted(p.name for p in (run_dir / "checkpoints" / "step_00000006").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     # Task 1 ran Hydra in a scratch directory (under TMPDIR; the killed run's stays there).
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"requeue-{job}.out", "runs", "tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", f"slurm-{job}.out", "tmp"]
 
 
 @pytest.mark.slow
@@ -179,3 +186,68 @@ def test_uneven_tasks_per_node_fail_before_any_worker_starts(cluster, tmp_path, 
     assert "SLURM_STEP_TASKS_PER_NODE='2,1': the nodes run different numbers of tasks" in output
     assert "worker" not in output and "launching" not in output
     assert not (tmp_path / "runs" / "uneven" / "checkpoints").exists()
+
+
+# -- the sweep of namespaces a killed run left (root and iproute2 only, no Slurm) -------------
+def _exited_pid() -> int:
+    """The id of a process that has exited, as a SIGKILLed test run's id is."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _namespace_pair(first: str, second: str, link: str) -> subprocess.Popen:
+    """Two namespaces joined by a veth pair, as a cluster or ``TwoNodes`` makes them, and a
+    process inside the first (a daemon that outlived its run); returns that process."""
+    for namespace in (first, second):
+        subprocess.run(["ip", "netns", "add", namespace], check=True)
+    subprocess.run(
+        ["ip", "link", "add", f"{link}a", "type", "veth", "peer", "name", f"{link}b"], check=True
+    )
+    for namespace, end in ((first, f"{link}a"), (second, f"{link}b")):
+        subprocess.run(["ip", "link", "set", end, "netns", namespace], check=True)
+    return subprocess.Popen(["ip", "netns", "exec", first, "sleep", "600"])
+
+
+class _StopAfterTheSweep(Exception):
+    pass
+
+
+def _stop_after_the_sweep(cluster: SlurmCluster) -> None:
+    raise _StopAfterTheSweep
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (ip netns)"
+)
+def test_a_new_cluster_removes_what_a_killed_one_left_and_only_that(monkeypatch):
+    dead, alive = _exited_pid(), subprocess.Popen(["sleep", "600"])
+    tag = f"{os.getpid() % 10000}"  # veth names hold at most 15 characters
+    stale = [f"ovkslurm{dead}n1", f"ovkslurm{dead}n2"]
+    live = [f"ovkslurm{alive.pid}n1", f"ovkslurm{alive.pid}n2"]
+    benchmark = [f"ovk{dead}a", f"ovk{dead}b"]  # TwoNodes' names: the cluster leaves them be
+    made = [*stale, *live, *benchmark]
+    inside = []
+    try:
+        for pair, link in ((stale, f"ovks{tag}"), (live, f"ovkl{tag}"), (benchmark, f"ovkb{tag}")):
+            inside.append(_namespace_pair(*pair, link))
+        # The sweep is the first thing a cluster does; stop it there, before any daemon starts.
+        monkeypatch.setattr(SlurmCluster, "_start", _stop_after_the_sweep)
+        with pytest.raises(_StopAfterTheSweep):
+            SlurmCluster().__enter__()
+        listed = netns.namespaces()
+        assert not set(stale) & set(listed), listed  # before: both still listed
+        assert set(live) | set(benchmark) <= set(listed), listed
+        assert inside[0].wait(timeout=10) == -9  # the leftover process inside was SIGKILLed
+        assert inside[1].poll() is None and inside[2].poll() is None
+        # The benchmarks sweep their own names with the same helper.
+        assert sorted(two_nodes.remove_stale_namespaces()) == benchmark
+        assert inside[2].wait(timeout=10) == -9
+        assert set(live) <= set(netns.namespaces())
+    finally:
+        for proc in (alive, *inside):
+            proc.kill()
+            proc.wait()
+        for namespace in made:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+    assert not set(made) & set(netns.namespaces())

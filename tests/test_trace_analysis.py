@@ -331,3 +331,42 @@ def test_a_trace_without_distributed_info_is_rank_zero_with_a_warning(tmp_path, 
     assert [r.rank for r in report.steps] == [0]
     assert any("no distributedInfo" in w and "rank 0" in w for w in report.warnings)
     assert "worker.1.pt.trace.json: no distributedInfo" in caplog.text
+
+
+def test_pipeline_send_recv_is_its_own_kind_with_its_exposed_time(tmp_path):
+    # A pipeline stage on gloo: gloo:send / gloo:recv ranges on the main thread (gloo records
+    # point-to-point there, not on its worker threads), and a dp all-reduce.
+    t = TraceBuilder(backend="gloo")
+    t.step(3, 0, 1000)
+    t.cpu_op("aten::linear", 100, 400)  # forward of micro-batch 0
+    t.gloo("recv", 0, 100, tid=t.main_tid, nelems=64)  # waits for the previous stage: exposed
+    t.gloo("send", 400, 600, tid=t.main_tid, nelems=64)  # hidden behind [450, 700]
+    t.cpu_op("aten::linear", 450, 700)
+    t.gloo("recv", 700, 900, tid=t.main_tid, nelems=64)  # the bubble: nothing computes
+    t.gloo("all_reduce", 900, 950, nelems=16)
+    kinds = _metrics(t, tmp_path)[3].kinds
+    recv_send = kinds["send_recv"]
+    assert (recv_send.count, recv_send.nbytes) == (3, 3 * 64 * 4)
+    # comm [0, 100] + [400, 600] + [700, 900] = 500; exposed: [0, 100] + [400, 450] + [700, 900].
+    assert recv_send.time_ms == pytest.approx(0.5)
+    assert recv_send.exposed_ms == pytest.approx(0.35)
+    assert kinds["all_reduce"].exposed_ms == pytest.approx(0.05)
+    assert _metrics(t, tmp_path)[3].to_dict()["kinds"]["send_recv"]["exposed_ms"] == 0.35
+
+
+def test_nccl_point_to_point_is_send_recv_and_its_all_to_all_stays_all_to_all(tmp_path):
+    t = TraceBuilder()
+    t.step(1, 0, 1000)
+    for collective, at in (("send", 10), ("recv", 100), ("all_to_allv", 200)):
+        t.kernel(
+            "ncclDevKernel_SendRecv",
+            at,
+            at + 50,
+            launch_at=at - 5,
+            stream=20,
+            collective=collective,
+            nelems=8,
+        )
+    t.kernel("ncclDevKernel_SendRecv", 300, 310, launch_at=295, stream=20)  # no metadata
+    kinds = _metrics(t, tmp_path)[1].kinds
+    assert {k: v.count for k, v in kinds.items()} == {"all_to_all": 1, "send_recv": 3}

@@ -37,7 +37,7 @@ SMALL = [
     "launcher.rdzv_timeout_s=60",
     "train.device=cpu",  # gloo ranks on GPU hosts too; bench/gpu/check.py trains on NCCL
 ]
-PARALLEL = ["ddp", "ddp_bf16", "bucketer", "fsdp", "fsdp_prefetch2"]
+PARALLEL = ["ddp", "ddp_bf16", "bucketer", "fsdp", "fsdp_prefetch2", "zero1"]
 
 
 def kill_tree(pid: int) -> None:

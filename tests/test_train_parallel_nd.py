@@ -59,8 +59,10 @@ def test_plan_section_is_split_from_the_factory_and_checked():
     assert (plan.tp, plan.ep, plan.dp, plan.dp_shard) == (2, 1, -1, None)
     assert factory == {"_target_": BUCKETER, "bucket_mb": 1}
     assert split_parallel({"_target_": BUCKETER})[0].trivial
-    with pytest.raises(ValueError, match=r"parallel.plan.cp is not a planner size"):
-        split_parallel({"plan": {"cp": 2}})
+    with pytest.raises(ValueError, match=r"parallel.plan.sp is not a planner size"):
+        split_parallel({"plan": {"sp": 2}})
+    assert split_parallel({"plan": {"pp": 2}})[0].pp == 2
+    assert split_parallel({"plan": {"cp": 2}})[0].cp == 2
     with pytest.raises(ValueError, match=r"parallel.plan.tp must be >= 1, got 0"):
         PlanConfig(tp=0)
 
@@ -209,26 +211,32 @@ def _decreasing(losses: dict[int, float]) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the first test to use recipe_sweep runs it
-def test_hsdp_and_tp_dp_on_4_ranks_follow_ddps_loss_trajectory(tmp_path, recipe_sweep):
+def test_hsdp_tp_dp_and_cp_dp_on_4_ranks_follow_ddps_loss_trajectory(tmp_path, recipe_sweep):
     from tests.test_train_e2e import RECIPE_SWEEP, _losses, _summary, _train
 
     sweep = tmp_path / "sweep"
+    layouts = ["ddp", "hsdp", "tp_dp", "cp_dp"]
     output = _train(
         [
             "-m",
-            "parallel=ddp,hsdp,tp_dp",
+            f"parallel={','.join(layouts)}",
             *FOUR,
             "train.baseline_items_per_s=1000",
+            # Full recomputation under every layout (FSDP2's unshard, tensor-parallel hooks, the
+            # cp all-gather rerun in backward); its gradients are bitwise those without it, so
+            # the trajectories below are still those of the recipe sweep, which does not
+            # recompute.
+            "train.recompute=full",
             f"hydra.sweep.dir={sweep}",
         ],
         tmp_path,
         timeout_s=560,
     )
-    # tp_dp has 2 batch shards (tp pairs read the same batches): its reference is ddp on 2,
-    # job 0 of the recipe sweep (the same steps, micro-batches and model; it is also profiled,
-    # which changes no number).
+    # tp_dp and cp_dp have 2 batch shards (tp and cp pairs read the same batches): their
+    # reference is ddp on 2, job 0 of the recipe sweep (the same steps, micro-batches and model;
+    # it is also profiled, which changes no number).
     assert set(RECIPE_SWEEP[1:]) <= set(FOUR) and RECIPE_SWEEP[0].startswith("parallel=ddp,")
-    runs = {p: sweep / str(i) for i, p in enumerate(["ddp", "hsdp", "tp_dp"])}
+    runs = {p: sweep / str(i) for i, p in enumerate(layouts)}
     losses = {p: _losses(d) for p, d in runs.items()} | {"ddp2": _losses(recipe_sweep[0] / "0")}
     summaries = {p: _summary(d) for p, d in runs.items()}
     assert summaries["hsdp"]["mesh"]["sizes"] | {} == {
@@ -240,23 +248,29 @@ def test_hsdp_and_tp_dp_on_4_ranks_follow_ddps_loss_trajectory(tmp_path, recipe_
         "tp": 1,
     }
     assert summaries["tp_dp"]["mesh"]["groups"] == {"dp": [[0, 2], [1, 3]], "tp": [[0, 1], [2, 3]]}
+    assert summaries["cp_dp"]["mesh"]["groups"] == {"dp": [[0, 2], [1, 3]], "cp": [[0, 1], [2, 3]]}
     assert "ok.fsdp (HSDP)" in summaries["hsdp"]["parallel"]
+    assert "context parallel cp=2 (K/V all-gather)" in summaries["cp_dp"]["parallel"]
+    for summary in summaries.values():
+        assert "recompute=full (2 blocks)" in summary["parallel"]
     for parallel, summary in summaries.items():
         assert (summary["world_size"], summary["steps_run"]) == (4, 8)
         assert _decreasing(losses[parallel]), (parallel, losses[parallel])
         # Scaling efficiency against the given 1-rank throughput: T(4) / (4 x 1000 tok/s).
         expected = summary["items_per_s"] / (4 * 1000)
         assert summary["scaling_efficiency"] == pytest.approx(expected)
-    assert output.count("scaling efficiency") == 3
+    assert output.count("scaling efficiency") == len(layouts)
     # Same initial weights, batches and averaged gradients: the same trajectory up to rounding
     # (measured: hsdp differs from ddp by 0, tp_dp from ddp on 2 ranks by 4.8e-7).
-    for run, reference in (("hsdp", "ddp"), ("tp_dp", "ddp2")):
+    pairs = (("hsdp", "ddp"), ("tp_dp", "ddp2"), ("cp_dp", "ddp2"))
+    for run, reference in pairs:
         gap = max(abs(losses[run][s] - losses[reference][s]) for s in losses[reference])
         print(f"{run} vs {reference}: max |loss difference| {gap:.2e}")
-    assert losses["hsdp"] == pytest.approx(losses["ddp"], abs=1e-4)
-    assert losses["tp_dp"] == pytest.approx(losses["ddp2"], abs=1e-4)
+    for run, reference in pairs:
+        assert losses[run] == pytest.approx(losses[reference], abs=1e-4), run
     # Not vacuous: on 4 data shards (ddp on 4 ranks) the trajectory is another one.
     assert losses["tp_dp"][8] != pytest.approx(losses["ddp"][8], abs=1e-3)
+    assert losses["cp_dp"][8] != pytest.approx(losses["ddp"][8], abs=1e-3)
 
 
 @pytest.mark.slow

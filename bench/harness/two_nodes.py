@@ -13,7 +13,8 @@ through ``lo``.
 Namespace and link names carry this process's id, so parallel or leftover runs never collide.
 Everything is removed on exit: on success, on exceptions, and on SIGTERM/SIGHUP (turned into
 SystemExit so that ``finally`` runs). A run killed outright (SIGKILL) cannot clean up; the next
-one removes the namespaces whose process id is no longer alive (``remove_stale_namespaces``).
+one removes the namespaces whose process id is no longer alive, and what still runs in them
+(``remove_stale_namespaces``, with the Slurm test cluster's helper: ``bench.harness.netns``).
 The torchrun processes are killed by their process group, which this module created.
 """
 
@@ -33,8 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.harness import netns
+
 _SUBNET = "10.231.0"
-_OURS = re.compile(r"^ovk(?P<pid>\d+)[ab]$")
+_OURS = re.compile(r"ovk(?P<pid>\d+)[ab]")
 _RDZV_PORT = 29400
 
 
@@ -57,28 +60,10 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        pass
-    return True
-
-
 def remove_stale_namespaces() -> list[str]:
     """Delete the namespaces a killed ``TwoNodes`` left (``ovk<pid>a``/``b`` whose process is
-    gone; deleting a namespace deletes its veth end and the pair). Returns the names removed."""
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
-    stale = [
-        name
-        for name in (line.split()[0] for line in listing.stdout.splitlines() if line.strip())
-        if (match := _OURS.match(name)) and not _pid_alive(int(match["pid"]))
-    ]
-    for name in stale:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-    return stale
+    gone, and the processes still inside them: ``bench.harness.netns``). Returns their names."""
+    return netns.remove_stale_namespaces(_OURS)
 
 
 def _run(command: Sequence[str]) -> None:

@@ -1,11 +1,13 @@
 """The auto-planner: which layout to train a model with on a topology.
 
 A model description (``model_spec``, ``models``), its memory (``memory``) and step time
-(``step_time``, ``gemm``, ``compute``) per layout as a framework runs it (``framework``), the
+(``step_time``, ``gemm``, ``compute``) per layout as a framework runs it (``framework``: which
+layouts it runs, how it splits them; ``selective``: what its selective recomputation costs), the
 search over every layout (``search``, ``settings``, ``candidate``, priced per group shape by
-``group_costs``), ``ok.plan(..., auto=True)`` (``auto``), its check against published training runs
-(``published_runs``) and the hand-off of the winner (``run_config``). It sits above placement
-(``overlapkit.planner``) and the cost model (``overlapkit.cost``).
+``group_costs``; the user's pins: ``pins``), ``ok.plan(..., auto=True)`` (``auto``), its check
+against published training runs (``published_runs``) and the hand-off of the winner
+(``run_config``). It sits above placement (``overlapkit.planner``) and the cost model
+(``overlapkit.cost``).
 """
 
 from overlapkit.autoplan.auto import AutoPlan, auto_plan, plan

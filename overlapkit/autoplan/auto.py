@@ -6,8 +6,11 @@ auto-planner (``autoplan.search``): every layout of the model on the topology, p
 ranked by predicted step time; the best is placed on the topology's rank grid and returned as a
 ``Placement`` whose ``training`` holds the whole choice (micro-batching, interleaving,
 recomputation, sharding) and whose ``workload`` the model and micro-batching, so
-``plan.device_mesh()`` and ``plan.explain()`` work as for a manual plan. Under ``auto`` a size
-left unset is free; one that is given constrains the search.
+``plan.device_mesh()`` and ``plan.explain()`` work as for a manual plan. Under ``auto`` a choice
+left unset is free; one that is given (a size, ``micro_batch``, ``virtual_stages``,
+``recompute`` / ``recompute_layers``, ``sharding`` / ``dp_shard``: ``autoplan.pins``) constrains
+the search. ``framework=`` (a name or a ``Framework``) says what runs the layouts: only what it
+runs is searched, priced as it runs it; ``attention="softmax"`` prices attention without flash.
 
 Sizes follow ``ok.plan``'s convention: ``world = pp x dp x ep x cp x tp``; Megatron-LM's and
 torchtitan's data-parallel size is ``dp x ep`` (``planner.layout``).
@@ -20,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlapkit.autoplan.candidate import Candidate, SearchResult
-from overlapkit.autoplan.memory import BF16, PRECISIONS, Precision
+from overlapkit.autoplan.framework import Framework
+from overlapkit.autoplan.memory import PRECISIONS, Precision
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.models import load_model
+from overlapkit.autoplan.pins import PIN_KEYS
 from overlapkit.autoplan.search import search
-from overlapkit.autoplan.settings import SearchSettings, with_memory
+from overlapkit.autoplan.settings import SearchSettings, flash_attention_of, with_memory
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.planner.placement import Placement
 from overlapkit.planner.placement import plan as place
@@ -44,6 +49,11 @@ class AutoPlan:
     global_batch: int
     settings: SearchSettings
     """What the search assumed (precision, achievable fraction, framework)."""
+    model_source: str | None = None
+    """What ``model`` was loaded from (a built-in name, a config.json path, a ``gpt:`` shape);
+    None for a ``ModelSpec`` passed in."""
+    gpu_memory_gb: float | None = None
+    """The GPU memory the caller set (None: the topology's)."""
 
     @property
     def best(self) -> Candidate:
@@ -89,25 +99,43 @@ def auto_plan(
     global_batch: int,
     seq_len: int,
     fixed: dict | None = None,
-    precision: str | Precision = BF16,
+    precision: str | Precision | None = None,
     gpu_memory_gb: float | None = None,
     candidates: int = 5,
     settings: SearchSettings | None = None,
+    attention: str | None = None,
+    framework: str | Framework | None = None,
+    achievable: float | None = None,
 ) -> AutoPlan:
     """Search the layouts of ``model`` on ``topology`` and place the best (see module doc).
 
+    ``precision`` (``bf16``, ``fp8``, ...), ``attention`` (``flash``, ``softmax``),
+    ``framework`` (a name in ``autoplan.framework.FRAMEWORKS`` or a ``Framework``) and
+    ``achievable`` (fraction of the dense peak) replace those of ``settings`` when given.
+
     Raises:
         PlanSearchError: no layout fits, the batch divides no layout, fixed sizes that do not
-            divide the world (a ValueError naming the value).
-        ValueError / FileNotFoundError: a bad model name or config.json.
+            divide the world, a pin the framework does not run (a ValueError naming it).
+        ValueError / FileNotFoundError: a bad model name or config.json, a bad setting.
     """
-    spec = model if isinstance(model, ModelSpec) else load_model(model)
-    if isinstance(precision, str):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r}; valid: {', '.join(PRECISIONS)}")
-        precision = PRECISIONS[precision]
+    spec = model if isinstance(model, ModelSpec) else load_model(model, seq_len=seq_len)
+    changes: dict = {}
+    if precision is not None:
+        if isinstance(precision, str):
+            if precision not in PRECISIONS:
+                raise ValueError(f"precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+            precision = PRECISIONS[precision]
+        changes["precision"] = precision
+    if attention is not None:
+        changes["flash_attention"] = flash_attention_of(attention)
+    if framework is not None:
+        changes["framework"] = framework
+    if achievable is not None:
+        if isinstance(achievable, bool) or not 0 < achievable <= 1:
+            raise ValueError(f"--achievable must be in (0, 1], got {achievable!r}")
+        changes["achievable"] = achievable
     topology = with_memory(topology, gpu_memory_gb)
-    settings = settings or SearchSettings(precision=precision)
+    settings = dataclasses.replace(settings or SearchSettings(), **changes)
     result = search(
         topology,
         spec,
@@ -118,7 +146,18 @@ def auto_plan(
         candidates=candidates,
     )
     placement = place_layout(topology, spec, result.best.layout, seq_len)
-    return AutoPlan(spec, topology, result, placement, seq_len, global_batch, settings)
+    source = None if isinstance(model, ModelSpec) else str(model)
+    return AutoPlan(
+        spec,
+        topology,
+        result,
+        placement,
+        seq_len,
+        global_batch,
+        settings,
+        model_source=source,
+        gpu_memory_gb=gpu_memory_gb,
+    )
 
 
 def plan(
@@ -142,9 +181,14 @@ def plan(
     """Place parallel sizes on ``topology``, or choose them for a model (``auto=True``).
 
     Without ``auto`` this is ``planner.placement.plan`` (unset sizes are 1, ``dp`` what is
-    left). With ``auto``, ``model``, ``global_batch`` (sequences per step) and ``seq_len`` are
-    required; unset sizes are searched, set ones fixed; ``auto_options`` go to ``auto_plan``
-    (``precision``, ``gpu_memory_gb``, ``candidates``, ``recompute`` and ``micro_batch`` to fix).
+    left). With ``auto``, ``model`` (a built-in name, a config.json, a ``gpt:`` shape or a
+    ``ModelSpec``), ``global_batch`` (sequences per step) and ``seq_len`` are required; unset
+    choices are searched, set ones pinned: the sizes, ``dp_shard`` and, in ``auto_options``,
+    ``micro_batch``, ``virtual_stages``, ``recompute`` (``none``, ``selective``, ``full``,
+    ``full:K``, ``full:all``), ``recompute_layers`` (K layers of each pipeline stage, or
+    ``"all"``) and ``sharding`` (``autoplan.pins``). The other ``auto_options`` go to
+    ``auto_plan``: ``framework``, ``attention``, ``precision``, ``gpu_memory_gb``,
+    ``achievable``, ``candidates``, ``settings``.
 
     Returns:
         Placement: with ``auto``, the best layout's, ``training`` set to it.
@@ -186,11 +230,8 @@ def plan(
     if order is not None or workload is not None:
         raise ValueError("order= and workload= are chosen by the planner under auto=True")
     fixed = {k: v for k, v in sizes.items() if v is not None and v != -1}
-    for key in ("recompute", "micro_batch", "sharding", "virtual_stages"):
-        if key in auto_options:
-            fixed[key] = auto_options.pop(key)
-    if dp_shard is not None:
-        fixed |= {"sharding": "hsdp", "dp_shard": dp_shard}
+    fixed |= {k: auto_options.pop(k) for k in PIN_KEYS if k in auto_options}
+    fixed["dp_shard"] = dp_shard
     return auto_plan(
         topology,
         model,

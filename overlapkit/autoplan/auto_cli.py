@@ -1,47 +1,50 @@
-"""``overlapkit plan --auto``: the ranked table, why the winner wins, how to run it; and the same
-judgment of manual plans (``overlapkit plan --tp 16`` on 8-GPU nodes, a slow or unfitting layout).
+"""``overlapkit plan --auto``: the ranked table, why the winner wins, how to run it and how to
+pin it; and ``--validate``, the check against published runs.
 
-The JSON document (keys fixed; extra keys are fine)::
+The JSON document's stable keys are listed in docs/json-contracts.md (``plan --auto``)::
 
     {"candidates": [{"dims": {"tp", "pp", "dp", "cp", "ep"}, "micro_batch", "num_micro_batches",
-                     "virtual_stages", "recompute", "sharding", "step_time_s",
-                     "tokens_per_s_per_gpu", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
-                     "mfu", "memory_gb_per_gpu", "fits", "breakdown": {...}}, ...],
-     "search_s", "searched", "warnings": [...], ...}
+                     "virtual_stages", "recompute", "recompute_layers", "sharding", "dp_shard",
+                     "step_time_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu",
+                     "hardware_tflops_per_gpu", "mfu", "memory_gb_per_gpu", "fits",
+                     "breakdown": {...}}, ...],
+     "framework", "attention", "precision", "search_s", "searched", "warnings": [...],
+     "run": {"plan_call", "plan_command", "device_mesh", ...}, ...}
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
 from overlapkit.autoplan.auto import AutoPlan, auto_plan
 from overlapkit.autoplan.candidate import Candidate, memory_text
-from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
-from overlapkit.autoplan.group_costs import domain_size
-from overlapkit.autoplan.memory import PRECISIONS
-from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.autoplan.models import load_model
-from overlapkit.autoplan.published_runs import render_run_checks, validate
-from overlapkit.autoplan.run_config import (
-    TRAIN_MODELS,
-    torchtitan_config,
-    train_lacks,
-    train_overrides,
+from overlapkit.autoplan.framework import (
+    FRAMEWORKS,
+    OVERLAPKIT_TRAIN,
+    TORCHTITAN,
+    framework_named,
 )
-from overlapkit.autoplan.search import TIE, price, search
-from overlapkit.autoplan.settings import PlanSearchError, SearchSettings, with_memory
+from overlapkit.autoplan.layout_warnings import layout_warnings
+from overlapkit.autoplan.memory import PRECISIONS
+from overlapkit.autoplan.models import GPT_SPEC
+from overlapkit.autoplan.pins import (
+    RECOMPUTE_SPELLING,
+    plan_call,
+    plan_command,
+    recompute_text,
+)
+from overlapkit.autoplan.published_runs import render_run_checks, validate
+from overlapkit.autoplan.run_config import TRAIN_MODELS, priced_as, train_overrides
+from overlapkit.autoplan.search import TIE
+from overlapkit.autoplan.settings import ATTENTION, SearchSettings, flash_attention_of
+from overlapkit.autoplan.torchtitan import torchtitan_run
 from overlapkit.planner.explain import where
-from overlapkit.planner.layout import TrainingLayout
-from overlapkit.planner.placement import Placement, PlacementError
-from overlapkit.planner.placement import plan as place
+from overlapkit.planner.layout import SHARDING, TrainingLayout
 from overlapkit.topology.model import Topology
 from overlapkit.topology.units import format_seconds
 
-SLOW_FACTOR = 1.5
-"""A manual layout predicted this much slower than the best gets a warning."""
 TIME_PARTS = (
     ("compute", "compute_s"),
     ("tp", "tp_s"),
@@ -58,16 +61,47 @@ TIME_PARTS = (
 def add_auto_arguments(
     parser: argparse.ArgumentParser, source: argparse._MutuallyExclusiveGroup
 ) -> None:
-    """The ``--auto`` options of ``overlapkit plan``; ``--validate`` replaces the topology."""
-    auto = parser.add_argument_group("auto-planner (--auto)")
+    """The ``--auto`` options of ``overlapkit plan``; ``--validate`` replaces the topology.
+
+    The choices are checked by the planner (one line naming a bad value), not by argparse.
+    """
+    auto = parser.add_argument_group("auto-planner (--auto; each choice given is pinned)")
     auto.add_argument(
         "--auto",
         action="store_true",
         help="choose tp/pp/dp/cp/ep, micro-batching, recomputation and sharding for --model",
     )
-    auto.add_argument("--model", metavar="NAME|config.json", help="llama3-8b, ..., or a config")
+    auto.add_argument(
+        "--model",
+        metavar="NAME|config.json|gpt:...",
+        help=f"llama3-8b, ..., a Hugging Face config.json, or a Megatron GPT as {GPT_SPEC}",
+    )
     auto.add_argument("--global-batch", type=int, metavar="B", help="sequences per step")
-    auto.add_argument("--recompute", choices=("none", "selective", "full"), help="fix it")
+    auto.add_argument(
+        "--recompute",
+        metavar=RECOMPUTE_SPELLING,
+        help="pin recomputation; full: the search chooses how many layers of each pipeline "
+        "stage, full:K pins K of them, full:all every layer",
+    )
+    auto.add_argument(
+        "--sharding",
+        metavar="|".join(SHARDING),
+        help="pin the data-parallel sharding (hsdp: with --dp-shard, or searched)",
+    )
+    auto.add_argument(
+        "--virtual-stages", type=int, metavar="V", help="pin interleaving (1: plain 1F1B)"
+    )
+    auto.add_argument(
+        "--attention",
+        metavar="|".join(ATTENTION),
+        help="price attention as flash attention (default) or the softmax materialised",
+    )
+    auto.add_argument(
+        "--framework",
+        metavar="|".join(FRAMEWORKS),
+        help="what runs the layouts: only what it runs is searched, priced as it runs it "
+        "(default megatron)",
+    )
     auto.add_argument(
         "--gpu-memory-gb", type=float, metavar="G", help="GPU memory (the preset's by default)"
     )
@@ -91,17 +125,44 @@ def add_auto_arguments(
 
 
 def fixed_from_args(args: argparse.Namespace) -> dict:
-    """The sizes and choices the user fixed (unset ones are free under --auto)."""
+    """The choices the user pinned (``autoplan.pins``; unset ones are free under --auto)."""
     fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp", "ep") if getattr(args, k) is not None}
     if args.dp is not None and args.dp != -1:
         fixed["dp"] = args.dp
-    if args.dp_shard is not None:
-        fixed |= {"sharding": "hsdp", "dp_shard": args.dp_shard}
-    if args.recompute is not None:
-        fixed["recompute"] = args.recompute
-    if args.micro_batch is not None:
-        fixed["micro_batch"] = args.micro_batch
-    return fixed
+    return fixed | choices_from_args(args)
+
+
+def choices_from_args(args: argparse.Namespace) -> dict:
+    """The pins beyond the parallel sizes: micro-batch, interleaving, recomputation, sharding."""
+    choices = {
+        "dp_shard": args.dp_shard,
+        "micro_batch": args.micro_batch,
+        "virtual_stages": args.virtual_stages,
+        "recompute": args.recompute,
+        "sharding": args.sharding,
+    }
+    return {k: v for k, v in choices.items() if v is not None}
+
+
+def settings_from_args(args: argparse.Namespace) -> SearchSettings:
+    """``--precision``, ``--attention``, ``--framework`` and ``--achievable`` as settings.
+
+    Raises:
+        ValueError: a bad value, naming the flag.
+    """
+    if args.achievable is not None and not 0 < args.achievable <= 1:
+        raise ValueError(f"--achievable must be in (0, 1], got {args.achievable}")
+    try:
+        framework = framework_named(args.framework or "megatron")
+        flash = flash_attention_of(args.attention or "flash")
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
+    return SearchSettings(
+        precision=PRECISIONS[args.precision],
+        flash_attention=flash,
+        framework=framework,
+        achievable=args.achievable,
+    )
 
 
 def run_validation(args: argparse.Namespace) -> int:
@@ -132,8 +193,6 @@ def run_auto(args: argparse.Namespace, topology: Topology) -> int:
         raise ValueError(f"plan --auto needs {', '.join(missing)}")
     start = time.perf_counter()
     fixed = fixed_from_args(args)
-    if args.achievable is not None and not 0 < args.achievable <= 1:
-        raise ValueError(f"--achievable must be in (0, 1], got {args.achievable}")
     answer = auto_plan(
         topology,
         args.model,
@@ -142,29 +201,36 @@ def run_auto(args: argparse.Namespace, topology: Topology) -> int:
         fixed=fixed,
         gpu_memory_gb=args.gpu_memory_gb,
         candidates=args.candidates,
-        settings=SearchSettings(precision=PRECISIONS[args.precision], achievable=args.achievable),
+        settings=settings_from_args(args),
     )
-    warnings = layout_warnings(answer.topology, answer.model, answer.best, fixed, args.precision)
+    warnings = layout_warnings(answer.topology, answer.model, answer.best, fixed, answer.settings)
+    run = run_instructions(answer, topology=args.topology, fabric=args.fabric)
     elapsed = time.perf_counter() - start
     if args.json:
-        print(json.dumps(auto_dict(answer, warnings, elapsed), indent=2))
+        print(json.dumps(auto_dict(answer, warnings, elapsed, run), indent=2))
     else:
-        print(render_auto(answer, warnings, elapsed))
+        print(render_auto(answer, warnings, elapsed, run))
     return 0
 
 
-def auto_dict(answer: AutoPlan, warnings: list[str], elapsed_s: float) -> dict:
+def auto_dict(answer: AutoPlan, warnings: list[str], elapsed_s: float, run: dict) -> dict:
+    """``overlapkit plan --auto --json`` (docs/json-contracts.md)."""
     result = answer.result
     placement = answer.placement
+    settings = answer.settings
     return {
         "candidates": [c.to_dict() for c in result.candidates],
+        "framework": settings.framework.name,
+        "attention": settings.attention,
+        "precision": settings.precision.name,
         "search_s": result.search_s,
         "searched": result.searched,
         "timed": result.timed,
+        "refused": result.refused,
         "cost_model_estimates": result.estimates,
         "elapsed_s": elapsed_s,
         "warnings": warnings,
-        "model": answer.model.to_dict(),
+        "model": answer.model.to_dict() | {"source": answer.model_source},
         "topology": answer.topology.name,
         "world_size": answer.topology.world_size,
         "fixed": result.fixed,
@@ -173,65 +239,81 @@ def auto_dict(answer: AutoPlan, warnings: list[str], elapsed_s: float) -> dict:
             "shape": list(placement.shape),
             "where": {axis: where(placement, axis) for axis in placement.sizes},
         },
-        "run": run_instructions(answer),
+        "run": run,
     }
 
 
-def run_instructions(answer: AutoPlan) -> dict:
-    """How to run the best layout: overlapkit-train overrides, or a mesh and torchtitan config."""
-    layout = answer.best.layout
-    topology = answer.topology
-    lacks = train_lacks(layout)
-    # The sizes the user fixed go in too: without them ok.plan would search them freely.
-    fixed = "".join(
-        f", {key}={value!r}"
-        for key, value in answer.result.fixed.items()
-        if key != "recompute_layers"
-    )
-    out: dict = {
-        "mesh_dim_names": list(answer.placement.mesh_dim_names),
-        "device_mesh": (
-            f"ok.plan(ok.load_topology({topology.name!r}), model={answer.model.name!r}, "
-            f"global_batch={answer.global_batch}, seq_len={answer.seq_len}{fixed}, auto=True)"
-            ".device_mesh()"
-        ),
-        "overlapkit_train_lacks": lacks,
-        "torchtitan": torchtitan_config(
-            layout, seq_len=answer.seq_len, global_batch=answer.global_batch
-        ),
-    }
-    if not lacks:
-        overrides = train_overrides(
-            layout,
-            topology=topology.name,
-            nodes=topology.num_nodes,
-            ranks_per_node=len(topology.nodes()[0]),
-            model=answer.model.name,
-        )
-        out["overlapkit_train"] = ["overlapkit-train", *overrides]
-        if layout.tp > 1:
-            out["overlapkit_train_predicted"] = train_prediction(answer)
+def setting_pins(answer: AutoPlan) -> dict:
+    """The settings the search ran under, as ``ok.plan`` keywords (the defaults of precision,
+    GPU memory and achievable fraction left out)."""
+    settings = answer.settings
+    out: dict = {"attention": settings.attention, "framework": settings.framework.name}
+    if settings.precision.name != "bf16":
+        out["precision"] = settings.precision.name
+    if answer.gpu_memory_gb is not None:
+        out["gpu_memory_gb"] = answer.gpu_memory_gb
+    if settings.achievable is not None:
+        out["achievable"] = settings.achievable
     return out
 
 
-def train_prediction(answer: AutoPlan) -> dict:
-    """The best layout priced as overlapkit-train runs it (``autoplan.framework``): under tp
-    its embeddings and head stay whole on every rank, and all-reduces replace sequence
-    parallelism's gathers and scatters. Seconds, GB (1e9 bytes)."""
-    settings = dataclasses.replace(answer.settings, framework=OVERLAPKIT_TRAIN)
-    candidate = price(
-        answer.topology,
-        answer.model,
-        answer.best.layout,
-        seq_len=answer.seq_len,
-        settings=settings,
-    )
-    return {
-        "framework": OVERLAPKIT_TRAIN.name,
-        "step_time_s": candidate.step.step_s,
-        "memory_gb_per_gpu": candidate.memory.total / 1e9,
-        "fits": candidate.fits,
+def run_instructions(
+    answer: AutoPlan, *, topology: str | None = None, fabric: str | None = None
+) -> dict:
+    """How to run the best layout and how to price exactly it again.
+
+    ``plan_call`` / ``plan_command``: the ``ok.plan(..., auto=True)`` call and the ``overlapkit
+    plan --auto`` command with every choice of the best pinned (``topology``: what
+    ``load_topology`` was given, its name by default); its mesh; the ``torchtitan.train``
+    arguments (``autoplan.torchtitan``) and, under another framework, the layout priced as
+    torchtitan runs it; overlapkit-train overrides where overlapkit-train runs it.
+    """
+    layout = answer.best.layout
+    topo = answer.topology
+    where_from = dict(topology=topology or topo.name, fabric=fabric)
+    batch = dict(global_batch=answer.global_batch, seq_len=answer.seq_len)
+    settings = setting_pins(answer)
+    call = plan_call(layout, model=answer.model_source, settings=settings, **where_from, **batch)
+    lacks = OVERLAPKIT_TRAIN.lacks(layout)
+    out: dict = {
+        "plan_call": call,
+        "plan_command": plan_command(
+            layout,
+            model=answer.model_source or answer.model.name,
+            settings=settings,
+            **where_from,
+            **batch,
+        ),
+        "mesh_dim_names": list(answer.placement.mesh_dim_names),
+        "device_mesh": f"{call}.device_mesh()",
+        "overlapkit_train_lacks": lacks,
+        "torchtitan": torchtitan_run(
+            layout,
+            answer.model,
+            precision=answer.settings.precision.name,
+            placement=answer.placement,
+            **batch,
+        ).to_dict(),
     }
+    if answer.settings.framework != TORCHTITAN:
+        refused = TORCHTITAN.lacks(layout)
+        out["torchtitan_predicted"] = (
+            {"framework": TORCHTITAN.name, "lacks": refused}
+            if refused
+            else priced_as(answer, TORCHTITAN)
+        )
+    if not lacks:
+        overrides = train_overrides(
+            layout,
+            topology=topo.name,
+            nodes=topo.num_nodes,
+            ranks_per_node=len(topo.nodes()[0]),
+            model=answer.model.name,
+        )
+        out["overlapkit_train"] = ["overlapkit-train", *overrides]
+        if layout.tp > 1 and answer.settings.framework != OVERLAPKIT_TRAIN:
+            out["overlapkit_train_predicted"] = priced_as(answer, OVERLAPKIT_TRAIN)
+    return out
 
 
 def _cell_dims(layout: TrainingLayout) -> str:
@@ -284,15 +366,27 @@ def why_best(ranked: list[Candidate]) -> list[str]:
     return lines
 
 
-def render_auto(answer: AutoPlan, warnings: list[str], elapsed_s: float) -> str:
+def render_auto(
+    answer: AutoPlan, warnings: list[str], elapsed_s: float, run: dict | None = None
+) -> str:
+    """The ``overlapkit plan --auto`` report (``run``: ``run_instructions(answer)``)."""
     result = answer.result
     topology = answer.topology
+    settings = answer.settings
+    run = run or run_instructions(answer)
+    refused = (
+        f", {result.refused} more that {settings.framework.name} does not run left out"
+        if result.refused
+        else ""
+    )
     lines = [
         f"auto-plan {answer.model.describe()}",
         f"on {topology.name}: {topology.world_size} GPUs "
         f"({answer.best.memory_limit / 1e9:.3g} GB each), global batch {answer.global_batch} x "
         f"{answer.seq_len} tokens; searched {result.searched} layouts ({result.timed} timed, "
-        f"{result.estimates} cost-model estimates) in {result.search_s:.2f} s",
+        f"{result.estimates} cost-model estimates{refused}) in {result.search_s:.2f} s",
+        f"as {settings.framework.name} runs them, {settings.attention} attention, "
+        f"{settings.precision.name}",
         "",
     ]
     header = ["#", "dims", "mb x m", "v", "recompute", "sharding", "step s", "tok/s/GPU"]
@@ -301,19 +395,18 @@ def render_auto(answer: AutoPlan, warnings: list[str], elapsed_s: float) -> str:
     for i, c in enumerate(result.candidates, 1):
         lay = c.layout
         shard = f"hsdp/{lay.dp_shard}" if lay.sharding == "hsdp" else lay.sharding
-        recompute = lay.recompute + (
-            f"({lay.recompute_layers})" if lay.recompute_layers is not None else ""
-        )
         rows.append(
             [
                 str(i),
                 _cell_dims(lay),
                 f"{lay.micro_batch}x{lay.num_micro_batches}",
                 str(lay.virtual_stages),
-                recompute,
+                recompute_text(lay),
                 shard,
                 f"{c.step.step_s:.4g}",
-                f"{c.tokens_per_s_per_gpu:.4g}",
+                f"{c.tokens_per_s_per_gpu:.4g}"
+                if c.tokens_per_s_per_gpu < 1e4
+                else f"{c.tokens_per_s_per_gpu:.0f}",
                 f"{c.mfu:.1%}",
                 f"{c.memory.total / 1e9:.3g}",
                 "yes" if c.fits else "NO",
@@ -333,8 +426,11 @@ def render_auto(answer: AutoPlan, warnings: list[str], elapsed_s: float) -> str:
         )
     )
     lines += [f"warning: {w}" for w in warnings]
-    run = run_instructions(answer)
-    lines.append("")
+    lines += [
+        "",
+        "#1 pinned (prices exactly it): " + " ".join(run["plan_command"]),
+        f"  from Python: plan = {run['plan_call']}",
+    ]
     if "overlapkit_train" in run:
         lines.append("run it: " + " ".join(run["overlapkit_train"]))
         if "overlapkit_train_predicted" in run:
@@ -357,141 +453,35 @@ def render_auto(answer: AutoPlan, warnings: list[str], elapsed_s: float) -> str:
             "overlapkit-train lacks " + ", ".join(run["overlapkit_train_lacks"]) + "; run it "
             "with the planner's DeviceMesh (dims " + ", ".join(run["mesh_dim_names"]) + "):"
         )
-        lines.append(f"  mesh = {run['device_mesh']}")
-        lines.append("  or a torchtitan job config:")
-        lines += ["    " + line for line in run["torchtitan"].splitlines()]
+        lines.append("  mesh = plan.device_mesh()")
+        lines.append("  or search only what overlapkit-train runs: --framework overlapkit-train")
+    lines += torchtitan_lines(answer, run)
     lines.append(f"({elapsed_s:.2f} s)")
     return "\n".join(lines)
 
 
-def layout_warnings(
-    topology: Topology,
-    model: ModelSpec | None,
-    chosen: Candidate | None,
-    fixed: dict,
-    precision: str = "bf16",
-) -> list[str]:
-    """Warnings for a layout the user fixed: tp over the network, slow, or not fitting."""
-    out = []
-    if chosen is None:
-        return out
-    layout = chosen.layout
-    domain = domain_size(topology)
-    if layout.tp > domain:
-        out.append(
-            f"tp={layout.tp} spans {layout.tp // domain} scale-up domains of {domain}: its "
-            f"collectives cross the network, {format_seconds(chosen.step.tp_s)} of exposed tp "
-            f"communication per step predicted"
+def torchtitan_lines(answer: AutoPlan, run: dict) -> list[str]:
+    """The torchtitan launch of the best layout, what of it does not transfer, and (under
+    another framework) its price as torchtitan runs it."""
+    titan = run["torchtitan"]
+    topology = answer.topology
+    launch = (
+        f"torchrun --nnodes {topology.num_nodes} --nproc-per-node {len(topology.nodes()[0])} "
+        "-m torchtitan.train"
+    )
+    lines = [f"or with torchtitan {titan['version']}: {launch} " + " ".join(titan["args"])]
+    predicted = run.get("torchtitan_predicted")
+    if predicted and "lacks" in predicted:
+        lines.append(
+            "  priced as torchtitan runs it: not searched, --framework torchtitan does not run "
+            + ", ".join(predicted["lacks"])
         )
-    if not chosen.fits:
-        out.append(
-            f"predicted not to fit: {chosen.memory.total / 1e9:.3g} GB per GPU of "
-            f"{chosen.memory_limit / 1e9:.3g} ({memory_text(chosen.memory)})"
+    elif predicted:
+        lines.append(
+            f"  as torchtitan runs it (--framework torchtitan): "
+            f"{predicted['step_time_s']:.4g} s per step predicted "
+            f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
+            f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"
+            + ("" if predicted["fits"] else " (does not fit: search with --framework torchtitan)")
         )
-    if model is not None and any(k in fixed for k in ("tp", "pp", "dp", "cp", "ep")):
-        try:
-            free = search(
-                topology,
-                model,
-                global_batch=chosen.layout.global_batch,
-                seq_len=chosen.seq_len,
-                settings=SearchSettings(precision=PRECISIONS[precision]),
-                candidates=1,
-            ).best
-        except PlanSearchError:
-            free = None
-        if free is not None:
-            ratio = chosen.step.step_s / free.step.step_s
-            best = (
-                f"{free.layout.describe()} ({free.step.step_s:.4g} s per step, "
-                f"{free.memory.total / 1e9:.3g} GB per GPU)"
-            )
-            if not chosen.fits and free.fits:
-                out.append(f"the best layout the planner finds that fits: {best}")
-            elif ratio >= SLOW_FACTOR or (layout.tp > domain and ratio > 1 + TIE):
-                out.append(
-                    f"predicted {ratio:.3g}x slower than the best layout the planner finds: {best}"
-                )
-    return out
-
-
-def manual_warnings(args: argparse.Namespace, placement: Placement) -> list[str]:
-    """``overlapkit plan --tp ...`` without --auto: judge the layout as the auto-planner would.
-
-    Always: a tp group over the network. With ``--model`` and ``--global-batch``: slower than
-    ``SLOW_FACTOR`` x the best, or not fitting.
-    """
-    topology = placement.topology
-    sizes = placement.dims
-    domain = domain_size(topology)
-    out = []
-    if args.model is None or args.global_batch is None:
-        if sizes["tp"] > domain:
-            tp = [c for c in placement.collectives() if c.dim == "tp"]
-            total = sum(c.total_s for c in tp)
-            inside = place_inside(placement, domain)
-            note = ""
-            if inside is not None:
-                comm = inside.collectives()
-                inside_s = sum(c.total_s for c in comm if c.dim == "tp")
-                grads_s = sum(c.total_s for c in comm if c.dim == "dp")
-                w = placement.workload
-                note = (
-                    f", {total / inside_s:.3g}x tp={domain} inside a domain for the same "
-                    f"{w.micro_batch * w.microbatches} sequences per step "
-                    f"({format_seconds(inside_s)}, and {format_seconds(grads_s)} of gradient "
-                    f"all-reduce that overlaps backward); better: tp={domain} "
-                    f"dp={inside.dims['dp']} pp={inside.dims['pp']}"
-                )
-            out.append(
-                f"tp={sizes['tp']} spans {sizes['tp'] // domain} scale-up domains of {domain}: its "
-                f"all-reduces cross the network, {format_seconds(total)} per step predicted for "
-                f"{placement.workload.describe()}{note}"
-            )
-        return out
-    model = load_model(args.model)
-    topo = with_memory(topology, args.gpu_memory_gb)
-    fixed = {k: sizes[k] for k in ("tp", "pp", "cp", "ep")} | {"dp": sizes["dp"]}
-    if "dp_shard" in sizes:
-        fixed |= {"sharding": "hsdp", "dp_shard": sizes["dp_shard"]}
-    seq_len = args.seq_len or placement.workload.seq_len
-    chosen = search(
-        topo,
-        model,
-        global_batch=args.global_batch,
-        seq_len=seq_len,
-        fixed=fixed,
-        settings=SearchSettings(precision=PRECISIONS[args.precision]),
-        candidates=1,
-    ).best
-    return layout_warnings(topo, model, chosen, fixed, args.precision)
-
-
-def place_inside(placement: Placement, domain: int) -> Placement | None:
-    """The same world and batch with tp shrunk to one domain, the rest to dp.
-
-    ``tp / domain`` times as many replicas share the step's sequences, so each runs that share
-    of the micro-batches (the workload is per replica). None when the sequences do not split
-    evenly, or the sizes do not place.
-    """
-    sizes = placement.dims
-    factor = sizes["tp"] // domain
-    workload = placement.workload
-    if workload.microbatches % factor == 0:
-        workload = dataclasses.replace(workload, microbatches=workload.microbatches // factor)
-    elif workload.micro_batch % factor == 0:
-        workload = dataclasses.replace(workload, micro_batch=workload.micro_batch // factor)
-    else:
-        return None
-    try:
-        return place(
-            placement.topology,
-            tp=domain,
-            ep=sizes["ep"],
-            cp=sizes["cp"],
-            pp=sizes["pp"],
-            dp=sizes["dp"] * factor,
-            workload=workload,
-        )
-    except PlacementError:
-        return None
+    return lines + [f"  torchtitan: {w}" for w in titan["warnings"]]

@@ -52,6 +52,7 @@ class Candidate:
             "num_micro_batches": lay.num_micro_batches,
             "virtual_stages": lay.virtual_stages,
             "recompute": lay.recompute,
+            "recompute_layers": lay.recompute_layers,
             "sharding": lay.sharding,
             "dp_shard": lay.dp_shard,
             "step_time_s": self.step.step_s,
@@ -78,6 +79,9 @@ class SearchResult:
     estimates: int
     """Cost-model estimates made (the rest came from the per-shape cache)."""
     fixed: dict = field(default_factory=dict)
+    """The pins (``autoplan.pins.check_pins``)."""
+    refused: int = 0
+    """Layouts left out because the framework does not run them (``Framework.refusal``)."""
 
     @property
     def best(self) -> Candidate:

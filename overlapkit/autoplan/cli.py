@@ -10,10 +10,12 @@ import argparse
 
 from overlapkit.autoplan.auto_cli import (
     add_auto_arguments,
-    manual_warnings,
+    choices_from_args,
     run_auto,
     run_validation,
+    settings_from_args,
 )
+from overlapkit.autoplan.layout_warnings import manual_warnings
 from overlapkit.autoplan.models import load_model
 from overlapkit.planner.cli import (
     add_placement_arguments,
@@ -51,9 +53,9 @@ def run_plan(args: argparse.Namespace) -> int:
     topology = topology_from_args(args, group_size=None)
     if args.auto:
         return run_auto(args, topology)
-    shape = None
+    shape = model = None
     if args.model is not None:
-        model = load_model(args.model)
+        model = load_model(args.model, seq_len=args.seq_len)
         shape = {
             "params": float(model.params),
             "layers": model.layers,
@@ -62,5 +64,14 @@ def run_plan(args: argparse.Namespace) -> int:
             "expert_fraction": model.expert_params / model.params if model.is_moe else 0.0,
         }
     placement = placement_from_args(args, topology, workload_from_args(args, shape))
-    show_placement(args, placement, manual_warnings(args, placement))
+    warnings = manual_warnings(
+        placement,
+        model=model,
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        gpu_memory_gb=args.gpu_memory_gb,
+        pins=choices_from_args(args),
+        settings=settings_from_args(args),
+    )
+    show_placement(args, placement, warnings)
     return 0

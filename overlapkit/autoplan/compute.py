@@ -1,20 +1,29 @@
 """How fast a device runs a transformer's FLOPs, and how much communication hides behind them.
 
 **Achievable fraction of peak.** A training step's matrix multiplies and attention run at a
-fraction of the datasheet's dense peak. ``ACHIEVABLE`` holds one default per GPU family: the
-fraction at which a transformer layer's FLOPs run on one GPU when nothing waits on the network.
+fraction of the datasheet's dense peak. ``achievable_fraction`` gives one default per GPU
+family: the fraction at which a transformer layer's FLOPs run on one GPU when nothing waits on
+the network.
 The defaults are the measured best matmul of the family (Stas Bekman's "Maximum Achievable
 Matmul FLOPS" table, ml-engineering ``compute/accelerator/README.md``: A100 SXM 267.9 of 312
 TFLOPS = 85.9 %, H100 SXM 792.1 of 989 = 80.1 %, B200 1745 of 2250 = 77.6 %) times
-``LAYER_OVER_MATMUL``, the share of that a whole layer keeps (norms, activations, softmax,
-launch gaps: kernels that are not large matmuls). ``LAYER_OVER_MATMUL`` is the one number
-fitted to the published runs (``autoplan/data/published_runs.tsv``): it minimises the squared
-log error of the 25 rows whose GPUs the presets describe (the power-capped H100 rows left out;
-``autoplan.published_runs.fit_layer_over_matmul``, rounded to two digits: 0.778 with the
-medium-size cost model, 0.766 before it, whose slower 1-64 MiB collectives it compensates);
+``LAYER_OVER_MATMUL``, the share of that a whole layer keeps beyond what the step model prices
+(small GEMMs' losses and memory-bound kernels are priced: below). ``LAYER_OVER_MATMUL`` is the
+one number fitted to the published runs (``autoplan/data/published_runs.tsv``): it minimises
+the squared log error of the rows marked ``fit``
+(``autoplan.published_runs.fit_layer_over_matmul``: 0.801, rounded to two digits; 0.779 over
+25 rows before the small-layer terms, 0.766 before the medium-size cost model);
 ``overlapkit plan --auto --validate`` prints every run's error with it, and ``--achievable``
 overrides the product (from a measured matmul or step of your own: ``measured_accelerator``
 takes a measured rate as the peak, as ``bench/planner_ranking.py`` does on CPU).
+
+**What small GEMMs and memory-bound kernels get** (``gemm_rates``). That rate is the large
+GEMMs'; ``autoplan.gemm`` takes wave quantization and, on the families whose GEMM kernels run
+one tile per thread block (``SERIAL_TILE_FAMILIES``: A100), the tiles' fixed cost off it.
+Kernels bound by device memory run at ``MEMORY_BANDWIDTH_FRACTION`` of the datasheet
+bandwidth: a read kernel on an A100 SXM4 80GB reached 1.80 of 2.04 TB/s, 88 % by Nsight
+Compute, and the GTC talk that poster cites saw no kernel above about 90 % (NVIDIA developer
+forums, "Trouble to Reach Peak Bandwidth of A100", topic 339083).
 
 **Overlap efficiency.** The share of a compute window that data-parallel (and FSDP)
 communication can hide in: ``OVERLAP_EFFICIENCY`` per collective library. NCCL runs on its own
@@ -25,6 +34,9 @@ overlapkit's benchmarks measured 0.09-0.46 on this project's two-core machine (R
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+from overlapkit.autoplan.gemm import GemmRates, tile_k_overhead
 from overlapkit.topology.accelerator import Accelerator
 
 MATMUL_FRACTION = {
@@ -48,9 +60,22 @@ FP8_MATMUL_FRACTION = {
 }
 DEFAULT_MATMUL_FRACTION = 0.8
 """For a family the table does not list (about H100's)."""
-LAYER_OVER_MATMUL = 0.78
+LAYER_OVER_MATMUL = 0.80
 """A transformer layer's FLOP rate over the best matmul's (fitted, see module doc)."""
 OVERLAP_EFFICIENCY = {"nccl": 0.9, "gloo": 0.2, "ideal": 1.0}
+MEMORY_BANDWIDTH_FRACTION = 0.88
+"""Share of the datasheet memory bandwidth a streaming kernel reaches (see module doc)."""
+SERIAL_TILE_FAMILIES = frozenset({"A100-SXM"})
+"""Families whose cuBLAS GEMM kernels run one output tile per thread block, fill, K loop and
+epilogue in turn (Ampere); Hopper's and Blackwell's are persistent and warp-specialised
+(``autoplan.gemm``), as is assumed for a family not listed."""
+
+
+def matmul_fraction(accelerator: Accelerator, dtype: str = "bf16") -> float:
+    """The family's best measured matmul as a fraction of ``dtype``'s dense peak."""
+    table = FP8_MATMUL_FRACTION if dtype == "fp8" else MATMUL_FRACTION
+    default = MATMUL_FRACTION.get(accelerator.name, DEFAULT_MATMUL_FRACTION)
+    return table.get(accelerator.name, default)
 
 
 def achievable_fraction(
@@ -60,9 +85,34 @@ def achievable_fraction(
 
     ``layer_over_matmul`` replaces the fitted ``LAYER_OVER_MATMUL`` (what its fit varies).
     """
-    table = FP8_MATMUL_FRACTION if dtype == "fp8" else MATMUL_FRACTION
-    default = MATMUL_FRACTION.get(accelerator.name, DEFAULT_MATMUL_FRACTION)
-    return table.get(accelerator.name, default) * layer_over_matmul
+    return matmul_fraction(accelerator, dtype) * layer_over_matmul
+
+
+def achievable_bandwidth(accelerator: Accelerator) -> float | None:
+    """Bytes per second a memory-bound kernel moves (None without a datasheet bandwidth)."""
+    if not accelerator.memory_bandwidth_GBps:
+        return None
+    return accelerator.memory_bandwidth_GBps * 1e9 * MEMORY_BANDWIDTH_FRACTION
+
+
+@lru_cache(maxsize=256)
+def gemm_rates(
+    accelerator: Accelerator, dtype: str, fraction: float, *, element_bytes: int = 2
+) -> GemmRates:
+    """How fast ``accelerator`` runs ``dtype`` GEMMs whose large ones reach ``fraction`` of
+    the dense peak: wave quantization on its SMs, the memory roofline at the achievable
+    bandwidth and, on ``SERIAL_TILE_FAMILIES``, the tiles' fixed cost (``autoplan.gemm``)."""
+    peak = accelerator.peak_tflops(dtype) * 1e12
+    bandwidth = achievable_bandwidth(accelerator)
+    serial = accelerator.name in SERIAL_TILE_FAMILIES and accelerator.sms and bandwidth
+    return GemmRates(
+        flops_per_s=peak * fraction,
+        bytes_per_s=bandwidth,
+        element_bytes=element_bytes,
+        sms=accelerator.sms,
+        k_overhead=tile_k_overhead(peak, bandwidth, element_bytes) if serial else 0.0,
+        best_fraction=matmul_fraction(accelerator, dtype),
+    )
 
 
 def overlap_efficiency(library: str) -> float:

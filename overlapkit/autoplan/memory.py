@@ -16,9 +16,10 @@ and the dropout masks are split over tp only with sequence parallelism (always o
 here); q, k, v, the attention output and the MLP's inner activations are split over tp; the
 attention core (softmax output, its dropout mask and output, ``a x s`` per token) is what
 selective recomputation drops (Korthikanti's definition), and what flash attention never
-stores (it keeps the output and the log-sum-exp); selective recomputation here also rebuilds
-the MLP's activation-function outputs from the kept first projection (Megatron-LM's
-``mlp_act``), which is what it saves once flash attention has removed the core. Full
+stores (it keeps the output and the log-sum-exp). What selective recomputation keeps is the
+framework's policy (``autoplan.selective``): Megatron-LM's also rebuilds the MLP's
+activation-function outputs from the kept first projection (``mlp_act``), which is what it
+saves once flash attention has removed the core. Full
 recomputation keeps only each layer's input, and rebuilds one layer at a time in backward.
 For GPT (``34 + 5as/h`` bytes per token per layer, no parallelism) this gives Korthikanti's
 equations exactly without recomputation, with tensor and sequence parallelism and with full
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.selective import ATTENTION_CORE, SelectiveRecompute
 from overlapkit.planner.layout import TrainingLayout
 
 RESERVED_GB = 2.0
@@ -249,7 +251,9 @@ def activation_bytes_per_token(
     """(split-with-sp, split-over-tp, attention-core) bytes one layer saves per token.
 
     The first part is divided by tp only under sequence parallelism, the other two always;
-    the core is what selective recomputation drops (``a x s`` per token; nothing under flash).
+    the core is what Korthikanti's selective recomputation drops (``a x s`` per token; nothing
+    under flash); what a framework's selective recomputation keeps is its policy's
+    (``autoplan.selective``).
     """
     c = precision.activation_bytes
     h = model.hidden
@@ -286,19 +290,23 @@ def layer_activation_bytes(
     flash_attention: bool,
     moe_layer: bool,
     recompute: str | None = None,
+    selective: SelectiveRecompute = ATTENTION_CORE,
 ) -> float:
-    """Bytes one layer keeps for backward for one micro-batch on one GPU."""
+    """Bytes one layer keeps for backward for one micro-batch on one GPU (``selective``: what
+    selective recomputation keeps, the framework's policy)."""
     return _layer_activation_bytes(
         model,
         layout.micro_batch,
         layout.tp,
         layout.cp,
+        layout.ep,
         layout.sequence_parallel,
         precision,
         seq_len,
         flash_attention,
         moe_layer,
         layout.recompute if recompute is None else recompute,
+        selective,
     )
 
 
@@ -308,40 +316,28 @@ def _layer_activation_bytes(
     micro_batch: int,
     tp: int,
     cp: int,
+    ep: int,
     sequence_parallel: bool,
     precision: Precision,
     seq_len: int,
     flash_attention: bool,
     moe_layer: bool,
     recompute: str,
+    selective: SelectiveRecompute,
 ) -> float:
     tokens = micro_batch * seq_len / cp
     sp_divisor = tp if sequence_parallel else 1
     if recompute == "full":
         return tokens * precision.activation_bytes * model.hidden / sp_divisor
-    sp_part, tp_part, core = activation_bytes_per_token(
+    saved = activation_bytes_per_token(
         model, precision, seq_len=seq_len, flash_attention=flash_attention, moe_layer=moe_layer
     )
     if recompute == "selective":
-        core = 0.0
-        tp_part -= recomputed_activation_bytes(model, precision, moe_layer=moe_layer)
+        saved = selective.kept_bytes_per_token(
+            model, precision.activation_bytes, saved=saved, moe_layer=moe_layer, tp=tp, ep=ep
+        )
+    sp_part, tp_part, core = saved
     return tokens * (sp_part / sp_divisor + (tp_part + core) / tp)
-
-
-def recomputed_activation_bytes(
-    model: ModelSpec, precision: Precision, *, moe_layer: bool
-) -> float:
-    """Per token: what selective recomputation rebuilds in the MLP besides the attention core.
-
-    The activation function's output (and SwiGLU's product) is recomputed from the first
-    projection's output, which is kept: Megatron-LM's ``--recompute-modules`` ``mlp_act`` /
-    ``moe_act``, close to torchtitan's per-op selective checkpointing, which saves matmul
-    outputs and recomputes the elementwise ops.
-    """
-    c = precision.activation_bytes
-    ffn = model.moe_ffn_hidden if moe_layer else model.ffn_hidden
-    copies = model.topk + model.shared_experts if moe_layer else 1
-    return copies * (2 if model.gated_mlp else 1) * c * ffn
 
 
 def in_flight_micro_batches(layout: TrainingLayout) -> float:
@@ -364,11 +360,17 @@ def memory_breakdown(
     fsdp_prefetch: int = 1,
     reserved_gb: float = RESERVED_GB,
     vocab_parallel: bool = True,
+    selective: SelectiveRecompute = ATTENTION_CORE,
+    fsdp_gathered_stage: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory per GPU over the pipeline stages (see module doc), bytes.
 
     ``vocab_parallel``: the embedding, the head and the logits split over tp (Megatron-LM);
-    False: whole on every tp rank (overlapkit-train, ``autoplan.framework``).
+    False: whole on every tp rank (overlapkit-train, ``autoplan.framework``). ``selective``:
+    what selective recomputation keeps (the framework's policy, ``autoplan.selective``).
+    ``fsdp_gathered_stage``: under pp, FSDP keeps the stage's parameters gathered and its
+    gradients unsharded for the whole step (torchtitan, ``Framework``'s
+    ``fsdp_gathered_across_micro_batches``) instead of a block or two at a time.
     """
     stages = {0, layout.pp - 1}
     best: MemoryBreakdown | None = None
@@ -385,6 +387,7 @@ def memory_breakdown(
                 seq_len=seq_len,
                 flash_attention=flash_attention,
                 moe_layer=moe,
+                selective=selective,
             )
             for moe in kinds
         }
@@ -425,7 +428,11 @@ def memory_breakdown(
                 if moe is False or model.is_moe
             )
         buffers = 0.0
-        if layout.sharding in ("fsdp", "hsdp"):
+        if layout.sharding in ("fsdp", "hsdp") and fsdp_gathered_stage and layout.pp > 1:
+            # The whole stage stays gathered, its gradients unsharded in the reduce dtype.
+            whole = params.dense + params.expert
+            buffers += whole * (precision.activation_bytes + precision.fsdp_reduce_bytes)
+        elif layout.sharding in ("fsdp", "hsdp"):
             block = params.dense_layer_max + params.expert_layer_max
             buffers += block * (
                 (1 + fsdp_prefetch) * precision.activation_bytes + precision.fsdp_reduce_bytes

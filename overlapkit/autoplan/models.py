@@ -3,7 +3,9 @@ Megatron-LM GPT described by its shape, or an overlapkit-train model config.
 
 ``from_hf_config`` reads the families ``model_spec.FAMILIES`` lists, field by field as each
 family's modelling code does; the built-in names (``autoplan/data/models.json``) are stored in the
-same config.json form, so both take one path (``load_model``).
+same config.json form, so both take one path (``load_model``). ``load_model`` also takes a
+Megatron-LM GPT by its shape, as papers' tables give it (``GPT_SPEC``:
+``gpt:layers=24,hidden=2304,heads=24``, what ``--model`` and ``ok.plan(model=)`` accept).
 """
 
 from __future__ import annotations
@@ -16,6 +18,24 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from overlapkit.autoplan.model_spec import FAMILIES, ModelSpec
+
+GPT_PREFIX = "gpt:"
+GPT_SPEC = "gpt:layers=..,hidden=..,heads=..[,vocab=..,seq=..,ffn=..,experts=..,topk=..]"
+"""A Megatron-LM GPT by its shape (``gpt_spec``): ``vocab`` 51200, ``seq`` (learned positions)
+the run's sequence length, ``ffn`` 4 x hidden; ``experts`` with ``topk``: every MLP a mixture of
+that many experts of ``ffn``."""
+GPT_FIELDS = {
+    "layers": "layers",
+    "hidden": "hidden",
+    "heads": "heads",
+    "vocab": "vocab_size",
+    "seq": "seq_len",
+    "ffn": "ffn_hidden",
+    "experts": "experts",
+    "topk": "topk",
+}
+"""``gpt:`` keys -> ``gpt_spec`` arguments."""
+DEFAULT_GPT_SEQ_LEN = 2048
 
 
 def _require(config: dict, key: str, where: str, *, default: Any = ...) -> Any:
@@ -140,15 +160,23 @@ def builtin_names() -> list[str]:
     return sorted(_builtin_configs())
 
 
-def load_model(name_or_path: str | Path) -> ModelSpec:
-    """A built-in model by name, or a Hugging Face ``config.json`` file.
+def load_model(name_or_path: str | Path, *, seq_len: int | None = None) -> ModelSpec:
+    """A built-in model by name, a Hugging Face ``config.json`` file or a ``gpt:`` shape.
+
+    Args:
+        name_or_path (str | Path): ``"llama3-8b"``, ``"path/config.json"`` or
+            ``"gpt:layers=24,hidden=2304,heads=24"`` (``GPT_SPEC``).
+        seq_len (int): a ``gpt:`` shape without ``seq=`` gets learned positions for this many
+            tokens (the run's sequence length); 2048 when None. Other models ignore it.
 
     Raises:
         ValueError: an unknown name (the nearest names suggested), a file that is not JSON, a
-            config missing a field.
+            config missing a field, a bad ``gpt:`` shape (the field named).
         FileNotFoundError: a path that does not exist.
     """
     text = str(name_or_path)
+    if text.startswith(GPT_PREFIX):
+        return gpt_from_text(text, seq_len=seq_len or DEFAULT_GPT_SEQ_LEN)
     builtins = _builtin_configs()
     if text in builtins:
         config = builtins[text]
@@ -170,8 +198,48 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     raise ValueError(
         f"unknown model {text!r}.{hint} Built-in: {', '.join(sorted(builtins))}; or pass a "
-        "Hugging Face config.json"
+        f"Hugging Face config.json, or a Megatron GPT as {GPT_SPEC}"
     )
+
+
+def gpt_from_text(text: str, *, seq_len: int = DEFAULT_GPT_SEQ_LEN) -> ModelSpec:
+    """The Megatron GPT ``text`` describes (``GPT_SPEC``), named ``text``.
+
+    Raises:
+        ValueError: an unknown or repeated key, a value that is not an integer >= 1, a missing
+            ``layers`` / ``hidden`` / ``heads``, ``hidden`` not a multiple of ``heads``,
+            ``experts`` without ``topk`` (or the reverse), naming it.
+    """
+    where = f"model {text!r}"
+    values: dict[str, int] = {}
+    for item in text.removeprefix(GPT_PREFIX).split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in GPT_FIELDS:
+            raise ValueError(f"{where}: {item.strip()!r} is not one of {GPT_SPEC}")
+        if key in values:
+            raise ValueError(f"{where}: {key}= is given twice")
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise ValueError(f"{where}: {key} must be an integer >= 1, got {value.strip()!r}")
+        values[key] = number
+    missing = [k for k in ("layers", "hidden", "heads") if k not in values]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(f'{k}=' for k in missing)} ({GPT_SPEC})")
+    if values["hidden"] % values["heads"]:
+        raise ValueError(
+            f"{where}: hidden ({values['hidden']}) must be a multiple of heads ({values['heads']})"
+        )
+    if ("experts" in values) != ("topk" in values):
+        raise ValueError(f"{where}: experts= and topk= go together")
+    args = {GPT_FIELDS[k]: v for k, v in values.items()}
+    args.setdefault("seq_len", seq_len)
+    if "experts" in args:
+        args["expert_hidden"] = args.get("ffn_hidden") or 4 * args["hidden"]
+    return gpt_spec(name=text, **args)
 
 
 def gpt_spec(

@@ -10,6 +10,15 @@ batch and reports how much faster its top choice is predicted to be.
 
 ``overlapkit plan --auto --validate`` prints the table; ``tests/test_published_runs.py`` holds
 the model to ``TOLERANCE``.
+
+**Fit and held-out rows** (``split``, as ``cost/data/published_busbw.tsv`` has it): only ``fit``
+rows set ``LAYER_OVER_MATMUL`` (``fit_layer_over_matmul``); ``held_out`` rows only check it.
+A row whose miss is explained (``expected`` starting ``miss:``) is held out: its error comes
+from what the layer factor does not describe (a GPU below the preset's power, a pipeline
+schedule or an overlap the model lacks), and fitting the factor to it would move every other
+row. Of the rows expected within, each source's are held out and fitted in turn from the
+smallest model up, so the smallest of each source is held out: what brings small models in
+is then the model's terms, not the fit.
 """
 
 from __future__ import annotations
@@ -19,19 +28,19 @@ import io
 import math
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 from overlapkit.autoplan.candidate import Candidate
 from overlapkit.autoplan.compute import LAYER_OVER_MATMUL
 from overlapkit.autoplan.memory import PRECISIONS
 from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.autoplan.models import gpt_spec, load_model
+from overlapkit.autoplan.models import load_model
 from overlapkit.autoplan.search import search
 from overlapkit.autoplan.settings import PlanSearchError, SearchSettings, with_memory
 from overlapkit.topology.loading import load_topology
 
 TOLERANCE = 0.15
-POWER_CAPPED = "miss: power-capped"
-"""``expected`` of a row whose GPUs ran below the preset's power (left out of the factor's fit)."""
+SPLITS = ("fit", "held_out")
 FIXED_FIELDS = (
     "tp",
     "pp",
@@ -66,23 +75,17 @@ class PublishedRun:
     expected: str = "within"
     """``within`` (held to ``TOLERANCE``) or ``miss: ...`` with the evidence for the difference
     (the error itself is printed beside it, as computed)."""
+    split: str = "held_out"
+    """``fit`` (sets ``LAYER_OVER_MATMUL``) or ``held_out`` (only checks it); see module doc."""
 
     @property
     def explained_miss(self) -> bool:
         return self.expected.startswith("miss")
 
     def model_spec(self) -> ModelSpec:
-        """The built-in model, or a Megatron GPT given as ``gpt:layers=..,hidden=..,heads=..``."""
-        if self.model.startswith("gpt:"):
-            fields = dict(item.split("=") for item in self.model[4:].split(","))
-            return gpt_spec(
-                name=self.name,
-                layers=int(fields["layers"]),
-                hidden=int(fields["hidden"]),
-                heads=int(fields["heads"]),
-                seq_len=self.seq_len,
-            )
-        return load_model(self.model)
+        """The built-in model, or a Megatron GPT given as ``gpt:layers=..,hidden=..,heads=..``
+        (``models.GPT_SPEC``, learned positions for the row's sequence length)."""
+        return load_model(self.model, seq_len=self.seq_len)
 
     def published_tokens_per_s_per_gpu(self, model: ModelSpec) -> float:
         """The published throughput in tokens per second per GPU (see module doc)."""
@@ -111,8 +114,8 @@ class PublishedRun:
 
     @property
     def fits_the_layer_factor(self) -> bool:
-        """Whether ``fit_layer_over_matmul`` uses this row: its GPU is the preset's."""
-        return not self.expected.startswith(POWER_CAPPED)
+        """Whether ``fit_layer_over_matmul`` uses this row (``split`` is ``fit``)."""
+        return self.split == "fit"
 
     def settings(self, *, layer_over_matmul: float = LAYER_OVER_MATMUL) -> SearchSettings:
         return SearchSettings(
@@ -150,6 +153,7 @@ class RunCheck:
     def to_dict(self) -> dict:
         return {
             "name": self.run.name,
+            "split": self.run.split,
             "source": self.run.source,
             "quote": self.run.quote,
             "published_tokens_per_s_per_gpu": self.published_tps,
@@ -174,12 +178,22 @@ def _cell(row: dict, key: str):
     return value if key in ("recompute", "sharding") else int(value)
 
 
-def published_runs() -> list[PublishedRun]:
-    """Every row of ``data/published_runs.tsv``."""
-    text = resources.files("overlapkit.autoplan").joinpath("data/published_runs.tsv").read_text()
+def published_runs(path: str | Path | None = None) -> list[PublishedRun]:
+    """Every row of ``data/published_runs.tsv`` (or of the table at ``path``).
+
+    Raises:
+        ValueError: a row whose ``split`` is not one of ``SPLITS``, naming the row.
+    """
+    if path is None:
+        table = resources.files("overlapkit.autoplan").joinpath("data/published_runs.tsv")
+        text = table.read_text()
+    else:
+        text = Path(path).read_text(encoding="utf-8")
     lines = [line for line in text.splitlines() if not line.startswith("#")]
     out = []
     for row in csv.DictReader(io.StringIO("\n".join(lines)), delimiter="\t"):
+        if row["split"] not in SPLITS:
+            raise ValueError(f"{row['name']}: split {row['split']!r} must be one of {SPLITS}")
         fixed = {k: _cell(row, k) for k in FIXED_FIELDS if _cell(row, k) is not None}
         out.append(
             PublishedRun(
@@ -198,6 +212,7 @@ def published_runs() -> list[PublishedRun]:
                 metric=row["metric"],
                 published=float(row["published"]),
                 expected=row["expected"],
+                split=row["split"],
             )
         )
     return out
@@ -213,7 +228,7 @@ def check_run(
     kwargs = dict(global_batch=run.global_batch, seq_len=run.seq_len, settings=settings)
     pinned = dict(run.fixed)
     if pinned.get("recompute") == "full":
-        pinned["recompute_layers"] = model.layers  # the sources recompute every layer
+        pinned["recompute_layers"] = "all"  # the sources recompute every layer
     fixed = search(topology, model, fixed=pinned, candidates=1, **kwargs).best
     free = None
     if free_search:
@@ -238,9 +253,9 @@ def fit_layer_over_matmul(
 ) -> float:
     """``LAYER_OVER_MATMUL`` fitted: least squares on the log error of the published layouts.
 
-    The rows whose GPU the preset does not describe (``expected`` starting with
-    ``POWER_CAPPED``) are left out. Golden-section search to 0.001 on ``[low, high]`` (the loss
-    is unimodal there: every predicted throughput rises with the factor).
+    Only the ``fit`` rows count (a held-out row does not move the factor). Golden-section
+    search to 0.001 on ``[low, high]`` (the loss is unimodal there: every predicted throughput
+    rises with the factor).
     """
     runs = [r for r in (runs or published_runs()) if r.fits_the_layer_factor]
     ratio = (math.sqrt(5) - 1) / 2
@@ -264,22 +279,48 @@ def validate(*, free_search: bool = True) -> list[RunCheck]:
     return [check_run(run, free_search=free_search) for run in published_runs()]
 
 
+def split_summary(checks: list[RunCheck]) -> list[str]:
+    """One line per group of rows (fit; held out, expected within; held out, explained miss):
+    how many, and their mean absolute and largest error."""
+    groups = {
+        "fit": [c for c in checks if c.run.split == "fit"],
+        "held out, expected within": [
+            c for c in checks if c.run.split == "held_out" and not c.run.explained_miss
+        ],
+        "held out, explained miss": [c for c in checks if c.run.explained_miss],
+    }
+    lines = []
+    for label, group in groups.items():
+        if not group:
+            continue
+        errors = [abs(c.error) for c in group]
+        worst = max(group, key=lambda c: abs(c.error))
+        inside = sum(c.within_tolerance for c in group)
+        lines.append(
+            f"{label}: {len(group)} rows, {inside} within ±{TOLERANCE:.0%}, mean |error| "
+            f"{sum(errors) / len(errors):.1%}, largest {worst.error:+.1%} ({worst.run.name})"
+        )
+    return lines
+
+
 def render_run_checks(checks: list[RunCheck]) -> str:
     """The ``overlapkit plan --auto --validate`` table."""
     header = (
-        f"{'run':<34} {'published':>9} {'predicted':>9} {'error':>7} {'fits':>4} "
+        f"{'run':<34} {'split':<8} {'published':>9} {'predicted':>9} {'error':>7} {'fits':>4} "
         f"{'GB':>5}  {'free best (gain)':<12}"
     )
     lines = ["tokens/s per GPU: published (the source's figure, converted) vs predicted", header]
     for c in checks:
         gain = "" if c.free_gain is None else f"{c.free_gain:.2f}x {c.free_best.layout.describe()}"
         lines.append(
-            f"{c.run.name:<34} {c.published_tps:>9.1f} {c.predicted.tokens_per_s_per_gpu:>9.1f} "
-            f"{c.error * 100:>+6.1f}% {'yes' if c.predicted.fits else 'NO':>4} "
+            f"{c.run.name:<34} {c.run.split:<8} {c.published_tps:>9.1f} "
+            f"{c.predicted.tokens_per_s_per_gpu:>9.1f} {c.error * 100:>+6.1f}% "
+            f"{'yes' if c.predicted.fits else 'NO':>4} "
             f"{c.predicted.memory.total / 1e9:>5.1f}  {gain}"
         )
     inside = sum(c.within_tolerance for c in checks)
     lines.append(f"{inside} of {len(checks)} within ±{TOLERANCE:.0%} and predicted to fit.")
+    lines += split_summary(checks)
     lines.append("layouts evaluated (the published sizes; what the source leaves out, searched):")
     lines += [f"  {c.run.name}: {c.predicted.layout.describe()}" for c in checks]
     misses = [c for c in checks if not c.within_tolerance]

@@ -1,41 +1,29 @@
-"""How to run a chosen layout: ``overlapkit-train`` overrides, or a DeviceMesh and a torchtitan
-config where overlapkit-train cannot run it.
+"""How to run a chosen layout: ``overlapkit-train`` overrides (torchtitan's arguments are
+``autoplan.torchtitan``'s), and the layout priced as another framework runs it.
 
 overlapkit-train runs data parallelism with ``ok.ddp`` / ``ok.GradBucketer`` (``parallel=ddp``),
 ``ok.fsdp`` (``parallel=fsdp``) and HSDP (``parallel=hsdp``, ``parallel.plan.dp_shard``), tensor
 parallelism with the bucketer (``parallel=tp_dp``, ``parallel.plan.tp``) and expert parallelism
 with it (``parallel=ep_dp``, ``parallel.plan.ep``); not tensor with expert parallelism together,
 nor tensor parallelism under FSDP (``overlapkit/train/mesh.py`` refuses both). It has no
-context or pipeline parallelism, no activation recomputation and no ZeRO-1/2 optimizer sharding.
-``train.batch_size`` is the micro-batch per rank and ``train.grad_accum`` the micro-batches.
+context or pipeline parallelism, no activation recomputation and no ZeRO-1/2 optimizer sharding:
+what it runs is ``autoplan.framework.OVERLAPKIT_TRAIN``'s ``lacks`` / ``refusal``.
+``train.batch_size`` is the micro-batch per rank and ``train.grad_accum`` the micro-batches; a
+recomputing layout (once the framework runs one) adds ``train.recompute`` and, for full
+recomputation of some layers, ``train.recompute_layers`` (layers of each pipeline stage).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from overlapkit.autoplan.auto import AutoPlan
+from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN, Framework
+from overlapkit.autoplan.search import price
 from overlapkit.planner.layout import TrainingLayout
 
 TRAIN_MODELS = ("gpt_tiny", "moe_tiny", "mlp")
 """overlapkit-train's model zoo (``conf/model``)."""
-
-
-def train_lacks(layout: TrainingLayout) -> list[str]:
-    """What overlapkit-train cannot do of ``layout`` (empty: it runs it)."""
-    lacks = []
-    if layout.cp > 1:
-        lacks.append(f"context parallelism (cp={layout.cp})")
-    if layout.pp > 1:
-        lacks.append(f"pipeline parallelism (pp={layout.pp})")
-    if layout.recompute != "none":
-        lacks.append(f"activation recomputation ({layout.recompute})")
-    if layout.sharding in ("zero1", "zero2"):
-        lacks.append(f"{layout.sharding} optimizer-state sharding")
-    if layout.tp > 1 and layout.ep > 1:
-        lacks.append("tensor and expert parallelism together")
-    if layout.tp > 1 and layout.sharding in ("fsdp", "hsdp"):
-        lacks.append("tensor parallelism under FSDP")
-    if layout.ep > 1 and layout.sharding in ("fsdp", "hsdp"):
-        lacks.append("expert parallelism under FSDP")
-    return lacks
 
 
 def train_overrides(
@@ -45,15 +33,19 @@ def train_overrides(
     nodes: int,
     ranks_per_node: int,
     model: str | None,
+    framework: Framework = OVERLAPKIT_TRAIN,
 ) -> list[str]:
-    """The ``overlapkit-train`` command-line overrides that run ``layout`` (see ``train_lacks``).
+    """The ``overlapkit-train`` command-line overrides that run ``layout``.
+
+    ``framework``: what overlapkit-train runs (``OVERLAPKIT_TRAIN``; a test passes one that
+    runs more, as overlapkit-train will).
 
     Raises:
         ValueError: overlapkit-train cannot run ``layout`` (the message says why).
     """
-    lacks = train_lacks(layout)
-    if lacks:
-        raise ValueError(f"overlapkit-train cannot run this layout: it lacks {', '.join(lacks)}")
+    refusal = framework.refusal(layout)
+    if refusal is not None:
+        raise ValueError(refusal)
     if layout.tp > 1:
         parallel = ["parallel=tp_dp", f"parallel.plan.tp={layout.tp}"]
     elif layout.ep > 1:
@@ -69,6 +61,7 @@ def train_overrides(
         *parallel,
         f"train.batch_size={layout.micro_batch}",
         f"train.grad_accum={layout.num_micro_batches}",
+        *recompute_overrides(layout),
         "topology=preset",
         f"topology.name_or_path={topology}",
         f"launcher.nnodes={nodes}",
@@ -79,46 +72,31 @@ def train_overrides(
     return args
 
 
-def torchtitan_config(layout: TrainingLayout, *, seq_len: int, global_batch: int) -> str:
-    """The ``[parallelism]``, ``[training]`` and ``[activation_checkpoint]`` sections of a
-    torchtitan job config for ``layout``.
+def recompute_overrides(layout: TrainingLayout) -> list[str]:
+    """``train.recompute`` (and ``train.recompute_layers``, per pipeline stage) for ``layout``:
+    none when it recomputes nothing."""
+    if layout.recompute == "none":
+        return []
+    out = [f"train.recompute={layout.recompute}"]
+    if layout.recompute_layers is not None:
+        out.append(f"train.recompute_layers={layout.recompute_layers}")
+    return out
 
-    torchtitan carves expert parallelism out of the data-parallel shard degree, so its
-    ``data_parallel_*`` degrees multiply to ``dp x ep`` here; ZeRO-1/2 have no torchtitan
-    equivalent and map to FSDP.
-    """
-    dp = layout.dp * layout.ep
-    if layout.sharding == "hsdp":
-        replicate, shard = layout.dp // layout.dp_shard, layout.dp_shard * layout.ep
-    elif layout.sharding == "ddp":
-        replicate, shard = dp, 1
-    else:
-        replicate, shard = 1, dp
-    schedule = "Interleaved1F1B" if layout.virtual_stages > 1 else "1F1B"
-    lines = [
-        "[parallelism]",
-        f"data_parallel_replicate_degree = {replicate}",
-        f"data_parallel_shard_degree = {shard}",
-        f"tensor_parallel_degree = {layout.tp}",
-        f"context_parallel_degree = {layout.cp}",
-        f"pipeline_parallel_degree = {layout.pp}",
-        f"expert_parallel_degree = {layout.ep}",
-    ]
-    if layout.pp > 1:
-        lines += [
-            f'pipeline_parallel_schedule = "{schedule}"',
-            f"pipeline_parallel_microbatch_size = {layout.micro_batch}",
-        ]
-    lines += [
-        "",
-        "[training]",
-        f"global_batch_size = {global_batch}",
-        f"local_batch_size = {global_batch // dp}",
-        f"seq_len = {seq_len}",
-        "",
-        "[activation_checkpoint]",
-        f'mode = "{layout.recompute}"',
-    ]
-    if layout.sharding in ("zero1", "zero2"):
-        lines.insert(0, f"# {layout.sharding}: torchtitan shards with FSDP instead")
-    return "\n".join(lines)
+
+def priced_as(answer: AutoPlan, framework: Framework) -> dict:
+    """The best layout priced as ``framework`` runs it (``autoplan.framework``), the other
+    settings kept: ``framework``, ``step_time_s``, ``memory_gb_per_gpu`` (1e9 bytes), ``fits``."""
+    settings = dataclasses.replace(answer.settings, framework=framework)
+    candidate = price(
+        answer.topology,
+        answer.model,
+        answer.best.layout,
+        seq_len=answer.seq_len,
+        settings=settings,
+    )
+    return {
+        "framework": framework.name,
+        "step_time_s": candidate.step.step_s,
+        "memory_gb_per_gpu": candidate.memory.total / 1e9,
+        "fits": candidate.fits,
+    }

@@ -1,16 +1,17 @@
 """The auto-planner's search: every valid layout, pruned by memory, ranked by predicted step time.
 
-Enumerated (``TrainingLayout``): tp dividing a scale-up domain; cp dividing the sequence; ep
-dividing the experts (MoE models); pp with ``pp <= layers``; dp what is left of the world
-(``world = pp x dp x ep x cp x tp``, see ``planner.layout``); every block of the traffic
-order inside a domain or covering whole ones (``group_costs.blocks_intact``); micro-batch sizes
-dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``, the
-micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / selective (only
-where it saves something: without flash attention) / full; sharding ddp, zero1, zero2, fsdp and
-hsdp (every proper ``dp_shard`` of dp). A size the caller fixes constrains the search instead
-of replacing it. Memory is checked first (cheap); only layouts that fit are timed, except with
-a parallel size fixed, where layouts that fit come first, fastest first, and when none fits
-the ones closest to fitting are reported (least memory per GPU, then the fastest).
+Enumerated (``TrainingLayout``): tp dividing a scale-up domain and the attention and key/value
+heads; cp dividing the sequence; ep dividing the experts (MoE models); pp with ``pp <= layers``; dp
+what is left of the world (``world = pp x dp x ep x cp x tp``, see ``planner.layout``); every block
+of the traffic order inside a domain or covering whole ones (``group_costs.blocks_intact``); micro-
+batch sizes dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``, the
+micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / selective / full (of
+as few layers per stage as it takes to fit); sharding ddp, zero1, zero2, fsdp and hsdp (every
+proper ``dp_shard`` of dp). Only what the framework runs (``Framework.refusal``) is proposed. A
+choice the caller pins (``autoplan.pins``) constrains the search instead of replacing it; a pin the
+framework cannot run is refused by name. Memory is checked first (cheap); only layouts that fit are
+timed, except with a parallel size fixed, where layouts that fit come first, fastest first, and
+when none fits the ones closest to fitting are reported (least memory per GPU, then the fastest).
 
 Candidates are priced analytically per group shape (``autoplan.group_costs``); the rank grid is
 built (``ok.plan``) only for the ones shown.
@@ -36,12 +37,12 @@ from overlapkit.autoplan.memory import (
     layers_per_stage,
 )
 from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.pins import ALL_LAYERS, DIMS, check_pins
 from overlapkit.autoplan.settings import PlanSearchError, SearchSettings
 from overlapkit.autoplan.step_time import predict_step
 from overlapkit.planner.layout import RECOMPUTE, SHARDING, TrainingLayout
 from overlapkit.topology.model import Topology
 
-DIMS = ("tp", "pp", "dp", "cp", "ep")
 MAX_MICRO_BATCH = 64
 MAX_VIRTUAL_STAGES = 8
 MIN_TOKENS_PER_CP_RANK = 2048
@@ -54,34 +55,6 @@ MAX_HSDP_SHARD_DOMAINS = 8
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
-
-
-def _check_fixed(fixed: Mapping[str, object]) -> dict:
-    allowed = {
-        *DIMS,
-        "micro_batch",
-        "virtual_stages",
-        "recompute",
-        "recompute_layers",
-        "sharding",
-        "dp_shard",
-    }
-    out = {}
-    for key, value in fixed.items():
-        if value is None:
-            continue
-        if key not in allowed:
-            raise ValueError(f"cannot fix {key!r}; valid: {', '.join(sorted(allowed))}")
-        if key == "recompute" and value not in RECOMPUTE:
-            raise ValueError(f"recompute {value!r}; valid: {', '.join(RECOMPUTE)}")
-        if key == "sharding" and value not in SHARDING:
-            raise ValueError(f"sharding {value!r}; valid: {', '.join(SHARDING)}")
-        if key not in ("recompute", "sharding") and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"--{key.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        out[key] = value
-    return out
 
 
 def _parallel_sizes(
@@ -100,8 +73,16 @@ def _parallel_sizes(
     def options(name: str, free: list[int]) -> list[int]:
         return [fixed[name]] if name in fixed else free
 
+    # Tensor parallelism splits the attention heads, and the key/value heads of grouped-query
+    # attention with them (Megatron-LM requires num_query_groups % tp == 0).
+    if "tp" in fixed and (model.heads % fixed["tp"] or model.kv_heads % fixed["tp"]):
+        raise PlanSearchError(
+            f"tp={fixed['tp']} does not divide {model.name}'s {model.heads} attention heads "
+            f"and {model.kv_heads} key/value heads: tensor parallelism splits them"
+        )
     sizes = []
-    for tp in options("tp", [t for t in divisors(world) if t <= d and d % t == 0]):
+    splits_heads = [t for t in divisors(world) if model.heads % t == 0 and model.kv_heads % t == 0]
+    for tp in options("tp", [t for t in splits_heads if t <= d and d % t == 0]):
         if world % tp:
             continue
         cp_free = [
@@ -145,6 +126,8 @@ def _variants(
     recompute = list(RECOMPUTE)
     if "recompute" in fixed:
         recompute = [fixed["recompute"]]
+    layers = fixed.get("recompute_layers")
+    recompute_layers = None if layers in (None, ALL_LAYERS) else layers
     sharding = list(SHARDING) if dims["dp"] * dims["ep"] * dims["cp"] > 1 else ["ddp"]
     if "sharding" in fixed:
         sharding = [fixed["sharding"]]
@@ -156,7 +139,8 @@ def _variants(
         if pp > 1 and m % pp == 0:
             stages += [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if pp * v <= model.layers]
         if "virtual_stages" in fixed:
-            stages = [fixed["virtual_stages"]]
+            v = fixed["virtual_stages"]
+            stages = [v] if v == 1 or (pp > 1 and m % pp == 0) else []
         stages = [v for v in stages if every_stage_has_layers(model.layers, pp * v, pp)]
         for v in stages:
             for r in recompute:
@@ -182,11 +166,17 @@ def _variants(
                                 num_micro_batches=m,
                                 virtual_stages=v,
                                 recompute=r,
+                                recompute_layers=recompute_layers if r == "full" else None,
                                 sharding=s,
                                 dp_shard=z,
                             )
                         )
-    return out
+    # A stage shorter than the pinned number of layers cannot recompute that many.
+    return [
+        lay
+        for lay in out
+        if lay.recompute_layers is None or lay.recompute_layers <= layers_per_stage(model, lay)
+    ]
 
 
 def every_stage_has_layers(layers: int, chunks: int, stages: int) -> bool:
@@ -238,8 +228,15 @@ def search(
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
     if candidates < 1:
         raise ValueError(f"--candidates must be >= 1, got {candidates}")
-    fixed = _check_fixed(fixed or {})
+    fixed = check_pins(fixed or {})
+    layers = fixed.get("recompute_layers", ALL_LAYERS)
+    if layers != ALL_LAYERS and layers > model.layers:
+        raise ValueError(
+            f"--recompute full:{layers}: {model.name} has {model.layers} layers (K counts the "
+            "layers of each pipeline stage)"
+        )
     settings = settings or SearchSettings()
+    framework = settings.framework
     options = settings.step_options(topology, seq_len)
     limit = options.accelerator.memory_GB * 1e9
     peak = options.accelerator.peak_tflops(settings.precision.matmul_dtype)
@@ -253,7 +250,9 @@ def search(
 
     if not sizes:
         raise PlanSearchError(_no_sizes_message(topology, model, seq_len, fixed))
-    searched = timed = 0
+    searched = timed = refused = 0
+    refusals: list[str] | None = None  # what every refused layout lacks
+    first_refusal: list[str] = []
     fitting: list[Candidate] = []
     smallest: tuple[float, TrainingLayout, MemoryBreakdown] | None = None
     divisible = False
@@ -261,9 +260,19 @@ def search(
         layouts = _variants(dims, model, global_batch, fixed, domain_size(topology))
         divisible = divisible or global_batch % (dims["dp"] * dims["ep"]) == 0
         for layout in layouts:
+            lacks = framework.lacks(layout)
+            if lacks:
+                refused += 1
+                first_refusal = first_refusal or lacks
+                refusals = lacks if refusals is None else [r for r in refusals if r in lacks]
+                continue
             searched += 1
             memory = measure(layout)
-            if layout.recompute == "full" and "recompute_layers" not in fixed:
+            if (
+                layout.recompute == "full"
+                and "recompute_layers" not in fixed
+                and framework.partial_full_recompute
+            ):
                 layout, memory = _fewest_recomputed(layout, memory, measure, limit, model)
             if smallest is None or memory.total < smallest[0]:
                 smallest = (memory.total, layout, memory)
@@ -274,11 +283,22 @@ def search(
             fitting.append(Candidate(layout, step, memory, limit, seq_len, peak))
     if not divisible:
         raise PlanSearchError(_batch_message(global_batch, sizes))
+    if smallest is None and refused:
+        lacking = (
+            f"does not run {', '.join(refusals)}, which the pins ask for"
+            if refusals
+            else f"runs none of the layouts the pins allow (one lacks {', '.join(first_refusal)})"
+        )
+        raise PlanSearchError(
+            f"--framework {framework.name} {lacking} ({_fixed_text(fixed)}); drop the pin or "
+            "name another --framework"
+        )
     if smallest is None:
         raise PlanSearchError(
             f"no variant of the fixed layout exists: {_fixed_text(fixed)} (micro-batch sizes "
-            f"dividing the {global_batch} sequences, interleaving that leaves every pipeline "
-            f"stage some of the {model.layers} layers)"
+            f"dividing the {global_batch} sequences, interleaving (pp > 1, micro-batches a "
+            f"multiple of pp) that leaves every pipeline stage some of the {model.layers} "
+            "layers, and as many as --recompute full:K's K)"
         )
     if not fitting:
         assert smallest is not None
@@ -298,6 +318,7 @@ def search(
         search_s=time.perf_counter() - start,
         estimates=costs.estimates,
         fixed=fixed,
+        refused=refused,
     )
 
 
@@ -399,7 +420,10 @@ def _distinct(ranked: list[Candidate], count: int) -> list[Candidate]:
 
 
 def _fixed_text(fixed: dict) -> str:
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items()) or "none fixed"
+    pins = {k: v for k, v in fixed.items() if k != "recompute_layers"}
+    if "recompute_layers" in fixed:
+        pins["recompute"] = f"full:{fixed['recompute_layers']}"
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in pins.items()) or "none fixed"
 
 
 def _batch_message(global_batch: int, sizes: list[dict[str, int]]) -> str:

@@ -1,13 +1,14 @@
 """What the auto-planner assumes about a training run (``SearchSettings``) and its refusal
 (``PlanSearchError``): precision, flash attention, achievable fraction of peak, overlap, and
-the framework that runs the layouts (``autoplan.framework``)."""
+the framework that runs the layouts (``autoplan.framework``): it prices them and says which
+the search may propose."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from overlapkit.autoplan.compute import LAYER_OVER_MATMUL, achievable_fraction, overlap_efficiency
-from overlapkit.autoplan.framework import MEGATRON, Framework
+from overlapkit.autoplan.framework import MEGATRON, Framework, framework_named
 from overlapkit.autoplan.memory import BF16, MemoryBreakdown, Precision, memory_breakdown
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.step_time import StepOptions
@@ -15,9 +16,23 @@ from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 from overlapkit.topology.model import Topology
 
+ATTENTION = ("flash", "softmax")
+"""``--attention``: flash attention (never stores the softmax) or the softmax materialised."""
+
 
 class PlanSearchError(ValueError):
     """No layout satisfies the request; the message says which constraint failed."""
+
+
+def flash_attention_of(attention: str) -> bool:
+    """``flash`` -> True, ``softmax`` -> False (``--attention``, ``ok.plan(attention=)``).
+
+    Raises:
+        ValueError: another value, naming it and the valid ones.
+    """
+    if attention not in ATTENTION:
+        raise ValueError(f"attention {attention!r}; valid: {', '.join(ATTENTION)}")
+    return attention == "flash"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,8 +52,18 @@ class SearchSettings:
     fsdp_prefetch: int = 1
     accelerator: Accelerator | None = None
     """Overrides the topology's (a measured CPU, another memory size)."""
-    framework: Framework = MEGATRON
-    """What runs the layouts (``autoplan.framework``): Megatron-LM's splits by default."""
+    framework: Framework | str = MEGATRON
+    """What runs the layouts (``autoplan.framework``; a ``Framework`` or its name in
+    ``FRAMEWORKS``): the search proposes only what it runs and prices it as it splits the
+    model. Megatron-LM by default."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "framework", framework_named(self.framework))
+
+    @property
+    def attention(self) -> str:
+        """``flash`` or ``softmax`` (``--attention``)."""
+        return ATTENTION[0] if self.flash_attention else ATTENTION[1]
 
     def step_options(self, topology: Topology, seq_len: int) -> StepOptions:
         accelerator = self.accelerator or topology.accelerator
@@ -86,6 +111,8 @@ class SearchSettings:
             flash_attention=self.flash_attention,
             fsdp_prefetch=self.fsdp_prefetch,
             vocab_parallel=self.framework.vocab_parallel,
+            selective=self.framework.selective,
+            fsdp_gathered_stage=self.framework.fsdp_gathered_across_micro_batches,
         )
 
 

@@ -5,11 +5,14 @@ the output layer on the last stage):
 
 - **compute**: forward FLOPs of its layers (``2 x`` active matmul parameters per token, and
   attention's ``2 x seq x heads x (qk_dim + v_dim)`` per token), backward twice that,
-  recomputation's extra forward (full: the whole layer; selective: the attention core), all
+  recomputation's extra forward (full: the whole layer; selective: what the framework's policy
+  recomputes, ``autoplan.selective``: Megatron-LM's attention core), all
   divided by ``tp x cp`` and run at the achievable fraction of the device's dense peak
-  (``autoplan.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's;
-  under tp, the host's dispatch of the sharded layers where it is not hidden
-  (``tp_layer_dispatch_s``).
+  (``autoplan.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's,
+  each GEMM with its wave and tile losses (``autoplan.gemm``); the kernels that are not
+  matmuls, and the loss over the vocabulary, at the achievable memory bandwidth
+  (``autoplan.memory_traffic``); under tp, the host's dispatch of the sharded layers where it
+  is not hidden (``tp_layer_dispatch_s``).
 - **tp** (sequence parallel): all-gather before and reduce-scatter after attention and the
   MLP, in forward and backward (and in the recomputed forward), of the micro-batch's
   activations: on the critical path (``tp_overlap`` hides a share, as async TP does).
@@ -26,7 +29,8 @@ Then ``step = (m + (pp - 1) / v) x t_micro_batch`` (1F1B, interleaved: Narayanan
 SC'21), plus the data-parallel gradient traffic that does not hide behind the last
 micro-batch's backward (ddp all-reduce; zero1 reduce-scatter, then the parameter all-gather
 behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica all-reduce; in
-Megatron-LM's buckets, or per block for hsdp),
+Megatron-LM's buckets, or per block for hsdp; ``autoplan.grad_sync``, which also holds what the
+framework changes there),
 plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter; where
 the host steps tensor by tensor, a cost per parameter tensor, more for DTensors).
 Hidden communication uses ``overlap_efficiency`` of the window, and one of its collectives
@@ -37,35 +41,24 @@ model's estimate on the group the layout's placement gives (``autoplan.group_cos
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from overlapkit.autoplan.compute import gemm_rates
 from overlapkit.autoplan.framework import MEGATRON, Framework
 from overlapkit.autoplan.gemm import (
+    GemmRates,
+    gemm_seconds,
     layer_matmul_seconds,
     unfused_attention_seconds,
-    wave_efficiency,
 )
+from overlapkit.autoplan.grad_sync import StepWindows, grad_sync
 from overlapkit.autoplan.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
-from overlapkit.autoplan.memory import (
-    BF16,
-    Precision,
-    layer_activation_bytes,
-    layers_per_stage,
-    recomputed_activation_bytes,
-    stage_params,
-)
+from overlapkit.autoplan.memory import BF16, Precision, layers_per_stage, stage_params
+from overlapkit.autoplan.memory_traffic import layer_memory_seconds, loss_bytes
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 
-BUCKET_PARAMS = 40_000_000
-BUCKET_PARAMS_PER_RANK = 1_000_000
-"""Gradients are reduced in buckets of ``max(40M, 1M x data-parallel ranks)`` parameters,
-Megatron-LM's rule (``DistributedDataParallelConfig.bucket_size``); each bucket is one
-collective, with its latency."""
-TRAFFIC_PASSES = 3
-"""Times a layer's saved activations cross device memory in a step (see predict_step)."""
 OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam step per local parameter: read grad, master, m, v (16), write master, m, v (12) and
 the bf16 weight (2)."""
@@ -164,22 +157,10 @@ def _attention_flops(model: ModelSpec, tokens: float, seq_len: int) -> float:
 
 
 def _layer_matmul_s(
-    model: ModelSpec,
-    layout: TrainingLayout,
-    tokens: float,
-    flops_per_s: float,
-    sms: int | None,
-    bytes_per_s: float | None,
+    model: ModelSpec, layout: TrainingLayout, tokens: float, rates: GemmRates
 ) -> tuple[float, float]:
     """(forward, backward) GEMM seconds of one layer, averaged over dense and MoE layers."""
-    kwargs = dict(
-        tp=layout.tp,
-        ep=layout.ep,
-        cp=layout.cp,
-        flops_per_s=flops_per_s,
-        sms=sms,
-        bytes_per_s=bytes_per_s,
-    )
+    kwargs = dict(tp=layout.tp, ep=layout.ep, cp=layout.cp, rates=rates)
     dense = layer_matmul_seconds(model, tokens, moe_layer=False, **kwargs)
     if not model.is_moe:
         return dense
@@ -198,71 +179,56 @@ def predict_step(
     act = o.precision.activation_bytes
     tokens = b * s  # one micro-batch of one replica; its tp x cp group shares the work
     matmul_fraction = o.achievable if o.matmul_achievable is None else o.matmul_achievable
-    matmul_peak = o.accelerator.peak_tflops(o.precision.matmul_dtype) * 1e12 * matmul_fraction
-    attn_peak = o.accelerator.peak_tflops("bf16") * 1e12 * o.achievable
+    mm_rates = gemm_rates(
+        o.accelerator, o.precision.matmul_dtype, matmul_fraction, element_bytes=act
+    )
+    attn_rates = gemm_rates(o.accelerator, "bf16", o.achievable, element_bytes=act)
     n_layers = layers_per_stage(model, lay)
     moe_per_stage = n_layers * (model.moe_layers / model.layers) if model.is_moe else 0.0
 
-    sms = o.accelerator.sms
-    bandwidth = o.accelerator.memory_bandwidth_GBps
-    hbm = bandwidth * 1e9 if bandwidth else None
     split = tp * cp
-    mm_fwd, mm_bwd = _layer_matmul_s(model, lay, tokens, matmul_peak, sms, hbm)
+    mm_fwd, mm_bwd = _layer_matmul_s(model, lay, tokens, mm_rates)
     if o.flash_attention:
-        attn_fwd = _attention_flops(model, tokens, s) / attn_peak / split
+        attn_fwd = _attention_flops(model, tokens, s) / attn_rates.flops_per_s / split
+        attn_bwd = 2 * attn_fwd
     else:
-        attn_fwd = unfused_attention_seconds(
-            model,
-            b,
-            s,
-            tp=tp,
-            cp=cp,
-            flops_per_s=attn_peak,
-            bytes_per_s=hbm,
-            element_bytes=act,
-            sms=sms,
-        )
+        attn_fwd, attn_bwd = unfused_attention_seconds(model, b, s, tp=tp, cp=cp, rates=attn_rates)
     fwd = n_layers * (mm_fwd + attn_fwd)
-    bwd = n_layers * (mm_bwd + 2 * attn_fwd)
+    bwd = n_layers * (mm_bwd + attn_bwd)
     recomputed = lay.recomputed_share(n_layers)
     extra = recomputed * fwd
-    if lay.recompute == "selective" and not o.flash_attention:
-        extra = n_layers * attn_fwd  # the attention core's forward again (flash does it anyway)
-    # The output layer runs on the last stage (all of them with pp = 1): it is the slowest.
     fw = o.framework
+    if lay.recompute == "selective":
+        extra = n_layers * fw.selective.extra_forward_s(
+            model, matmul_s=mm_fwd, attention_s=attn_fwd, flash=o.flash_attention
+        )
+    # The output layer runs on the last stage (all of them with pp = 1): it is the slowest.
     vocab_tp = tp if fw.vocab_parallel else 1
     head_rows = max(1, round(tokens / cp))
-    head_flops = 2.0 * head_rows * model.hidden * model.vocab_size / vocab_tp
-    head_fwd = head_flops / (
-        matmul_peak * wave_efficiency(head_rows, model.vocab_size // vocab_tp, sms)
-    )
-    # Kernels that are not matmuls (norms, activations, softmax, dropout) stream the layer's
-    # saved activations: written in forward, read in backward, their gradients written.
-    memory_bound = 0.0
-    if bandwidth:
-        saved = layer_activation_bytes(
+    head_fwd = gemm_seconds(head_rows, model.hidden, model.vocab_size // vocab_tp, mm_rates)
+    # Kernels that are not matmuls (norms, activations, softmax, dropout): memory-bound.
+    if mm_rates.bytes_per_s:
+        mem_fwd, mem_bwd = layer_memory_seconds(
             model,
             lay,
             o.precision,
             seq_len=s,
             flash_attention=o.flash_attention,
-            moe_layer=model.is_moe and model.dense_layers == 0,
-            recompute="none",
+            recomputed=recomputed,
+            selective=fw.selective,
+            bytes_per_s=mm_rates.bytes_per_s,
         )
-        passes = TRAFFIC_PASSES + recomputed
-        memory_bound = n_layers * passes * saved / (bandwidth * 1e9)
-        if lay.recompute == "selective":
-            # Rebuilding the activation functions' outputs: read their input, write them.
-            rebuilt = recomputed_activation_bytes(
-                model, o.precision, moe_layer=model.is_moe and model.dense_layers == 0
-            )
-            memory_bound += n_layers * 2 * tokens / cp * rebuilt / tp / (bandwidth * 1e9)
-    fwd += memory_bound / TRAFFIC_PASSES
-    bwd += memory_bound * (TRAFFIC_PASSES - 1) / TRAFFIC_PASSES
-    t_compute = fwd + bwd + extra + 3 * head_fwd
+        fwd += n_layers * mem_fwd
+        bwd += n_layers * mem_bwd
+        # The loss over the vocabulary (cross entropy on the last stage's logits).
+        logits = head_rows * model.vocab_size / vocab_tp
+        loss_fwd, loss_bwd = (logits * n / mm_rates.bytes_per_s for n in loss_bytes(o.precision))
+    else:
+        loss_fwd = loss_bwd = 0.0
+    t_compute = fwd + bwd + extra + 3 * head_fwd + loss_fwd + loss_bwd
     if tp > 1:  # forward, backward and the recomputed forward through each sharded layer
         t_compute += n_layers * (2 + recomputed) * o.tp_layer_dispatch_s
-    t_bwd = bwd + extra + 2 * head_fwd
+    t_bwd = bwd + extra + 2 * head_fwd + loss_bwd
 
     hsdp = lay.sharding == "hsdp"
     order = HSDP_ORDER if hsdp else TRAFFIC_ORDER
@@ -276,16 +242,6 @@ def predict_step(
         seconds = costs.time_s(collective, nbytes, sizes, order, axes)
         return seconds + o.collective_overhead_s if seconds > 0 else 0.0
 
-    def in_chunks(collective: str, nbytes: float, chunks: int, *axes: str) -> float:
-        return chunks * cost(collective, nbytes / chunks, *axes)
-
-    def buckets(count: float, replicas: int) -> int:
-        return max(1, math.ceil(count / max(BUCKET_PARAMS, BUCKET_PARAMS_PER_RANK * replicas)))
-
-    def pieces(chunks: int) -> int:
-        """The expert parameters' collectives: none in a dense model."""
-        return chunks if expert_params else 0
-
     # Tensor parallel: with sequence parallelism 2 all-gathers + 2 reduce-scatters per layer
     # pass; without, the framework's all-reduces of the replicated activations.
     tp_bytes = tokens / cp * model.hidden * act
@@ -297,6 +253,10 @@ def predict_step(
         tp_fwd = fw.tp_forward_all_reduces * all_reduce
         tp_bwd = fw.tp_backward_all_reduces * all_reduce
     tp_total = n_layers * ((1 + recomputed) * tp_fwd + tp_bwd)
+    if lay.recompute == "selective" and fw.sequence_parallel:
+        # The policy's recomputed forward gathers its sequence-parallel inputs again.
+        regathers = fw.selective.tp_all_gathers_recomputed
+        tp_total += n_layers * regathers * cost("all_gather", tp_bytes, "tp")
     tp_exposed = (1 - o.tp_overlap) * tp_total
 
     # Context parallel (ring attention), hidden behind each layer's attention.
@@ -316,78 +276,25 @@ def predict_step(
     pp_bytes = tokens / cp * model.hidden * act / tp
     pp_total = 2 * v * cost("send_recv", pp_bytes, "pp") if pp > 1 else 0.0
 
-    # Data-parallel traffic of the heaviest stage's parameters.
+    # Data-parallel traffic of the heaviest stage's parameters (``autoplan.grad_sync``).
     stage = stage_params(model, lay, stage=0, vocab_parallel=fw.vocab_parallel)
     last = stage_params(model, lay, stage=pp - 1, vocab_parallel=fw.vocab_parallel)
     dense_params = max(stage.dense, last.dense)
     expert_params = max(stage.expert, last.expert)
-    dense_axes, expert_axes = ("dp", "ep", "cp"), ("dp", "cp")
-    p = o.precision
-    fsdp_mb = 0.0
-    dp_total = 0.0
-    dp_exposed = 0.0
-    window_last_bwd = o.overlap_efficiency * t_bwd
-    window_first_fwd = o.overlap_efficiency * fwd
-    if lay.sharding in ("fsdp", "hsdp"):
-        # One all-gather (forward), one again (backward) and one reduce-scatter per block: the
-        # stage's layers and the root (embedding, head).
-        blocks = stage.layers + 1
-        shard_axes = ("dp_shard",) if hsdp else dense_axes
-        expert_shard = ("dp_shard",) if hsdp else expert_axes
-        gather = in_chunks("all_gather", dense_params * act, blocks, *shard_axes) + in_chunks(
-            "all_gather", expert_params * act, max(1, stage.layers), *expert_shard
-        )
-        scatter = in_chunks(
-            "reduce_scatter", dense_params * p.fsdp_reduce_bytes, blocks, *shard_axes
-        ) + in_chunks(
-            "reduce_scatter",
-            expert_params * p.fsdp_reduce_bytes,
-            max(1, stage.layers),
-            *expert_shard,
-        )
-        per_mb = 2 * gather + scatter
-        # The first block's gather precedes all compute, the last reduce-scatter follows it.
-        first_block, last_block = gather / blocks, scatter / blocks
-        fsdp_mb = max(last_block, per_mb - o.overlap_efficiency * t_compute) + first_block
-        dp_total += m * per_mb
-        if hsdp:
-            z = lay.dp_shard
-            dense_shard = dense_params * p.fsdp_reduce_bytes / z
-            expert_shard_bytes = expert_params * p.fsdp_reduce_bytes / z
-            replica = in_chunks(
-                "all_reduce", dense_shard, blocks, "dp_replicate", "ep", "cp"
-            ) + in_chunks(
-                "all_reduce", expert_shard_bytes, max(1, stage.layers), "dp_replicate", "cp"
-            )
-            dp_total += replica
-            dp_exposed += _exposed(replica, blocks + pieces(stage.layers), window_last_bwd)
-    else:
-        g = p.grad_reduce_bytes
-        grads = (dense_params * g, expert_params * g)
-        z_dense, z_expert = lay.dp * lay.ep * cp, lay.dp * cp
-        chunks = (buckets(dense_params, z_dense), buckets(expert_params, z_expert))
-        collectives = chunks[0] + pieces(chunks[1])
-        if lay.sharding == "ddp":
-            reduce = in_chunks("all_reduce", grads[0], chunks[0], *dense_axes) + in_chunks(
-                "all_reduce", grads[1], chunks[1], *expert_axes
-            )
-            dp_total += reduce
-            dp_exposed += _exposed(reduce, collectives, window_last_bwd)
-        else:
-            scatter = in_chunks("reduce_scatter", grads[0], chunks[0], *dense_axes) + in_chunks(
-                "reduce_scatter", grads[1], chunks[1], *expert_axes
-            )
-            weights = (dense_params * p.weight_bytes, expert_params * p.weight_bytes)
-            gather = in_chunks("all_gather", weights[0], chunks[0], *dense_axes) + in_chunks(
-                "all_gather", weights[1], chunks[1], *expert_axes
-            )
-            if lay.sharding == "zero1":
-                dp_total += scatter + gather
-                dp_exposed += _exposed(scatter, collectives, window_last_bwd)
-            else:  # zero2: gradients reduce-scattered every micro-batch, behind its backward
-                dp_total += m * scatter + gather
-                fsdp_mb = _exposed(scatter, collectives, o.overlap_efficiency * t_bwd)
-            dp_exposed += _exposed(gather, collectives, window_first_fwd)
+    sync = grad_sync(
+        lay,
+        stage=stage,
+        dense_params=dense_params,
+        expert_params=expert_params,
+        precision=o.precision,
+        framework=fw,
+        windows=StepWindows(
+            compute_s=t_compute, backward_s=t_bwd, overlap_efficiency=o.overlap_efficiency
+        ),
+        forward_s=fwd,
+        cost=cost,
+    )
+    fsdp_mb, dp_total, dp_exposed = sync.per_micro_batch_s, sync.total_s, sync.exposed_s
 
     t_mb = t_compute + tp_exposed + cp_exposed + ep_exposed + pp_total + fsdp_mb
     bubble = (pp - 1) / v * t_mb
@@ -404,8 +311,8 @@ def predict_step(
     optimizer = 0.0
     if o.optimizer_param_s is not None:
         optimizer = local * o.optimizer_param_s
-    elif bandwidth:
-        optimizer = local * OPTIMIZER_BYTES_PER_PARAM / (bandwidth * 1e9)
+    elif mm_rates.bytes_per_s:
+        optimizer = local * OPTIMIZER_BYTES_PER_PARAM / mm_rates.bytes_per_s
     if o.optimizer_tensor_s or o.optimizer_dtensor_s:
         optimizer += max(
             plain * o.optimizer_tensor_s + dtensors * o.optimizer_dtensor_s
@@ -420,7 +327,7 @@ def predict_step(
     model_flops = model.model_flops_per_token(s) * global_tokens
     recompute_flops = {
         "none": 0.0,
-        "selective": model.attention_flops_per_token(s),
+        "selective": fw.selective.extra_flops_per_token(model, s),
         "full": recomputed
         * (model.model_flops_per_token(s) / 3 - 2.0 * model.hidden * model.vocab_size),
     }[lay.recompute] * global_tokens
@@ -439,20 +346,6 @@ def predict_step(
         model_flops=model_flops,
         hardware_flops=model_flops + recompute_flops,
     )
-
-
-def _exposed(total: float, pieces: int, window: float) -> float:
-    """Seconds of ``total`` traffic, sent as ``pieces`` equal collectives, that a compute
-    ``window`` (already times the overlap efficiency) leaves exposed.
-
-    The pieces leave as their data becomes ready, ``window / pieces`` apart (gradient buckets
-    in backward), or must arrive before their part of the window starts (parameters ahead of a
-    forward); either way one piece has no compute left to hide behind: a single bucket, as a
-    small model's, is exposed whole.
-    """
-    if total <= 0:
-        return 0.0
-    return max(total / pieces, total - window * (pieces - 1) / pieces)
 
 
 def parameter_tensors(

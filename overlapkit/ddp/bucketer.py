@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -271,12 +271,16 @@ class GradBucketer:
             error_if_nonfinite (bool): raise if the total norm is NaN/Inf (a host sync in
                 ``step()``, as in torch). Defaults to False.
             scaler (torch.amp.GradScaler | None): fp16 loss scaling: gradients are unscaled
-                and checked per bucket; a step with inf/NaN is skipped on every rank.
+                and checked per bucket; a step with inf/NaN is skipped on every rank
+                (``step_skipped()`` says so).
+
+        A clip asked for by ``clip_grad_norm_()`` since the last step is applied here.
 
         Raises:
             RuntimeError: no ``optimizer=`` was given, or no backward since the last step.
             OverlapConflict: gradients were edited after backward.
-            ValueError: a bad clipping option, or ``scaler`` with ``check_finite=True``.
+            ValueError: a bad clipping option, ``clip_grad_norm`` after ``clip_grad_norm_()``,
+                or ``scaler`` with ``check_finite=True``.
         """
         if self._overlap is None:
             raise RuntimeError(
@@ -289,6 +293,57 @@ class GradBucketer:
             error_if_nonfinite=error_if_nonfinite,
             scaler=scaler,
         )
+
+    def clip_grad_norm_(
+        self,
+        parameters: Iterable[torch.Tensor] | torch.Tensor,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """With ``optimizer=``: ``torch.nn.utils.clip_grad_norm_`` for frameworks that clip
+        between backward and the step, folded into the coming ``step()``.
+
+        ``clip_grad_norm_(params, max_norm); step()`` is bitwise ``wait();
+        torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite);
+        optimizer.step(); optimizer.zero_grad()``: the norm over exactly ``params``' reduced
+        gradients, in their order (Lightning clips the optimizer's param groups, in their
+        order), and only their gradients clipped (``overlapkit.optim.clip_request``). Pass no
+        ``clip_grad_norm=`` to that ``step()``.
+
+        Args:
+            parameters (Tensor | Iterable[Tensor]): parameters this bucketer reduces.
+            max_norm, norm_type, error_if_nonfinite: as in ``torch.nn.utils.clip_grad_norm_``.
+
+        Returns:
+            Tensor: a 0-dim tensor (NaN until then) that holds the total norm once the step has
+            decided it: after ``total_norm()``, ``step_skipped()`` or ``synchronize()``, and at
+            the latest when the next forward applies its first update.
+
+        Raises:
+            RuntimeError: no ``optimizer=``; no backward since the last step; a second call in
+                the same step.
+            ValueError, TypeError: bad options, or a parameter this bucketer does not reduce.
+        """
+        return self._overlapped("clip_grad_norm_").clip_grad_norm_(
+            parameters, max_norm, norm_type, error_if_nonfinite
+        )
+
+    def step_skipped(self) -> bool:
+        """With ``optimizer=``: whether the last ``step()`` applied no update (its GradScaler
+        found inf/NaN, or ``check_finite`` dropped it), as ``scaler.step`` skips.
+
+        Reading it lands every bucket of that step; the scaler's flag is one host read (on
+        CUDA a device sync, which waits for the last bucket's all-reduce).
+        """
+        return self._overlapped("step_skipped").step_skipped()
+
+    def before_forward(self, module: torch.nn.Module) -> None:
+        """With ``optimizer=``: apply the pending updates of the parameters ``module`` reads, as
+        its forward pre-hook does, for code that computes with ``module``'s own parameters
+        without calling it (a LightningModule's ``training_step``). No-op otherwise."""
+        if self._overlap is not None:
+            self._overlap.pre_forward(module)
 
     def total_norm(self) -> torch.Tensor:
         """The total gradient norm of the last ``step(clip_grad_norm=...)``, as a 0-dim tensor.
@@ -306,6 +361,14 @@ class GradBucketer:
                 "synchronous form clip_grad_norm_ returns the norm itself"
             )
         return self._overlap.total_norm()
+
+    def _overlapped(self, method: str) -> PerBucketStep:
+        if self._overlap is None:
+            raise RuntimeError(
+                f"ok.GradBucketer.{method}() belongs to per-bucket updates: build the bucketer "
+                "with ok.GradBucketer(model, optimizer=opt)"
+            )
+        return self._overlap
 
     def synchronize(self) -> None:
         """With ``optimizer=``: apply every pending update now (no-op otherwise)."""

@@ -15,11 +15,13 @@ _EXPORTS = {
     "discover_blocks": "overlapkit.fsdp.blocks",
     "fsdp": "overlapkit.fsdp.wrap",
     "fsdp_stats": "overlapkit.fsdp.state",
+    "no_sync": "overlapkit.fsdp.zero",
     "overlap_optimizer_step": "overlapkit.fsdp.prefetch",
     "resolve_blocks": "overlapkit.fsdp.blocks",
     "resolve_mixed_precision": "overlapkit.fsdp.wrap",
     "step_by_block": "overlapkit.fsdp.prefetch",
     "unshard_peaks": "overlapkit.fsdp.stats",
+    "zero_stage": "overlapkit.fsdp.zero",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

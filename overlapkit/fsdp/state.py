@@ -24,6 +24,8 @@ class OverlapState:
     reshard_after_forward: bool
     recorder: UnshardRecorder
     pending: PendingReductions
+    zero: int | None = None
+    """``ok.fsdp(zero=)``: 1 or 2, or None for ZeRO-3 (``overlapkit.fsdp.zero``)."""
 
     @property
     def forward_bound_blocks(self) -> int:

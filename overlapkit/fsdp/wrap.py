@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -14,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.fsdp.blocks import BlockSpec, resolve_blocks
 from overlapkit.fsdp.comms import BlockAllGather
+from overlapkit.fsdp.failed_step import FailedStep
 from overlapkit.fsdp.mesh import resolve_mesh
 from overlapkit.fsdp.prefetch import set_explicit_prefetch
 from overlapkit.fsdp.reduce_scatter import (
@@ -25,6 +25,7 @@ from overlapkit.fsdp.replica_all_reduce import explain_replica_all_reduce
 from overlapkit.fsdp.state import OverlapState, is_registered, register_state, state_of
 from overlapkit.fsdp.stats import ROOT, UnshardRecorder
 from overlapkit.fsdp.tuning import attach_prefetch_tuner
+from overlapkit.fsdp.zero import resolve_reshard_after_forward
 from overlapkit.group.consistency import check_consistent
 from overlapkit.group.failures import FailureScope
 from overlapkit.group.process_group import resolve_process_group
@@ -136,10 +137,11 @@ def fsdp(
     prefetch: int | str = 1,
     mesh: DeviceMesh | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     blocks: BlockSpec = None,
     overlap_reduce_scatter: bool = True,
     max_memory: int | None = None,
+    zero: int | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2, block by block, with all-gather prefetch that overlaps.
 
@@ -160,8 +162,9 @@ def fsdp(
             axis 1 shards). None means a 1-D mesh over the world.
         mixed_precision (str | MixedPrecisionPolicy | None): None (parameter dtype),
             ``"bf16"`` (bf16 parameters in compute, fp32 gradient reduction) or a policy.
-        reshard_after_forward (bool): free each block's unsharded parameters after its forward
-            and gather them again in backward. Defaults to True.
+        reshard_after_forward (bool | None): free each block's unsharded parameters after its
+            forward and gather them again in backward. None (the default) means True, or False
+            under ``zero``.
         blocks: which modules to shard one by one (see ``overlapkit.fsdp.blocks``); None finds
             the largest list of same-class modules. Blocks must run in this order.
         overlap_reduce_scatter (bool): on host devices with ``prefetch >= 1``, use overlapkit's
@@ -170,6 +173,12 @@ def fsdp(
         max_memory (int | None): with ``prefetch="auto"`` only: most bytes of unsharded block
             parameters allowed at once (what ``ok.fsdp_stats(model).peak_bytes`` measures);
             None means no bound.
+        zero (int | None): a lower ZeRO stage on FSDP2 (``overlapkit.fsdp.zero``): 1 shards the
+            optimizer state only (per step one all-gather and one reduce-scatter per block,
+            gradients accumulated whole), 2 the gradients too (one reduce-scatter per
+            micro-batch). The parameters stay gathered from a step's first forward to its last
+            backward; run every micro-batch but the last under ``overlapkit.fsdp.no_sync``.
+            None (the default) is FSDP2's ZeRO-3.
 
     Returns:
         nn.Module: ``model`` itself, now an ``FSDPModule``; ``ok.fsdp_stats(model)`` reads its
@@ -177,11 +186,18 @@ def fsdp(
 
     Raises:
         ValueError: ``prefetch`` not in {0, 1, 2}, unknown ``mixed_precision``, ``blocks``
-            matching nothing, a mesh of the wrong size or shape, or a model already wrapped.
+            matching nothing, a mesh of the wrong size or shape, a model already wrapped,
+            ``zero`` not in {1, 2}, or ``zero`` with ``reshard_after_forward=True``.
         ConfigMismatch: the ranks passed different options or models
-            (``overlapkit.group.consistency``; one 32-byte all-gather when they agree).
+            (``overlapkit.group.consistency``, over each axis of the mesh; one 32-byte
+            all-gather per axis when they agree).
         TypeError: an argument of the wrong type.
         RuntimeError: torch.distributed is not initialised.
+
+    A collective of a later step that fails (a rank died or is stuck) raises
+    ``ok.CollectiveFailure`` from the forward or ``loss.backward()``, after every gradient of
+    the model has been set to None, so an ``optimizer.step()`` after catching it changes
+    nothing; the next forward resets FSDP2's state first (``overlapkit.fsdp.failed_step``).
 
     Example:
         >>> model = ok.fsdp(model, prefetch=1, mixed_precision="bf16")
@@ -195,11 +211,14 @@ def fsdp(
         reshard_after_forward=reshard_after_forward,
         overlap_reduce_scatter=overlap_reduce_scatter,
         max_memory=max_memory,
+        zero=zero,
     )
     auto_prefetch = prefetch == AUTO
     max_memory = check_max_memory(max_memory, auto=auto_prefetch)
     prefetch = 0 if auto_prefetch else _validate_prefetch(prefetch)
-    reshard_after_forward = _check_bool(reshard_after_forward, "reshard_after_forward")
+    reshard_after_forward = _check_bool(
+        resolve_reshard_after_forward(zero, reshard_after_forward), "reshard_after_forward"
+    )
     overlap_reduce_scatter = _check_bool(overlap_reduce_scatter, "overlap_reduce_scatter")
     policy = resolve_mixed_precision(mixed_precision)
     if not isinstance(model, nn.Module):
@@ -215,7 +234,10 @@ def fsdp(
     block_bytes = tuple(_unsharded_bytes(b, policy) for b in block_list)
     own_params = _own_parameters(model, block_list)
     options.update(blocks=block_names, mesh=(tuple(mesh.shape), mesh.mesh_dim_names))
-    check_consistent(model, dist.group.WORLD, caller="ok.fsdp", options=options)
+    # Over the mesh's ranks, one group per axis (together they connect all of them): ranks
+    # outside the mesh, such as other pipeline stages, wrap other modules.
+    for axis in range(mesh.ndim):
+        check_consistent(model, mesh.get_group(axis), caller="ok.fsdp", options=options)
     if auto_prefetch:
         candidates = prefetch_candidates(
             block_bytes, max_memory, reshard_after_forward=reshard_after_forward
@@ -235,7 +257,9 @@ def fsdp(
     host_reduce = async_gather and overlap_reduce_scatter
     comm_targets = [(i, b, b.parameters) for i, b in enumerate(block_list)]
     comm_targets.append((ROOT, model, own_params))
-    failures = FailureScope("ok.fsdp", lambda: recorder.step)
+    # A failed collective drops the step's gradients before it is raised (fsdp.failed_step).
+    failed_step = FailedStep(model)
+    failures = FailureScope("ok.fsdp", lambda: recorder.step, on_failure=failed_step)
     for index, module, params in comm_targets:
         where = f"block {index} ({block_names[index]!r})" if index >= 0 else "the root"
         module.set_custom_all_gather(
@@ -260,7 +284,7 @@ def fsdp(
             explain_replica_all_reduce(
                 module, reduce_scatter, mesh.get_group(0), failures=failures, where=where
             )
-    _install_hooks(model, block_list, recorder, pending)
+    _install_hooks(model, block_list, recorder, pending, failed_step)
 
     register_state(
         model,
@@ -274,18 +298,20 @@ def fsdp(
             reshard_after_forward=reshard_after_forward,
             recorder=recorder,
             pending=pending,
+            zero=zero,
         ),
     )
     if auto_prefetch:
         attach_prefetch_tuner(model, state_of(model, caller="ok.fsdp"), candidates, max_memory)
     logger.info(
-        "ok.fsdp: %d blocks (%s), prefetch=%d, mesh %s, mixed_precision=%s, "
+        "ok.fsdp: %d blocks (%s), prefetch=%d, mesh %s, mixed_precision=%s, zero=%s, "
         "async all-gather=%s, overlapkit reduce-scatter=%s",
         len(block_list),
         type(block_list[0]).__name__,
         prefetch,
         tuple(mesh.shape),
         mixed_precision if not isinstance(mixed_precision, MixedPrecisionPolicy) else policy,
+        zero,
         async_gather,
         host_reduce,
     )
@@ -297,10 +323,12 @@ def _install_hooks(
     blocks: list[nn.Module],
     recorder: UnshardRecorder,
     pending: PendingReductions,
+    failed_step: FailedStep,
 ) -> None:
-    """The recorder's hooks. The block hooks are registered after ``fully_shard``'s, so they run
-    after FSDP2's: just before the block computes, just after it reshards. The root's pre-hook is
-    prepended, so it runs before FSDP2's root pre-forward.
+    """The recorder's hooks, and the recovery from a failed step. The block hooks are
+    registered after ``fully_shard``'s, so they run after FSDP2's: just before the block
+    computes, just after it reshards. The root's pre-hook is prepended, so it runs before
+    FSDP2's root pre-forward.
 
     Under ``torch.compile`` the hooks run eagerly (``torch.compiler.disable``), as FSDP2's own
     do: they sit where FSDP2's hooks already split the graph, and traced they would only add
@@ -310,6 +338,7 @@ def _install_hooks(
     def root_pre_forward(*_: object) -> None:
         # Reduce-scatters of a backward that raised are still pending; never leave them behind.
         pending.wait_all()
+        failed_step.reset_if_failed()  # before FSDP2's pre-forward reads its per-step state
         recorder.root_pre_forward()
 
     eager = torch.compiler.disable

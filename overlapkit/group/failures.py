@@ -240,13 +240,25 @@ class FailureScope:
     Args:
         caller (str): the API, as the user spells it (``"ok.ddp"``).
         step_of (Callable[[], int]): returns the wrapper's current step count.
+        on_failure (Callable[[], None] | None): run on the thread that raises, before each
+            ``CollectiveFailure`` of this wrapper is raised (``ok.fsdp`` drops the failed
+            step's gradients there). It must be idempotent: one failed step may be explained
+            more than once (a reduce-scatter left pending is waited for again at the next
+            forward). Defaults to None.
     """
 
-    __slots__ = ("caller", "step_of", "token")
+    __slots__ = ("caller", "on_failure", "step_of", "token")
 
-    def __init__(self, caller: str, step_of: Callable[[], int]):
+    def __init__(
+        self,
+        caller: str,
+        step_of: Callable[[], int],
+        *,
+        on_failure: Callable[[], None] | None = None,
+    ):
         self.caller = caller
         self.step_of = step_of
+        self.on_failure = on_failure
         self.token = f"{caller}#{next(_instances.setdefault(caller, itertools.count()))}"
 
     def site(self, group: dist.ProcessGroup, collective: str, where: str) -> CollectiveSite:
@@ -265,7 +277,10 @@ class CollectiveSite:
     step: int
 
     def explain(self, error: BaseException) -> CollectiveFailure:
-        """Check in on the store, wait for the other ranks, and build the error to raise."""
+        """Check in on the store, wait for the other ranks, and build the error to raise.
+
+        Runs the scope's ``on_failure`` first: callers raise what this returns.
+        """
         rank = dist.get_rank()
         ranks = dist.get_process_group_ranks(self.group)
         step_key = f"{_KEY_ROOT}/{self.scope.token}/step{self.step}"
@@ -286,6 +301,8 @@ class CollectiveSite:
             elsewhere=found.elsewhere,
         )
         logger.error("%s", message)
+        if self.scope.on_failure is not None:
+            self.scope.on_failure()
         return CollectiveFailure(
             message,
             collective=self.collective,

@@ -8,6 +8,12 @@
 - ``overlapkit.integrations.hf_trainer``: ``OverlapTrainer``, a ``transformers.Trainer`` that
   does the same for the model ``Trainer.train()`` wraps.
 
+Each also offers per-bucket optimizer updates without DDP (``ok.GradBucketer(model,
+optimizer=opt)``, the framework's own clipping folded in): ``OverlapDDPStrategy(
+optimizer_overlap=True)``, ``use_ok_ddp(accelerator, optimizer_overlap=True)``
+(``overlapkit.integrations.accelerate_per_bucket``) and ``OverlapTrainer(overlapkit_options=
+{"optimizer_overlap": True})``.
+
 The frameworks are optional (``pip install overlapkit[integrations]``); importing this package
 imports none of them.
 """

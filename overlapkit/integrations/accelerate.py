@@ -8,6 +8,11 @@ that handler for an ``OverlapDDPKwargs`` that keeps every DDP option of the old 
 hook only; see ``ok.ddp``). It works on every backend, including bf16 compression on gloo, and
 does nothing where Accelerate builds no DDP (one process, FSDP, DeepSpeed).
 
+``use_ok_ddp(accelerator, optimizer_overlap=True)`` builds no DDP at all: ``ok.GradBucketer(model,
+optimizer=opt)`` applies each bucket's update once its all-reduce is done, with
+``accelerator.clip_grad_norm_``, ``accumulate()`` / ``no_sync`` and the fp16 GradScaler folded in
+(``overlapkit.integrations.accelerate_per_bucket``).
+
 ``ok.fsdp`` needs no adapter: shard before ``prepare``, with Accelerate's FSDP2 plugin
 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, CUDA only), whose ``fsdp2_prepare_model``
 returns a model that already is an ``FSDPModule`` as it is, keeping ``ok.fsdp``'s prefetch
@@ -19,6 +24,9 @@ Example:
     >>> use_ok_ddp(accelerator, compress="bf16")        # before prepare
     >>> model, optimizer = accelerator.prepare(model, optimizer)
     >>> ok.comm_stats(model)                            # per-bucket timings
+    >>> overlap = use_ok_ddp(accelerator, optimizer_overlap=True)   # or: no DDP, per-bucket steps
+    >>> model, optimizer = accelerator.prepare(model, optimizer)
+    >>> overlap.bucketer.synchronize()                  # before reading parameters directly
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ from accelerate.utils import DistributedDataParallelKwargs
 from accelerate.utils.dataclasses import DDPCommunicationHookType
 
 from overlapkit.ddp.wrap import ddp
+from overlapkit.integrations.accelerate_per_bucket import PerBucketPreparation
 
-__all__ = ["OverlapDDPKwargs", "use_ok_ddp"]
+__all__ = ["OverlapDDPKwargs", "PerBucketPreparation", "use_ok_ddp"]
 
 _OVERLAP_FIELDS = ("compress", "powersgd_options", "check_finite", "on_nonfinite")
 # Accelerate's own hook fields are not DDP arguments either.
@@ -79,8 +88,12 @@ def use_ok_ddp(
     powersgd_options: dict[str, Any] | None = None,
     check_finite: bool = False,
     on_nonfinite: str = "raise",
-) -> OverlapDDPKwargs:
-    """Make ``accelerator.prepare`` register ``ok.ddp``'s hook on the DDP model it builds.
+    optimizer_overlap: bool = False,
+    forward_order_tail: int | None = None,
+    norm_ready_at_step: bool = True,
+) -> OverlapDDPKwargs | PerBucketPreparation | None:
+    """Make ``accelerator.prepare`` register ``ok.ddp``'s hook on the DDP model it builds, or,
+    with ``optimizer_overlap``, build no DDP and step per bucket.
 
     Call it after creating the ``Accelerator`` and before ``prepare``. DDP options already
     given through ``DistributedDataParallelKwargs`` are kept.
@@ -88,16 +101,50 @@ def use_ok_ddp(
     Args:
         accelerator (Accelerator): the accelerator whose ``prepare`` builds the DDP model.
         bucket_mb (float | None): DDP bucket size in MiB; None keeps the handler's
-            ``bucket_cap_mb`` (Accelerate's default 25).
-        compress, powersgd_options, check_finite, on_nonfinite: as in ``ok.ddp``.
+            ``bucket_cap_mb`` (Accelerate's default 25). With ``optimizer_overlap``: the
+            bucketer's (None: ``ok.GradBucketer``'s default).
+        compress, powersgd_options: as in ``ok.ddp``; not with ``optimizer_overlap``.
+        check_finite, on_nonfinite: as in ``ok.ddp`` (and ``ok.GradBucketer``).
+        optimizer_overlap (bool): no DDP: ``ok.GradBucketer(model, optimizer=opt)`` once
+            ``prepare`` has both (``overlapkit.integrations.accelerate_per_bucket``). Defaults
+            to False.
+        forward_order_tail (int | None): with ``optimizer_overlap``, as in ``ok.GradBucketer``.
+        norm_ready_at_step (bool): with ``optimizer_overlap``: whether the norm
+            ``accelerator.clip_grad_norm_`` returns is final when ``optimizer.step()`` returns
+            (True, the default) or only after ``bucketer.total_norm()`` (False: the all-reduce
+            tail stays overlapped on steps that do not read it).
 
     Returns:
-        OverlapDDPKwargs: the handler now in ``accelerator.ddp_handler``.
+        OverlapDDPKwargs: the handler now in ``accelerator.ddp_handler``; with
+        ``optimizer_overlap``, the ``PerBucketPreparation`` (its ``bucketer`` once prepared),
+        or None where Accelerate runs one process (nothing to reduce; nothing is changed).
 
     Raises:
         ValueError: ``bucket_mb="auto"`` (the tuner needs ``ok.ddp`` to build the model; pass a
-            number), or the accelerator's handler already chose an Accelerate ``comm_hook``.
+            number), the accelerator's handler already chose an Accelerate ``comm_hook``, or
+            with ``optimizer_overlap``: compression, or a setup it cannot run (named).
     """
+    if optimizer_overlap:
+        if compress is not None or powersgd_options is not None:
+            raise ValueError(
+                f"use_ok_ddp: compress={compress!r} / powersgd_options apply to ok.ddp's hook; "
+                "optimizer_overlap=True builds no DDP (the bucketer reduces in full precision)"
+            )
+        if not accelerator.use_distributed:
+            return None
+        return PerBucketPreparation(
+            accelerator,
+            norm_ready_at_step=norm_ready_at_step,
+            bucket_mb=bucket_mb,
+            check_finite=check_finite,
+            on_nonfinite=on_nonfinite,
+            forward_order_tail=forward_order_tail,
+        )
+    if forward_order_tail is not None:
+        raise ValueError(
+            f"use_ok_ddp: forward_order_tail={forward_order_tail!r} orders the launches for "
+            "per-bucket updates; it needs optimizer_overlap=True"
+        )
     if bucket_mb == "auto":
         raise ValueError(
             "use_ok_ddp: bucket_mb='auto' is not available when Accelerate builds the DDP "

@@ -86,6 +86,8 @@ def grad_norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Te
     Returns:
         list[Tensor]: 0-dim norms, ``grads[i]``'s at ``i`` (in the gradients' dtype).
     """
+    if not grads:  # a part with no gradient (its parameters unused on every rank)
+        return []
     out: list[torch.Tensor | None] = [None] * len(grads)
     grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
     for (device, _), ([tensors], indices) in grouped.items():

@@ -23,13 +23,20 @@ has one. ``tests/test_forward_reads.py`` records, with a dispatch mode, every pa
 ``torch.nn`` module with children actually passes to a kernel (training and eval forwards, fast
 paths included) and checks that this rule covers it; it fails on a torch that adds a reader.
 A user's module that reads another module's parameter directly (``x @ self.proj.weight``) is
-not seen: call ``bucketer.synchronize()`` before such a forward.
+not seen: call ``bucketer.before_forward(self.proj)`` (or ``synchronize()``) before it.
+
+The wait itself runs in one process-wide module pre-hook (``global_forward_pre_hook``).
 """
 
 from __future__ import annotations
 
+import weakref
+from typing import Protocol
+
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 _CHILD_READER_NAMES = ("MultiheadAttention", "TransformerEncoderLayer", "LinearCrossEntropyLoss")
 CHILD_READERS: tuple[type[nn.Module], ...] = tuple(
@@ -80,3 +87,26 @@ def reads_of(model: nn.Module, params: list[torch.Tensor]) -> dict[nn.Module, li
         if mine:
             out[module] = mine
     return out
+
+
+class WaitsBeforeForward(Protocol):
+    def pre_forward(self, module: nn.Module) -> None: ...
+
+
+def global_forward_pre_hook(owner: WaitsBeforeForward) -> RemovableHandle:
+    """One process-wide module pre-hook calling ``owner.pre_forward(module)``, holding it weakly.
+
+    Global, not per module: ``nn.TransformerEncoderLayer`` leaves its fused eval path when it
+    or any submodule carries a forward hook (``transformer.py``), and a hook must not change
+    which kernels the model runs. Removed when ``owner`` is collected.
+    """
+    ref = weakref.ref(owner)
+
+    def hook(module: nn.Module, _args: object) -> None:
+        target = ref()
+        if target is not None:
+            target.pre_forward(module)
+
+    handle = register_module_forward_pre_hook(hook)
+    weakref.finalize(owner, handle.remove)
+    return handle

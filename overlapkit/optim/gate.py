@@ -64,14 +64,19 @@ class UpdateGate:
         return self.partials is not None
 
     def landed(
-        self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], unscaled: Sequence[bool]
+        self,
+        keys: Sequence[Hashable],
+        grads: Sequence[torch.Tensor],
+        unscaled: Sequence[bool],
+        measured: Sequence[bool],
     ) -> None:
         """A part's gradients are final: unscale those of the optimizer (``unscaled[k]``, as
-        ``GradScaler.unscale_`` does), then take every one's norm."""
+        ``GradScaler.unscale_`` does), then take the norm of those of the clip (``measured``)."""
         if self.scaled is not None:
             self.scaled.unscale_([g for g, mine in zip(grads, unscaled, strict=True) if mine])
         if self.partials is not None:
-            self.partials.add(keys, grads)
+            pairs = [(k, g) for k, g, m in zip(keys, grads, measured, strict=True) if m]
+            self.partials.add([k for k, _ in pairs], [g for _, g in pairs])
 
     def decide(
         self, keys: Sequence[Hashable], grads: Sequence[torch.Tensor], *, host_skip: bool
@@ -79,7 +84,8 @@ class UpdateGate:
         """Every part has landed: total norm, coefficient, skip.
 
         Args:
-            keys, grads: every gradient of the clip, in ``model.parameters()`` order.
+            keys, grads: every gradient of the clip, in the clip's order
+                (``model.parameters()`` unless it was given its own).
             host_skip (bool): read the scaler's inf flag on the host to decide the skip (an
                 optimizer that cannot take ``found_inf`` itself); False leaves it to the kernel.
 
@@ -96,6 +102,6 @@ class UpdateGate:
         self.decided = True
 
     def prepare(self, grads: Sequence[torch.Tensor]) -> None:
-        """Before a part's update: clip its gradients (every gradient of the clip)."""
+        """Before a part's update: clip its gradients (those of the clip only)."""
         if self.coefficient is not None:
             scale_grads_(grads, self.coefficient)

@@ -81,9 +81,15 @@ class IssuePath(Protocol):
 
 
 def _guarded(scheduler: PerBucketStep, work: Callable[[], None]) -> None:
-    """Run ``work``; on any error, forget the step before the error propagates."""
+    """Run ``work`` outside inference mode; on any error, forget the step before it propagates.
+
+    Deferred updates run wherever the next forward or a checkpoint needs them, which may be
+    inside ``torch.inference_mode()`` (an evaluation, a callback's sample): optimizer state created
+    there would be an inference tensor, which the next step may not update in place.
+    """
     try:
-        work()
+        with torch.inference_mode(False), torch.no_grad():
+            work()
     except BaseException:
         scheduler.abandon()
         raise
@@ -217,6 +223,8 @@ class CudaIssuePath:
             for made_here in (gate.scaled.found_inf, gate.scaled.inv_scale, gate.scaled.grad_scale):
                 if made_here is not None:
                     made_here.record_stream(stream)
+        if job.clip is not None and job.clip.out is not None and job.clip.out.is_cuda:
+            job.clip.out.record_stream(stream)  # clip_grad_norm_()'s norm, written by decide()
         # A bucket with a parameter this rank did not use reads its used-flags on the host; that
         # waits for its all-reduce, so it is left to the first forward that needs an update,
         # unless a scaler needs every bucket now.

@@ -23,6 +23,17 @@ class OverlapConflict(RuntimeError):
     """Something needs every reduced gradient before any update, which per-bucket updates lack."""
 
 
+def stale_read_conflict(name: str) -> OverlapConflict:
+    """The error for parameter ``name`` read by a forward before its pending update."""
+    return OverlapConflict(
+        f"{CALLER}: the gradient of {name!r} arrived while its update of the last step was "
+        "still pending: the forward read the parameter without calling the module that holds "
+        "it (a parent computing with child.weight, a LightningModule's training_step with "
+        "self.weight), so it read the old value. Call bucketer.before_forward(module) (or "
+        "bucketer.synchronize()) before such code"
+    )
+
+
 def validate_optimizer(
     optimizer: object, params: list[torch.nn.Parameter], names: list[str]
 ) -> torch.optim.Optimizer:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from overlapkit.optim.clip_request import ClipRequest
 from overlapkit.optim.gate import UpdateGate
 from overlapkit.optim.protocols import MissingGradients
 
@@ -35,6 +36,8 @@ class PendingStep:
     """Clipping / GradScaler / NaN-Inf state: every update waits for every bucket."""
     post_hooks: list[Callable]
     """The optimizer's and the global step post-hooks, run once every update is applied."""
+    clip: ClipRequest | None = None
+    """The step's global-norm clip (its parameters, order and norm tensor); None: no clip."""
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
     """Landed gradients by parameter index. Those of the optimizer's parameters are taken off
     ``param.grad`` when their bucket lands (``step()`` includes ``zero_grad()``), so that a

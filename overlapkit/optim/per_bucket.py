@@ -59,13 +59,13 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
+from collections.abc import Iterable
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from overlapkit.optim.clip import validate_clip_options
-from overlapkit.optim.forward_reads import reads_of
+from overlapkit.optim.clip_request import ClipRequest, request_clip, whole_model_clip
+from overlapkit.optim.forward_reads import global_forward_pre_hook, reads_of
 from overlapkit.optim.gate import UpdateGate
 from overlapkit.optim.grad_scaling import ScaledStep, scaler_in_use
 from overlapkit.optim.issue_paths import CpuIssuePath, CudaIssuePath, IssuePath
@@ -74,6 +74,7 @@ from overlapkit.optim.overlap_checks import (
     SYNCHRONOUS_FORM,
     OverlapConflict,
     refuse_compiled_step,
+    stale_read_conflict,
 )
 from overlapkit.optim.pending_step import PendingStep
 from overlapkit.optim.protocols import BucketReduction
@@ -125,6 +126,12 @@ class PerBucketStep:
         self.optimizer = optimizer
         self._job: PendingStep | None = None
         self._handed: dict[int, tuple[torch.Tensor, int]] = {}
+        self._clip: ClipRequest | None = None
+        """Asked for by ``clip_grad_norm_()`` since the last ``step()``."""
+        self._found_inf: torch.Tensor | None = None
+        """The last step's GradScaler inf flag (None: no scaler)."""
+        self._dropped = False
+        """Whether the last step was dropped whole (``check_finite``, ``on_nonfinite="skip"``)."""
         params = reduction.params
         self._device = params[0].device
         # Chosen once: validate_optimizer refused parameters on more than one device.
@@ -138,7 +145,7 @@ class PerBucketStep:
         self._own_hook_ids = (direct.id,)
         self._handles: list[RemovableHandle] = [
             reduction.register_grad_ready_hook(self.grad_handed_over),
-            _global_forward_pre_hook(self),
+            global_forward_pre_hook(self),
             direct,
         ]
         sync = self._synchronize_hook
@@ -157,11 +164,46 @@ class PerBucketStep:
         # The first gradient of a backward finishes the previous step: what the forward did not
         # need (a module it skipped) is applied now, before any bucket buffer is reused.
         self.synchronize()
+        if param.grad is None:
+            # Its own bucket of the last step landed just now and took the fresh gradient: the
+            # forward read the parameter before its pending update (not through its module). A
+            # stale read whose gradient comes after another's is not seen here.
+            raise stale_read_conflict(self._reduction.names[index])
         if param.grad.data_ptr() == self._reduction.grad_view(index).data_ptr():
             # Already its bucket view (a parameter the optimizer does not update keeps it): the
             # bucket's own division bumps its version, so versions say nothing here.
             return
         self._handed[index] = (param.grad, param.grad._version)
+
+    def clip_grad_norm_(
+        self,
+        parameters: Iterable[torch.Tensor] | torch.Tensor,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Ask the coming ``step()`` to clip over ``parameters``, in their order (module doc of
+        ``overlapkit.optim.clip_request``); returns the tensor that will hold the norm."""
+        if not self._reduction.in_step:
+            raise RuntimeError(
+                "ok.GradBucketer.clip_grad_norm_() was called but no backward has produced "
+                "gradients since the last step() (or all ran inside no_sync()); clip after the "
+                "backward of a step, before bucketer.step()"
+            )
+        if self._clip is not None:
+            raise RuntimeError(
+                "ok.GradBucketer.clip_grad_norm_() was already called for this step; clip once "
+                "per step (the next step() applies it)"
+            )
+        self._clip = request_clip(
+            parameters,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            params=self._reduction.params,
+            caller="ok.GradBucketer.clip_grad_norm_",
+        )
+        return self._clip.out
 
     def step(
         self,
@@ -178,9 +220,14 @@ class PerBucketStep:
                 "ok.GradBucketer.step() was called but no backward has produced gradients since "
                 "the last step() (or all ran inside no_sync()); call loss.backward() first"
             )
-        max_norm = None
+        clip, self._clip = self._clip, None
         if clip_grad_norm is not None:
-            max_norm, norm_type = validate_clip_options(
+            if clip is not None:
+                raise ValueError(
+                    f"ok.GradBucketer.step: clip_grad_norm={clip_grad_norm!r} was given, but "
+                    "bucketer.clip_grad_norm_() already asked for a clip in this step; clip once"
+                )
+            clip = whole_model_clip(
                 clip_grad_norm, norm_type, error_if_nonfinite, caller="ok.GradBucketer.step"
             )
         scaler = scaler_in_use(scaler, caller="ok.GradBucketer.step")
@@ -203,7 +250,7 @@ class PerBucketStep:
                 scaler,
                 optimizer,
                 self._device,
-                unscale=max_norm is not None or not takes_flags,
+                unscale=clip is not None or not takes_flags,
                 caller="ok.GradBucketer.step",
             )
             mine = [i for i, p in enumerate(reduction.params) if id(p) in groups]
@@ -214,17 +261,21 @@ class PerBucketStep:
         run_step_hooks(optimizer, pre_hooks)
         mark_stepped(optimizer)
         gate = None
-        if max_norm is not None or scaled is not None or reduction.checks_finite:
+        if clip is not None or scaled is not None or reduction.checks_finite:
             gate = UpdateGate(
-                max_norm=max_norm,
-                norm_type=norm_type,
-                error_if_nonfinite=error_if_nonfinite,
+                max_norm=None if clip is None else clip.max_norm,
+                norm_type=2.0 if clip is None else clip.norm_type,
+                error_if_nonfinite=clip is not None and clip.error_if_nonfinite,
                 scaled=scaled,
                 caller="ok.GradBucketer.step",
             )
+        self._found_inf = None if scaled is None else scaled.found_inf
+        self._dropped = False
         missing, step = reduction.end_backward()
         order = list(reduction.launch_order)
-        self._job = PendingStep(step, hyper, groups, missing, order, list(order), gate, post_hooks)
+        self._job = PendingStep(
+            step, hyper, groups, missing, order, list(order), gate, post_hooks, clip
+        )
         if scaled is not None:
             scaled.hand_to_scaler()
         try:
@@ -268,6 +319,21 @@ class PerBucketStep:
             )
         return norm
 
+    def step_skipped(self) -> bool:
+        """Whether the last ``step()`` applied no update: its GradScaler found inf/NaN, or
+        ``check_finite`` dropped it (``on_nonfinite="skip"``).
+
+        Decides the step if it is not decided yet (lands every bucket); the scaler's verdict is
+        one host read of its ``found_inf`` (on CUDA a device sync: it waits for the last
+        bucket's all-reduce and unscale).
+        """
+        job = self._job
+        if job is not None and job.gate is not None and not job.gate.decided:
+            self._path.decide_now()
+        if self._dropped:
+            return True
+        return self._found_inf is not None and bool(self._found_inf.item())
+
     def remove(self) -> None:
         """Apply what is pending and detach every hook."""
         self.synchronize()
@@ -279,7 +345,8 @@ class PerBucketStep:
     # -- hooks ---------------------------------------------------------------------------------
 
     def pre_forward(self, module: torch.nn.Module) -> None:
-        """Before ``module``'s forward: wait for the updates of the parameters it reads."""
+        """Before ``module``'s forward (or code that computes as it would without calling it):
+        wait for the updates of the parameters it reads."""
         if self._job is None:
             return
         reads = self._reads.get(module)
@@ -342,21 +409,26 @@ class PerBucketStep:
             if mine[-1]:
                 param.grad = None
         if job.gate is not None:
-            job.gate.landed(keys, grads, mine)
+            clip = job.clip
+            job.gate.landed(keys, grads, mine, [clip is None or clip.covers(i) for i in keys])
 
     def decide(self) -> None:
         """Every bucket has landed: act on NaN/Inf, then the total norm and the skip."""
         job = self._job
         if self._reduction.settle_nonfinite(job.step):  # raises, or drops the step (skip)
             job.grads.clear()
+            self._dropped = True
         scaled = job.gate.scaled
-        keys = sorted(job.grads)  # parameter order, as model.parameters() lists them
+        # The clip's order: model.parameters()'s, unless clip_grad_norm_() gave its own.
+        keys = sorted(job.grads) if job.clip is None else job.clip.norm_keys(job.grads)
         job.gate.decide(
             keys,
             [job.grads[i] for i in keys],
             host_skip=scaled is not None and not scaled.takes_flags,
         )
         if job.gate.clips:
+            if job.clip.out is not None:
+                job.clip.out.copy_(job.gate.total)  # before keep_norm's event, on CUDA
             self._path.keep_norm(job.gate.total)
 
     def update(self, b: int) -> None:
@@ -367,7 +439,8 @@ class PerBucketStep:
         indices = [i for i in reduction.bucket_indices(b) if i in job.grads]
         gate = job.gate
         if gate is not None:
-            gate.prepare([job.grads[i] for i in indices])
+            clip = job.clip
+            gate.prepare([job.grads[i] for i in indices if clip is None or clip.covers(i)])
         mine = [reduction.params[i] for i in indices if id(reduction.params[i]) in job.group_of]
         if gate is None or not gate.skip:
             flags = None
@@ -418,22 +491,3 @@ class PerBucketStep:
             for b in list(job.to_update):
                 self.update(b)
         self.finish()
-
-
-def _global_forward_pre_hook(scheduler: PerBucketStep) -> RemovableHandle:
-    """One process-wide module pre-hook for ``scheduler``, holding it weakly.
-
-    Global, not per module: ``nn.TransformerEncoderLayer`` leaves its fused eval path when it
-    or any submodule carries a forward hook (``transformer.py``), and a hook must not change
-    which kernels the model runs.
-    """
-    ref = weakref.ref(scheduler)
-
-    def hook(module: torch.nn.Module, _args: object) -> None:
-        target = ref()
-        if target is not None:
-            target.pre_forward(module)
-
-    handle = register_module_forward_pre_hook(hook)
-    weakref.finalize(scheduler, handle.remove)
-    return handle

@@ -31,6 +31,10 @@ from overlapkit.profiling.trace_loader import TraceFormatError
 logger = logging.getLogger(__name__)
 
 TRACE_SUFFIXES = (".json", ".json.gz")
+TRACE_NAMES = ("*.pt.trace.json*", "rank*_trace.json*")
+"""What torch.profiler's ``tensorboard_trace_handler`` and torchtitan's profiler name a trace."""
+TORCHTITAN_TRACES = "profiling/traces"
+"""Where torchtitan writes them under its dump folder (``Profiler.Config.save_traces_folder``)."""
 TOP_K = 5
 TABLE_DTYPE = np.dtype(
     [
@@ -45,7 +49,14 @@ TABLE_DTYPE = np.dtype(
     ]
 )
 KIND_ROW_DTYPE = np.dtype(
-    [("row", "i8"), ("kind", "i4"), ("count", "i8"), ("bytes", "i8"), ("time_ms", "f8")]
+    [
+        ("row", "i8"),
+        ("kind", "i4"),
+        ("count", "i8"),
+        ("bytes", "i8"),
+        ("time_ms", "f8"),
+        ("exposed_ms", "f8"),
+    ]
 )
 
 __all__ = [
@@ -71,6 +82,9 @@ class KindStats:
     """Summed input bytes; None when some of its collectives have no size in the trace."""
     time_ms: float
     """|∪ intervals| of this kind, ms."""
+    exposed_ms: float = 0.0
+    """|∪ intervals of this kind ∖ all compute|, ms (for ``send_recv`` on a pipeline stage: the
+    bubble, waiting for the neighbour stage, plus the transfers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +105,12 @@ class StepMetrics:
     def to_dict(self) -> dict[str, Any]:
         row = asdict(self)
         row["kinds"] = {
-            kind: {"count": s.count, "bytes": s.nbytes, "time_ms": s.time_ms}
+            kind: {
+                "count": s.count,
+                "bytes": s.nbytes,
+                "time_ms": s.time_ms,
+                "exposed_ms": s.exposed_ms,
+            }
             for kind, s in self.kinds.items()
         }
         return row
@@ -178,10 +197,13 @@ class RunReport:
     def step_metrics(self, limit: int) -> list[StepMetrics]:
         """The first ``limit`` rows of ``table`` as ``StepMetrics``."""
         kinds: dict[int, dict[str, KindStats]] = {}
-        for row, kind, count, nbytes, time_ms in self.kind_table.tolist():
+        for row, kind, count, nbytes, time_ms, exposed_ms in self.kind_table.tolist():
             if row < limit:
                 kinds.setdefault(row, {})[COLLECTIVE_KINDS[kind]] = KindStats(
-                    count=count, nbytes=None if nbytes < 0 else nbytes, time_ms=time_ms
+                    count=count,
+                    nbytes=None if nbytes < 0 else nbytes,
+                    time_ms=time_ms,
+                    exposed_ms=exposed_ms,
                 )
         names = [Path(f).name for f in self.files]
         out = []
@@ -340,10 +362,21 @@ def rank_percentiles(table: np.ndarray) -> list[dict[str, Any]]:
     return out
 
 
-def find_trace_files(run_dir: Path) -> list[Path]:
-    """The trace files of a run: the ``*.json``/``*.json.gz`` files directly in ``run_dir``
-    (sorted by name). The one place that decides which files a run's traces are."""
-    return sorted(p for p in run_dir.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+def find_trace_files(run_dir: Path, iteration: int | None = None) -> list[Path]:
+    """The trace files of a run, the one place that decides which they are: the
+    ``*.json``/``*.json.gz`` files directly in ``run_dir`` (sorted by name); else, or with
+    ``iteration``, torchtitan's: ``iteration_N/[leaf/]rankR_trace.json.gz`` under ``run_dir`` or
+    its ``profiling/traces`` (``run_dir`` a torchtitan dump folder), every N or that one."""
+    direct = [p for p in run_dir.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES)]
+    if direct and iteration is None:
+        return sorted(direct)
+    folders = f"iteration_{'*' if iteration is None else iteration}"
+    return sorted(
+        p
+        for base in (run_dir, run_dir / TORCHTITAN_TRACES)
+        for p in base.glob(f"{folders}/**/*")
+        if p.is_file() and p.name.endswith(TRACE_SUFFIXES)
+    )
 
 
 def analyze_files(
@@ -424,9 +457,9 @@ def _assemble(report: RunReport, tables: list[np.ndarray], kind_tables: list) ->
             row_of[(file, step)] = int(position[offset + k])
         offset += len(t)
     kinds = [
-        (row_of[(index, int(step))], int(kind), int(count), int(nbytes), float(time_ms))
+        (row_of[(index, int(step))], int(kind), int(count), int(nbytes), time_ms, exposed_ms)
         for index, _, rows in kind_tables
-        for step, kind, count, nbytes, time_ms in rows.tolist()
+        for step, kind, count, nbytes, time_ms, exposed_ms in rows.tolist()
         if (index, int(step)) in row_of
     ]
     report.kind_table = np.array(kinds, dtype=KIND_ROW_DTYPE)
@@ -445,12 +478,14 @@ def _assemble(report: RunReport, tables: list[np.ndarray], kind_tables: list) ->
     report.lanes.sort(key=lambda s: (s.step, s.rank))
 
 
-def analyze_run(run_dir: str | Path, **options: Any) -> RunReport:
-    """Analyse every trace directly inside ``run_dir`` (all ranks, all profiling cycles).
+def analyze_run(run_dir: str | Path, iteration: int | None = None, **options: Any) -> RunReport:
+    """Analyse every trace inside ``run_dir`` (all ranks, all profiling cycles).
 
     Args:
         run_dir (str | Path): the ``logdir`` given to ``ok.profile`` (or any directory of
-            ``.pt.trace.json`` / ``.json.gz`` traces).
+            ``.pt.trace.json`` / ``.json.gz`` traces), or a torchtitan dump folder
+            (``find_trace_files``).
+        iteration (int | None): only torchtitan's ``iteration_N`` folder of that N.
         **options: passed to ``analyze_files`` (``jobs``, ``lanes``, ``programs``, ...).
 
     Returns:
@@ -466,18 +501,18 @@ def analyze_run(run_dir: str | Path, **options: Any) -> RunReport:
         raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} is a file, not a directory of traces")
-    report = analyze_files(find_trace_files(run_dir), run_dir, **options)
+    report = analyze_files(find_trace_files(run_dir, iteration), run_dir, **options)
     if report.files:
         return report
     detail = "; ".join(f"{Path(s['file']).name}: {s['reason']}" for s in report.skipped)
     nested = sorted(
-        str(p.relative_to(run_dir))
-        for p in run_dir.iterdir()
-        if p.is_dir() and any(p.glob("*.pt.trace.json*"))
+        {str(p.parent.relative_to(run_dir)) for name in TRACE_NAMES for p in run_dir.rglob(name)}
+        - {"."}
     )
     hint = f" Subdirectories with traces: {', '.join(nested)}." if nested else ""
+    where = f"iteration_{iteration} of " if iteration is not None else ""
     raise ValueError(
-        f"no readable profiler trace (*.pt.trace.json, *.json.gz) in {str(run_dir)!r}"
+        f"no readable profiler trace (*.pt.trace.json, *.json.gz) in {where}{str(run_dir)!r}"
         + (f"; skipped {detail}" if detail else "")
         + "."
         + hint

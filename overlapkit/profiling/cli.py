@@ -1,4 +1,5 @@
-"""``overlapkit report RUN_DIR [--json] [--png FILE] [--step N] [--jobs N] [--stragglers] ...``."""
+"""``overlapkit report RUN_DIR [--iteration N] [--json] [--png FILE] [--step N] [--jobs N]
+[--stragglers] ...``."""
 
 from __future__ import annotations
 
@@ -45,7 +46,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "and at what cost."
         ),
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="directory of *.pt.trace.json[.gz]")
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="directory of *.pt.trace.json[.gz], or a torchtitan dump folder",
+    )
+    parser.add_argument(
+        "--iteration",
+        type=int,
+        metavar="N",
+        help="a torchtitan run's iteration_N traces only (default: every iteration)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--png", metavar="FILE", help="draw a timeline of one step to FILE")
     parser.add_argument(
@@ -97,7 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_report(args: argparse.Namespace) -> int:
     """Analyse ``args.run_dir``, print the report, optionally draw and write the extras."""
     stragglers = args.stragglers or args.heatmap or args.tensorboard is not None
-    report = analyze_run(args.run_dir, jobs=args.jobs, programs=bool(stragglers))
+    report = analyze_run(args.run_dir, args.iteration, jobs=args.jobs, programs=bool(stragglers))
     extra: dict[str, str] = {}
     found = None
     if stragglers:

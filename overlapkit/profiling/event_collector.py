@@ -32,12 +32,23 @@ from overlapkit.profiling.trace_events import (
     shown,
 )
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "other")
+COLLECTIVE_KINDS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "send_recv",
+    "other",
+)
+# First match wins: NCCL runs all-to-all on SendRecv kernels, named by their metadata.
 _KIND_PATTERNS = (
     ("all_reduce", re.compile(r"all_?reduce", re.IGNORECASE)),
     ("reduce_scatter", re.compile(r"reduce_?scatter", re.IGNORECASE)),
     ("all_gather", re.compile(r"all_?gather", re.IGNORECASE)),
     ("all_to_all", re.compile(r"all_?to_?all", re.IGNORECASE)),
+    # Point-to-point (pipeline stages): gloo:send / gloo:recv ranges on the calling thread,
+    # NCCL's SendRecv kernels and "send" / "recv" metadata.
+    ("send_recv", re.compile(r"send|recv", re.IGNORECASE)),
 )
 _STEP_NAME = re.compile(r"ProfilerStep#(\d+)$")
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
@@ -89,7 +100,8 @@ _CODED = 1 << 62  # correlation ids that are not small ints are coded from here 
 
 
 def collective_kind(name: str) -> str:
-    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all`` or ``other``."""
+    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``send_recv`` or
+    ``other``."""
     for kind, pattern in _KIND_PATTERNS:
         if pattern.search(name):
             return kind

@@ -28,7 +28,8 @@ def _collectives(row: StepMetrics) -> str:
     parts = []
     for kind, stats in row.kinds.items():
         size = "?" if stats.nbytes is None else f"{stats.nbytes / MiB:.2f} MiB"
-        parts.append(f"{kind} {stats.count}x {size}")
+        exposed = f" ({stats.exposed_ms:.2f} ms exposed)" if kind == "send_recv" else ""
+        parts.append(f"{kind} {stats.count}x {size}{exposed}")
     return ", ".join(parts) or "-"
 
 

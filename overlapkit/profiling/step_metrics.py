@@ -44,7 +44,14 @@ STEP_DTYPE = np.dtype(
     ]
 )
 KIND_DTYPE = np.dtype(
-    [("step", "i8"), ("kind", "i4"), ("count", "i8"), ("bytes", "i8"), ("time_ms", "f8")]
+    [
+        ("step", "i8"),
+        ("kind", "i4"),
+        ("count", "i8"),
+        ("bytes", "i8"),
+        ("time_ms", "f8"),
+        ("exposed_ms", "f8"),
+    ]
 )
 _KIND_CODE = {kind: code for code, kind in enumerate(COLLECTIVE_KINDS)}
 
@@ -264,7 +271,7 @@ def step_rows(
                 },
             )
         )
-        out_kinds.append(_kind_rows(window, q_i, q_s, q_e, kind, nbytes))
+        out_kinds.append(_kind_rows(window, q_i, q_s, q_e, kind, nbytes, cover))
         if lanes_for:
             lanes += _lanes(
                 trace, window, lanes_for, (ci, mine), (gq, us, ue), (all_s, all_e), tail_from
@@ -299,7 +306,9 @@ def _tail_from(mine, ci, gq, us, ue, n, wide) -> np.ndarray:
     return tail_from
 
 
-def _kind_rows(window, q_i, q_s, q_e, kind, nbytes) -> np.ndarray:
+def _kind_rows(window, q_i, q_s, q_e, kind, nbytes, cover: ia.Coverage) -> np.ndarray:
+    """Per step and collective kind: count, bytes (-1 when some are unknown), |∪ intervals| and
+    the part of it no compute covers (ms)."""
     nk = len(COLLECTIVE_KINDS)
     key = q_i * nk + kind
     count = np.bincount(key, minlength=len(window) * nk)
@@ -309,6 +318,7 @@ def _kind_rows(window, q_i, q_s, q_e, kind, nbytes) -> np.ndarray:
     )
     g, s, e = ia.grouped_union(key, q_s, q_e)
     time_us = np.bincount(g, weights=e - s, minlength=len(window) * nk)
+    exposed_us = np.bincount(g, weights=(e - s) - cover.covered(s, e), minlength=len(window) * nk)
     present = np.flatnonzero(count)
     return _rows(
         KIND_DTYPE,
@@ -320,6 +330,7 @@ def _kind_rows(window, q_i, q_s, q_e, kind, nbytes) -> np.ndarray:
                 np.int64
             ),
             "time_ms": time_us[present] / 1e3,
+            "exposed_ms": exposed_us[present] / 1e3,
         },
     )
 

@@ -15,11 +15,20 @@ those): the CPU generator, and the CUDA generator of the model's device when the
 GPU. A GPU checkpoint resumes on a GPU run and a CPU one on a CPU run; across the two, loading
 refuses.
 
+Pipeline stages (``parallel.plan.pp > 1``) hold different parameters on different ranks, so their
+optimizer state is saved per parameter name (``flatten_optimizer_state_dict``, as torchtitan
+does) and their bucket layouts under ``bucketers.stage<s>``: DCP keeps one value per key, and a
+parameter group's list of names would be one rank's. Model tensors keep the unsplit model's
+names in both forms; a checkpoint resumes into a run of the same optimizer form only.
+
 A checkpoint directory is untrusted input (it may come from someone else's run), and DCP
 unpickles it: its ``.metadata`` with plain ``pickle`` and every non-tensor value with
 ``torch.load(weights_only=False)``, either of which runs whatever code the file names. Loading
 here therefore reads the metadata with an unpickler that accepts only DCP's own metadata types
-and loads the non-tensor values with ``weights_only=True``.
+and loads the non-tensor values with ``weights_only=True``. A checkpoint that some rank refuses,
+or cannot read, is refused on every rank alike (``CheckpointRefused``: the ranks agree before
+and after DCP's own load), so that they can move on to another one together
+(``overlapkit.train.resume``).
 """
 
 from __future__ import annotations
@@ -43,7 +52,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from overlapkit.train.data import BatchStream
 
@@ -53,6 +66,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _COMMITTED = re.compile(r"^step_(\d{8})$")
+# A parameter group's list of parameter names: saved unless the optimizer state is flattened.
+_GROUP_PARAMS = re.compile(r"^optim\.param_groups\.\d+\.params$")
+_OPTIMIZER_FORMS = {
+    True: "per parameter name (a pipeline-parallel run's)",
+    False: "per parameter group (a run without pipeline parallelism)",
+}
 _PENDING_SUFFIX = ".tmp"
 
 
@@ -156,6 +175,15 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+def _weights_only_refusal(error: pickle.UnpicklingError) -> str:
+    """What ``weights_only=True`` refused, without torch's advice on how to load it anyway."""
+    for line in str(error).splitlines():
+        _, found, rest = line.partition("WeightsUnpickler error: ")
+        if found:
+            return rest.split(". ")[0]
+    return _first_line(error)
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that loads non-tensor values with ``weights_only=True``."""
 
@@ -165,13 +193,79 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
             raise ValueError(
-                f"checkpoint value {fqn!r} is not plain data; weights_only=True refused it: {err}"
+                f"checkpoint value {fqn!r} is not plain data; weights_only=True refused it "
+                f"({_weights_only_refusal(err)}), so nothing in it ran"
             ) from err
         # As DefaultLoadPlanner.load_bytes, which differs only in weights_only=False.
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+class CheckpointRefused(ValueError):
+    """A committed checkpoint that some rank cannot load, raised on every rank alike.
+
+    Unsafe (a pickled callable), unreadable (truncated, corrupted, missing files) or of another
+    kind of run (RNG state, bucket layout).
+
+    Attributes:
+        path (Path): the checkpoint directory.
+        reasons (dict[int, str]): global rank -> why that rank cannot use it, one line each.
+    """
+
+    def __init__(self, path: Path, reasons: dict[int, str]):
+        self.path = path
+        self.reasons = dict(sorted(reasons.items()))
+        distinct = set(self.reasons.values())
+        message = (
+            distinct.pop()
+            if len(distinct) == 1
+            else "; ".join(f"rank {r}: {reason}" for r, reason in self.reasons.items())
+        )
+        super().__init__(message)
+
+    def line_for(self, rank: int) -> str:
+        """One line for ``rank``'s log: its own reason, or which ranks refused and why."""
+        if rank in self.reasons:
+            return self.reasons[rank]
+        first = next(iter(self.reasons.values()))
+        return f"{self.path}: refused on rank(s) {list(self.reasons)}: {first}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _reason(path: Path, error: BaseException) -> str:
+    """Why ``path`` cannot be used, in one line that names it.
+
+    Our refusals (``ValueError``) are kept whole; of torch's errors (a corrupted file) the
+    first sentence, which says what failed; the rest is advice about other causes.
+    """
+    text = _first_line(error)
+    if not str(error).strip():  # EOFError(), from a file that ends early
+        text = f"{text} while reading it"
+    elif not isinstance(error, ValueError):
+        text = f"{type(error).__name__}: {text.split('. ')[0]}"
+    text = text.rstrip(".")
+    return text if str(path) in text else f"{path}: {text}"
+
+
+def _agree(path: Path, reason: str | None) -> None:
+    """Every rank's verdict on ``path``; raises ``CheckpointRefused`` everywhere if any refused.
+
+    A collective of all ranks (one ``all_gather_object``) when the default group is initialised.
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        verdicts: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, reason)
+    else:
+        verdicts = [reason]
+    refused = {rank: r for rank, r in enumerate(verdicts) if r is not None}
+    if refused:
+        raise CheckpointRefused(path, refused)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -234,10 +328,25 @@ class TrainingState:
     rank: int
     bucketers: Sequence[GradBucketer] = ()
     """The run's bucketers (``Parallelized.bucketers``), whose layouts are saved and restored."""
+    bucketer_keys: Sequence[str] = ()
+    """The bucketers' keys under ``bucketers.``; empty: their index."""
+    flatten_optimizer: bool = False
+    """Save the optimizer's state and hyperparameters per parameter name
+    (``flatten_optimizer_state_dict``, as torchtitan does): needed when ranks hold different
+    parameters (pipeline stages), since DCP keeps one value per key and ``param_groups`` would
+    otherwise be one rank's list of names."""
+
+    @property
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(flatten_optimizer_state_dict=self.flatten_optimizer)
+
+    def _keyed_bucketers(self) -> dict[str, GradBucketer]:
+        keys = self.bucketer_keys or [str(i) for i in range(len(self.bucketers))]
+        return dict(zip(keys, self.bucketers, strict=True))
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The state at ``step`` in DCP's form (nested dicts of tensors and plain values)."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._options)
         state = {
             "model": model_state,
             "optim": optim_state,
@@ -246,7 +355,7 @@ class TrainingState:
             _rng_key(self.rank): _rng_state(_cuda_device(self.model)),
         }
         if self.bucketers:
-            state["bucketers"] = {str(i): b.state_dict() for i, b in enumerate(self.bucketers)}
+            state["bucketers"] = {k: b.state_dict() for k, b in self._keyed_bucketers().items()}
         return state
 
     def save(self, root: str | Path, step: int, *, keep: int) -> Path:
@@ -288,10 +397,34 @@ class TrainingState:
             int: the step the checkpoint was saved at.
 
         Raises:
-            ValueError: the checkpoint is unsafe or unreadable, or its RNG state is of a CPU run
-                and this run's model is on a GPU (or the other way round).
+            CheckpointRefused: on every rank, when some rank found the checkpoint unsafe or
+                unreadable, or its RNG state of a CPU run and this run's model on a GPU (or the
+                other way round), or its optimizer state of a pipeline-parallel run and this run
+                not (or the other way round), or its bucket layout of another model. The live
+                objects may then hold part of it: load another checkpoint, or stop.
         """
         path = Path(path)
+        state, reason = None, None
+        try:
+            state = self._expected_state(path)
+        except (ValueError, OSError) as error:
+            reason = _reason(path, error)
+        _agree(path, reason)
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+        except CheckpointException as err:  # a BaseException, raised on every rank alike
+            raise CheckpointRefused(
+                path, {rank: _reason(path, exc) for rank, (exc, _) in err.failures.items()}
+            ) from err
+        try:
+            self._apply(state)
+        except ValueError as error:
+            reason = _reason(path, error)
+        _agree(path, reason)
+        return int(state["progress"]["step"])
+
+    def _expected_state(self, path: Path) -> dict[str, Any]:
+        """The state to load ``path`` into: this run's, less what the checkpoint lacks."""
         state = self.state_dict(0)
         saved_keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata.keys()
         rng_key = _rng_key(self.rank)
@@ -306,6 +439,15 @@ class TrainingState:
                 self.rank,
             )
             del state[rng_key]
+        saved_flat = not any(_GROUP_PARAMS.match(key) for key in saved_keys)
+        if saved_flat != self.flatten_optimizer:
+            raise ValueError(
+                f"{path}: its optimizer state was saved "
+                f"{_OPTIMIZER_FORMS[saved_flat]}, but this run's is "
+                f"{_OPTIMIZER_FORMS[self.flatten_optimizer]}: a checkpoint of a pipeline-parallel "
+                "run (parallel.plan.pp > 1) resumes into a pipeline-parallel run only, any other "
+                "into a run without pipeline parallelism; start a new run (another name=...)"
+            )
         if self.bucketers and not any(key.startswith("bucketers.") for key in saved_keys):
             logger.warning(
                 "checkpoint %s has no bucket layout (saved without a GradBucketer); the "
@@ -313,25 +455,24 @@ class TrainingState:
                 path,
             )
             del state["bucketers"]
-        try:
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
-        except CheckpointException as err:  # a BaseException: surface our refusal as itself
-            refused = [exc for exc, _ in err.failures.values() if isinstance(exc, ValueError)]
-            if refused:
-                raise ValueError(f"{path}: {refused[0]}") from err
-            raise
+        return state
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        """Put a loaded state into the live objects."""
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
+            options=self._options,
         )
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state_dict(state["progress"]["data"])
-        for i, bucketer in enumerate(self.bucketers if "bucketers" in state else ()):
-            bucketer.load_state_dict(state["bucketers"][str(i)])
+        if "bucketers" in state:
+            for key, bucketer in self._keyed_bucketers().items():
+                bucketer.load_state_dict(state["bucketers"][key])
+        rng_key = _rng_key(self.rank)
         if rng_key in state:
             torch.set_rng_state(state[rng_key]["cpu"])
             if "cuda" in state[rng_key]:
                 torch.cuda.set_rng_state(state[rng_key]["cuda"], _cuda_device(self.model))
-        return int(state["progress"]["step"])

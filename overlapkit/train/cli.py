@@ -32,14 +32,19 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from overlapkit.fsdp.zero import resolve_reshard_after_forward
 from overlapkit.planner import plan as place
 from overlapkit.train.checkpoint import latest_checkpoint
+from overlapkit.train.context_parallel import check_sequence_split
 from overlapkit.train.data import check_compatible
 from overlapkit.train.launch import LauncherConfig, launch
 from overlapkit.train.loop import RunPaths
 from overlapkit.train.mesh import check_plan, split_parallel
 from overlapkit.train.parallel import check_run_optimizer
+from overlapkit.train.recompute import check_recompute_fits
+from overlapkit.train.resume import NoUsableCheckpoint
 from overlapkit.train.slurm import task_index
+from overlapkit.train.stages import check_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +100,10 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
     Raises:
         ValueError / TypeError / FileNotFoundError: the first bad value, named by its key.
     """
-    instantiate(cfg.train)
+    train = instantiate(cfg.train)
     model_config = instantiate(cfg.model.config)
-    check_compatible(instantiate(cfg.data), model_config)
+    source = instantiate(cfg.data)
+    check_compatible(source, model_config)
     train_steps = cfg.train.steps
     probe = [torch.zeros(1, requires_grad=True)]
     optimizer = instantiate(cfg.optim.optimizer)(probe)
@@ -109,12 +115,24 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
     check_plan(
         plan, world_size=world_size, model_config=model_config, target=factory.get("_target_")
     )
+    check_sequence_split(plan.cp, getattr(source, "seq_len", None))
+    if factory.get("_target_") == "overlapkit.fsdp":  # zero=, before the workers build it
+        resolve_reshard_after_forward(factory.get("zero"), factory.get("reshard_after_forward"))
     check_run_optimizer(factory, plan=plan)
+    check_pipeline(
+        plan, model_config=model_config, grad_accum=cfg.train.grad_accum, factory_cfg=factory
+    )
+    check_recompute_fits(
+        train.recompute,
+        train.recompute_layers,
+        blocks_per_stage=model_config.n_layer // (plan.pp * plan.virtual_stages),
+        has_attention=hasattr(model_config, "n_head"),
+    )
     topology = cfg.get("topology")
     if topology is None and not plan.trivial:
         raise ValueError(
-            "parallel.plan needs a topology to place tp/ep/dp_shard on; use topology=detect or "
-            "topology=preset (topology is null)"
+            "parallel.plan needs a topology to place tp/ep/cp/pp/dp_shard on; use topology=detect "
+            "or topology=preset (topology is null)"
         )
     if topology is not None and topology.get("_target_") != _DETECT:
         described = instantiate(topology)()
@@ -167,7 +185,11 @@ def run(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     check_fresh_start(cfg, run_dir)
     job = OmegaConf.to_container(cfg, resolve=True)
-    launch(job, run_dir, launcher)
+    try:
+        launch(job, run_dir, launcher)
+    except NoUsableCheckpoint as refusal:
+        # One line, no traceback (Hydra would print one): each rank has logged its reasons.
+        raise SystemExit(f"overlapkit-train: error: {refusal}") from None
 
 
 def main() -> None:

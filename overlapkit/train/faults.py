@@ -10,6 +10,10 @@ and the worker with global rank ``RANK`` kills itself with SIGKILL in the forwar
 ``STEP``-th optimizer step it runs (counted from 1 in this process; the same as the run's step
 when the run starts fresh), on torch elastic's first attempt only (``TORCHELASTIC_RESTART_COUNT``
 is 0), so that a restarted worker trains on. Unset (the normal case) nothing is installed.
+With ``OVERLAPKIT_TEST_DAMAGE_NEWEST=1`` as well, the worker first overwrites the newest
+committed checkpoint's ``.metadata`` with a pickle that would run code when loaded (it opens
+``<run dir>/ran-code-from-a-checkpoint``), as a tampered checkpoint would, so that the restart
+meets a refused newest checkpoint (``overlapkit.train.resume``).
 
 **A slow rank.** The straggler analysis (``overlapkit report --stragglers``) is checked on real
 runs where one rank is slower than the others by a known amount
@@ -31,12 +35,16 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from overlapkit.train.checkpoint import latest_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,10 @@ KILL_ENV = "OVERLAPKIT_TEST_KILL"
 SLOW_ENV = "OVERLAPKIT_TEST_SLOW"
 """The environment variable that asks for a slow rank, ``RANK:MS[:MODE]``."""
 SLOW_MODES = ("sleep", "compute")
+DAMAGE_ENV = "OVERLAPKIT_TEST_DAMAGE_NEWEST"
+"""``1``: the killed worker first damages the newest checkpoint (with ``KILL_ENV`` only)."""
+RAN_MARKER = "ran-code-from-a-checkpoint"
+"""The file the damaging pickle creates, in the run directory, if anything ever unpickles it."""
 
 
 def parse_kill_spec(spec: str) -> tuple[int, int]:
@@ -62,11 +74,37 @@ def parse_kill_spec(spec: str) -> tuple[int, int]:
     return int(rank), int(step)
 
 
-def install_kill_from_env(rank: int) -> bool:
+class _OpensAFile:
+    """Unpickling this opens (creates) ``path``: the code a tampered checkpoint would run."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def damage_newest_checkpoint(checkpoints: Path) -> Path | None:
+    """Overwrite the newest committed checkpoint's ``.metadata`` with a pickled callable.
+
+    Returns:
+        Path | None: the damaged checkpoint; None when there is none.
+    """
+    newest = latest_checkpoint(checkpoints)
+    if newest is None:
+        return None
+    payload = pickle.dumps(_OpensAFile(checkpoints.parent / RAN_MARKER))
+    (newest[1] / ".metadata").write_bytes(payload)
+    return newest[1]
+
+
+def install_kill_from_env(rank: int, checkpoints: Path | None = None) -> bool:
     """Arm the kill ``OVERLAPKIT_TEST_KILL`` asks for, if it names this rank on the first attempt.
 
     Args:
         rank (int): this worker's global rank.
+        checkpoints (Path | None): the run's checkpoint directory, which
+            ``OVERLAPKIT_TEST_DAMAGE_NEWEST=1`` damages; None damages nothing.
 
     Returns:
         bool: whether a kill was armed.
@@ -78,7 +116,15 @@ def install_kill_from_env(rank: int) -> bool:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank != kill_rank or attempt != 0:
         return False
-    logger.error("%s=%s: rank %d will SIGKILL itself in step %d", KILL_ENV, spec, rank, kill_step)
+    damage = checkpoints is not None and os.environ.get(DAMAGE_ENV) == "1"
+    logger.error(
+        "%s=%s: rank %d will SIGKILL itself in step %d%s",
+        KILL_ENV,
+        spec,
+        rank,
+        kill_step,
+        ", after damaging the newest checkpoint" if damage else "",
+    )
     steps_done = 0
 
     def count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -87,6 +133,8 @@ def install_kill_from_env(rank: int) -> bool:
 
     def kill_in_forward(module: torch.nn.Module, args: Any) -> None:
         if steps_done == kill_step - 1:
+            if damage:
+                damage_newest_checkpoint(checkpoints)
             os.kill(os.getpid(), signal.SIGKILL)
 
     register_optimizer_step_post_hook(count_step)

@@ -36,6 +36,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from overlapkit.train.faults import install_kill_from_env, install_slow_from_env
 from overlapkit.train.loop import RunPaths, resolve_device, train
+from overlapkit.train.resume import NoUsableCheckpoint
 from overlapkit.validation import check_int, is_finite_number
 from overlapkit.workers.forkserver import ParentState, context
 
@@ -171,12 +172,14 @@ def worker_main(
     threads: int,
     collective_timeout_s: float,
     parent: ParentState | None = None,
-) -> dict[str, Any] | None:
+) -> dict[str, Any] | NoUsableCheckpoint | None:
     """One rank: join the process group, agree on rank 0's run directory, train.
 
     Started by torch elastic with torchrun's environment (forked from the server of
     ``overlapkit.workers.forkserver``, so it first adopts the launching process's environment);
-    returns rank 0's summary as a dict.
+    returns rank 0's summary as a dict. When no checkpoint can be resumed from, every rank
+    returns the ``NoUsableCheckpoint`` instead of raising it: a failed worker would be restarted
+    into the same refusal (``launcher.max_restarts``) and each attempt print its traceback.
     """
     if parent is not None:
         parent.adopt()
@@ -188,7 +191,8 @@ def worker_main(
     # also hides its ERROR lines (a rank that saved no trace is still reported by ok.profile).
     # A level the user set wins.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    install_kill_from_env(rank)  # test-only, and only when OVERLAPKIT_TEST_KILL is set
+    # Test-only, and only when OVERLAPKIT_TEST_KILL is set (single node: run_dir is the run's).
+    install_kill_from_env(rank, RunPaths(Path(run_dir), "").checkpoints)
     install_slow_from_env(rank)  # test-only, and only when OVERLAPKIT_TEST_SLOW is set
     torch.set_num_threads(threads)
     device = resolve_device(job["train"]["device"], local_rank)
@@ -202,9 +206,12 @@ def worker_main(
         # Other nodes run Hydra in a scratch directory; everything goes to node 0's.
         shared = [run_dir, datetime.now().strftime("%Y%m%d-%H%M%S")]
         dist.broadcast_object_list(shared, src=0)
-        summary = train(
-            OmegaConf.create(job), RunPaths(Path(shared[0]), shared[1]), local_rank=local_rank
-        )
+        try:
+            summary = train(
+                OmegaConf.create(job), RunPaths(Path(shared[0]), shared[1]), local_rank=local_rank
+            )
+        except NoUsableCheckpoint as refusal:  # each rank has logged its reasons
+            return refusal
         return asdict(summary) if summary is not None else None
     finally:
         # Wrappers left in reference cycles (torch's DDP is one) are freed now, while the group
@@ -314,6 +321,8 @@ def _run_here(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> d
     summary = worker_main(
         job, str(run_dir), launcher.threads(), float(launcher.collective_timeout_s)
     )
+    if isinstance(summary, NoUsableCheckpoint):
+        raise summary
     return summary if rank == 0 else None
 
 
@@ -332,6 +341,7 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a worker failed; the
             message holds its traceback.
+        NoUsableCheckpoint: the run has checkpoints, and every rank refused each of them.
     """
     # torch elastic logs its whole launch configuration at INFO; keep the console for training.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -359,4 +369,7 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
                 float(launcher.collective_timeout_s),
                 ParentState.capture(),
             )
+    for result in results.values():
+        if isinstance(result, NoUsableCheckpoint):
+            raise result
     return results.get(0)

@@ -1,10 +1,11 @@
 """The training loop every ``overlapkit-train`` worker runs (one process per rank).
 
-Per step: ``grad_accum`` micro-batches (gradient reduction skipped on all but the last),
-the wrapper's end-of-backward (the bucketer's ``wait``), gradient clipping, AdamW, the
-warm-up/cosine schedule. Around it: automatic resume from the newest checkpoint in the run
-directory, ``ok.profile`` when the ``profiler`` group is chosen, rank 0's progress bar and
-TensorBoard scalars, checkpoints every ``checkpoint_every`` steps and at the end, and a summary.
+Per step: ``grad_accum`` micro-batches (gradient reduction skipped on all but the last; under
+context parallelism each rank's chunks of the sequences), the wrapper's end-of-backward (the
+bucketer's ``wait``), gradient clipping, AdamW, the warm-up/cosine schedule. Around it:
+automatic resume from the newest checkpoint in the run directory, ``ok.profile`` when the
+``profiler`` group is chosen, rank 0's progress bar and TensorBoard scalars, checkpoints every
+``checkpoint_every`` steps and at the end, and a summary.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from omegaconf import DictConfig
 
 from overlapkit.profiling import analyze_run
 from overlapkit.profiling.report import format_report
-from overlapkit.train.checkpoint import TrainingState, latest_checkpoint, remove_pending
+from overlapkit.train.checkpoint import TrainingState, committed_checkpoints, remove_pending
+from overlapkit.train.context_parallel import (
+    WHOLE_SEQUENCES,
+    SequenceSplit,
+    WholeSequences,
+    split_sequences,
+)
 from overlapkit.train.data import BatchStream, DataSource, check_compatible
 from overlapkit.train.mesh import Layout, build_layout, split_parallel
 from overlapkit.train.models.moe import MoE
@@ -36,6 +43,10 @@ from overlapkit.train.parallel import (
     check_run_optimizer,
     clip_grad_norm,
 )
+from overlapkit.train.pipeline import apply_pipeline
+from overlapkit.train.recompute import NONE, apply_recompute, check_recompute_mode
+from overlapkit.train.resume import resume_from_newest_usable
+from overlapkit.train.stages import check_pipeline, pipeline_record, stage_blocks
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -74,6 +85,12 @@ class TrainConfig:
     """Throughput of a 1-rank run of the same config (its summary's tok/s, or samples/s for
     data=regression); the summary then reports scaling efficiency T(N) / (N x T(1)). None: not
     reported."""
+    recompute: str = NONE
+    """Activation recomputation (``overlapkit.train.recompute``): ``none``, ``selective`` (the
+    attention core of every block) or ``full`` (whole blocks)."""
+    recompute_layers: int | None = None
+    """With ``recompute: full``: blocks of each pipeline stage recomputed, from its first; None
+    means all of them (the planner's ``full:K`` / ``full:all``)."""
 
     def __post_init__(self) -> None:
         check_int("train.steps", self.steps, 1)
@@ -92,6 +109,7 @@ class TrainConfig:
                 f"train.baseline_items_per_s must be > 0 (a 1-rank run's tok/s) or null, got "
                 f"{self.baseline_items_per_s!r}"
             )
+        check_recompute_mode(self.recompute, self.recompute_layers)
         if self.device not in DEVICES:
             raise ValueError(f"train.device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.stop_after is not None:
@@ -202,17 +220,29 @@ def _train_step(
     source: DataSource,
     cfg: TrainConfig,
     device: torch.device,
+    split: WholeSequences | SequenceSplit = WHOLE_SEQUENCES,
 ) -> tuple[float, float | None]:
-    """One optimizer step; returns (mean micro-batch loss, gradient norm before clipping)."""
+    """One optimizer step; returns (mean micro-batch loss, gradient norm before clipping).
+
+    ``split`` gives each micro-batch's model inputs and targets (this rank's chunks under
+    context parallelism) and averages the loss over the ranks that split the sequences."""
     optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(cfg.grad_accum):
-        inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
-        last = micro == cfg.grad_accum - 1
-        with contextlib.nullcontext() if last else par.no_sync():
-            loss = source.loss(par.model(inputs), targets) / cfg.grad_accum
-            loss.backward()
-        loss_sum += loss.detach()
+    if par.forward_backward is not None:  # a pipeline schedule runs the micro-batches
+        batches = [tuple(t.to(device) for t in stream.next()) for _ in range(cfg.grad_accum)]
+        loss_sum = par.forward_backward(batches)
+    else:
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
+            last = micro == cfg.grad_accum - 1
+            with (
+                contextlib.nullcontext() if last else par.no_sync(),
+                split.shard(inputs, targets) as (model_inputs, targets),
+            ):
+                loss = source.loss(par.model(*model_inputs), targets) / cfg.grad_accum
+                loss.backward()
+            loss_sum += loss.detach()
+        loss_sum = split.average_loss(loss_sum)
     par.finish_backward()
     if par.optimizer is not None:  # the wrapper clips and applies the optimizer per bucket
         # Reading the norm waits for every bucket's all-reduce (not for the updates).
@@ -225,17 +255,20 @@ def _train_step(
     return loss_sum.item(), grad_norm
 
 
-def _exposed_share(profile_dir: Path) -> tuple[float | None, int, str | None]:
-    """(exposed comm / step time over all profiled rank-steps, their count, the report text)."""
+def _exposed_share(profile_dir: Path) -> tuple[float | None, float | None, int, str | None]:
+    """Over all profiled rank-steps: (exposed comm / step time, exposed send/recv / step time,
+    their count, the report text)."""
     try:
         report = analyze_run(profile_dir)
     except (FileNotFoundError, ValueError) as err:
         logger.warning("no exposed-comm report: %s", err)
-        return None, 0, None
+        return None, None, 0, None
     step_ms = sum(r.step_ms for r in report.steps)
     exposed = sum(r.exposed_comm_ms for r in report.steps)
-    share = exposed / step_ms if step_ms > 0 else None
-    return share, len(report.steps), format_report(report)
+    send_recv = sum(r.kinds["send_recv"].exposed_ms for r in report.steps if "send_recv" in r.kinds)
+    if step_ms <= 0:
+        return None, None, len(report.steps), format_report(report)
+    return exposed / step_ms, send_recv / step_ms, len(report.steps), format_report(report)
 
 
 def _mesh_record(layout: Layout) -> dict | None:
@@ -293,40 +326,69 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     topology = _topology(job, world_size, rank, paths)
     plan, factory = split_parallel(job.parallel)
     layout = build_layout(plan, topology, device)
+    split = split_sequences(model, layout.cp_mesh, device)
+    recomputed = [  # each pipeline stage's first train.recompute_layers blocks
+        index
+        for blocks in stage_blocks(getattr(model, "blocks", ()), plan)
+        for index in apply_recompute(blocks, cfg.recompute, cfg.recompute_layers)
+    ]
     check_run_optimizer(factory, plan=plan)
+    check_pipeline(plan, model_config=model.config, grad_accum=cfg.grad_accum, factory_cfg=factory)
     make_optimizer = instantiate(job.optim.optimizer)
-    par = apply_parallel(
-        model,
-        instantiate(factory),
-        layout,
-        make_optimizer=make_optimizer,
-        clip_grad_norm=cfg.clip_grad_norm,
-    )
+    if plan.pp > 1:
+        par = apply_pipeline(
+            model,
+            instantiate(factory),
+            layout,
+            loss_fn=source.loss,
+            micro_batches=cfg.grad_accum,
+            device=device,
+        )
+    else:
+        par = apply_parallel(
+            model,
+            instantiate(factory),
+            layout,
+            make_optimizer=make_optimizer,
+            clip_grad_norm=cfg.clip_grad_norm,
+        )
     optimizer = par.optimizer or make_optimizer(par.model.parameters())
     scheduler = instantiate(job.optim.scheduler)(optimizer, total_steps=cfg.steps)
     # Ranks of one tensor-parallel group read the same batches.
     data_index, data_shards = layout.data_shard(rank, world_size)
     stream = BatchStream(source, rank=data_index, batch_size=cfg.batch_size)
-    state = TrainingState(par.model, optimizer, scheduler, stream, rank, par.bucketers)
+    state = TrainingState(
+        par.model,
+        optimizer,
+        scheduler,
+        stream,
+        rank,
+        par.bucketers,
+        bucketer_keys=par.bucketer_keys,
+        flatten_optimizer=plan.pp > 1,
+    )
     torch.manual_seed(cfg.seed + 1 + rank)  # anything random at run time differs per rank
 
     start_step = 0
-    found = None
+    candidates = []
     if rank == 0:
         remove_pending(paths.checkpoints)
-        found = latest_checkpoint(paths.checkpoints) if cfg.resume else None
-    # Rank 0 chooses, so that every rank loads the same one even if their views of the
+        candidates = committed_checkpoints(paths.checkpoints) if cfg.resume else []
+    # Rank 0 lists them, so that every rank tries the same ones even if their views of the
     # directory differ (a shared file system that lags).
-    shared = [found]
+    shared = [candidates]
     dist.broadcast_object_list(shared, src=0)
-    found = shared[0]
+    found = resume_from_newest_usable(state, shared[0])
     if found is not None:
-        start_step = state.load(found[1])
+        start_step = found[0]
         logger.info("resumed from %s (step %d)", found[1], start_step)
     end_step = min(cfg.steps, cfg.stop_after or cfg.steps)
+    description = par.description + split.description
+    if recomputed:
+        description += f", recompute={cfg.recompute} ({len(recomputed)} blocks)"
     logger.info(
         "%s, %d ranks (mesh %s), device %s: steps %d..%d of %d",
-        par.description,
+        description,
         world_size,
         layout.describe(),
         device,
@@ -355,7 +417,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         for step in range(start_step + 1, end_step + 1):
             lr = scheduler.get_last_lr()[0]
             t0 = time.perf_counter()
-            loss, grad_norm = _train_step(par, optimizer, stream, source, cfg, device)
+            loss, grad_norm = _train_step(par, optimizer, stream, source, cfg, device, split)
             scheduler.step()
             monitor.step(
                 step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0
@@ -387,7 +449,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         name=str(job.get("name", "")),
         world_size=world_size,
         nodes=topology.num_nodes if topology is not None else None,
-        parallel=par.description,
+        parallel=description,
         unit=source.unit,
         start_step=start_step,
         final_step=max(start_step, end_step),
@@ -400,6 +462,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         loss_last=monitor.losses[-1] if monitor.losses else None,
         run_dir=str(paths.run_dir),
         mesh=_mesh_record(layout),
+        pipeline=pipeline_record(plan, cfg.grad_accum),
         ep_dispatch=dispatch,
         baseline_items_per_s=cfg.baseline_items_per_s,
         scaling_efficiency=scaling_efficiency(items_per_s, world_size, cfg.baseline_items_per_s),
@@ -407,8 +470,10 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         checkpoint=str(checkpoint) if checkpoint else None,
     )
     if profiler is not None:
-        share, count, report = _exposed_share(paths.profile)
+        share, send_recv, count, report = _exposed_share(paths.profile)
         summary.exposed_comm_share, summary.profiled_steps = share, count
+        if summary.pipeline is not None:
+            summary.pipeline["send_recv_exposed_share"] = send_recv
         summary.profile_dir = str(paths.profile)
         if report:
             print(report)

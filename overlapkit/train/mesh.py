@@ -1,20 +1,26 @@
 """The run's mesh: the ``parallel.plan`` sizes checked, placed by ``ok.plan``, turned into groups.
 
 The ``parallel`` group's ``plan`` section holds ``ok.plan``'s keyword arguments (``tp``, ``ep``,
-``dp``, ``dp_shard``, ``order``); the rest of the group is the wrapper's factory. Every worker
-plans on the run's topology and builds ``placement.device_mesh()``; the wrappers take their
-sub-meshes and groups from it (``Layout``):
+``cp``, ``pp``, ``dp``, ``dp_shard``, ``order``) and the pipeline's ``schedule`` and
+``virtual_stages``; the rest of the group is the wrapper's factory. Every worker plans on the run's
+topology and builds ``placement.device_mesh()``; the wrappers take their sub-meshes and groups
+from it (``Layout``):
 
 ========================  =====================================================================
 ``dp_group``              ``ok.ddp`` / ``ok.GradBucketer``: gradients averaged over ``dp``
-``dp_mesh``               ``ok.fsdp``: 1-D ``dp``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP
+                          (``dp x cp`` flattened under context parallelism)
+``dp_mesh``               ``ok.fsdp``: 1-D ``dp`` (``dp x cp``), or 2-D ``(dp_replicate,
+                          dp_shard)`` for HSDP
 ``tp_mesh``               ``parallelize_module`` (tensor parallel inside the domain)
+``cp_mesh``               context parallel: each sequence split over its ranks
 ``ep_mesh``               MoE layers: experts sharded, tokens dispatched with all-to-all
 ``dense_group``           parameters outside the experts: averaged over ``dp x ep``
+``pp_mesh``               ``overlapkit.train.pipeline``: the stages' send/recv and loss broadcast
 ========================  =====================================================================
 
-Ranks of one ``tp`` group read the same batches; every other axis is data parallel for the
-dense parameters, so ``data_shard`` numbers the batch shards over all axes but ``tp``.
+Ranks of one ``tp`` or ``cp`` group read the same batches, and so do the stages of one ``pp``
+group; every other axis is data parallel for the dense parameters, so ``data_shard`` numbers the
+batch shards over all axes but those.
 """
 
 from __future__ import annotations
@@ -49,6 +55,15 @@ class PlanConfig:
     """Tensor-parallel size (attention and MLP sharded with ``parallelize_module``)."""
     ep: int = 1
     """Expert-parallel size (MoE experts sharded, tokens dispatched with all-to-all)."""
+    cp: int = 1
+    """Context-parallel size (each sequence split over cp ranks, ``overlapkit.train.
+    context_parallel``); ``2 x cp`` must divide ``data.seq_len``."""
+    pp: int = 1
+    """Pipeline-parallel size: the model's blocks split into stages (``train/pipeline.py``)."""
+    schedule: str = "1F1B"
+    """The ``torch.distributed.pipelining`` schedule with ``pp > 1`` (``train/stages.py``)."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (interleaved schedules); 1: one stage per rank."""
     dp: int = -1
     """Data-parallel size; -1 means whatever is left of the world."""
     dp_shard: int | None = None
@@ -59,6 +74,9 @@ class PlanConfig:
     def __post_init__(self) -> None:
         check_int("parallel.plan.tp", self.tp, 1)
         check_int("parallel.plan.ep", self.ep, 1)
+        check_int("parallel.plan.cp", self.cp, 1)
+        check_int("parallel.plan.pp", self.pp, 1)
+        check_int("parallel.plan.virtual_stages", self.virtual_stages, 1)
         if self.dp != -1:
             check_int("parallel.plan.dp", self.dp, 1)
         if self.dp_shard is not None:
@@ -69,10 +87,19 @@ class PlanConfig:
     @property
     def trivial(self) -> bool:
         """Plain data parallelism over the world (what a run without a topology can do)."""
-        return self.tp == 1 and self.ep == 1 and self.dp_shard is None
+        sizes = (self.tp, self.ep, self.cp, self.pp)
+        return all(n == 1 for n in sizes) and self.dp_shard is None
 
     def plan_kwargs(self) -> dict[str, Any]:
-        return dict(tp=self.tp, ep=self.ep, dp=self.dp, dp_shard=self.dp_shard, order=self.order)
+        return dict(
+            tp=self.tp,
+            ep=self.ep,
+            cp=self.cp,
+            pp=self.pp,
+            dp=self.dp,
+            dp_shard=self.dp_shard,
+            order=self.order,
+        )
 
 
 def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, Any]]:
@@ -87,7 +114,7 @@ def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, A
     if unknown:
         raise ValueError(
             f"parallel.plan.{unknown[0]} is not a planner size the training loop uses; valid: "
-            f"{', '.join(PlanConfig.__dataclass_fields__)} (cp and pp are not supported)"
+            f"{', '.join(PlanConfig.__dataclass_fields__)}"
         )
     return PlanConfig(**sizes), factory
 
@@ -102,6 +129,9 @@ _WHY = {
     "ep": "expert and dense parameters are reduced over different groups",
     "dp_shard": "HSDP is ok.fsdp on a (dp_replicate, dp_shard) mesh",
 }
+SHARED_BATCH_AXES = ("tp", "cp", "pp")
+"""Mesh axes whose ranks read the same batches (each computes its part of them; a pipeline's
+first stage reads the inputs, its last the targets)."""
 
 
 def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: str | None) -> None:
@@ -116,10 +146,17 @@ def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: 
     Raises:
         ValueError: sizes that do not multiply to (or divide) the world size, ``tp`` not
             dividing ``n_head``, ``ep`` not dividing ``n_expert``, a model without heads or
-            experts for tp or ep, a wrapper that cannot reduce such a layout, tp with ep.
+            experts for tp, ep or cp, a wrapper that cannot reduce such a layout, tp with ep,
+            cp with ep or with dp_shard.
     """
-    fixed = plan.tp * plan.ep
-    formula = f"parallel.plan.tp x parallel.plan.ep = {plan.tp} x {plan.ep}"
+    axes = {"tp": plan.tp, "ep": plan.ep}
+    axes |= {name: n for name, n in (("cp", plan.cp), ("pp", plan.pp)) if n > 1}
+    fixed = math.prod(axes.values())
+    formula = (
+        " x ".join(f"parallel.plan.{a}" for a in axes)
+        + " = "
+        + " x ".join(str(n) for n in axes.values())
+    )
     where = "launcher.nnodes x launcher.nproc_per_node"
     if plan.dp == -1 and world_size % fixed:
         raise ValueError(
@@ -162,6 +199,8 @@ def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: 
             f"parallel.plan.tp ({plan.tp}) with parallel.plan.ep ({plan.ep}): tensor-parallel "
             "experts are not supported by the training loop; use one of them"
         )
+    if plan.cp > 1:
+        _check_context_parallel(plan, model_config)
     for key, targets in _TARGETS.items():
         used = getattr(plan, key) not in (None, 1)
         if used and target is not None and target not in targets:
@@ -171,13 +210,34 @@ def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: 
             )
 
 
-def data_shard(placement: Placement, rank: int) -> tuple[int, int]:
-    """(index, count) of the batch shard ``rank`` reads: ranks differing only in ``tp`` share one.
+def _check_context_parallel(plan: PlanConfig, model_config: Any) -> None:
+    if getattr(model_config, "n_head", None) is None:
+        raise ValueError(
+            f"parallel.plan.cp={plan.cp} splits the sequences of a transformer (model=gpt_tiny "
+            f"or moe_tiny); {type(model_config).__name__} has no attention"
+        )
+    if plan.ep > 1:
+        raise ValueError(
+            f"parallel.plan.cp ({plan.cp}) with parallel.plan.ep ({plan.ep}): the experts' "
+            "reduction groups do not include cp in the training loop; use one of them"
+        )
+    if plan.dp_shard is not None:
+        raise ValueError(
+            f"parallel.plan.cp ({plan.cp}) with parallel.plan.dp_shard ({plan.dp_shard}): HSDP "
+            "would shard over dp_shard x cp, a 2-D mesh torch builds only by slicing a "
+            "flattened axis from the root mesh (deprecated); use ok.fsdp without dp_shard "
+            "(it shards over dp x cp)"
+        )
 
-    The index numbers the mesh coordinates of every axis but ``tp``, row-major in mesh order.
+
+def data_shard(placement: Placement, rank: int) -> tuple[int, int]:
+    """(index, count) of the batch shard ``rank`` reads: ranks differing only in
+    ``SHARED_BATCH_AXES`` (``tp``, ``cp``, ``pp``) share one.
+
+    The index numbers the mesh coordinates of the other axes, row-major in mesh order.
     """
     coord = [int(c[0]) for c in np.nonzero(placement.grid == rank)]
-    axes = [i for i, name in enumerate(placement.mesh_dim_names) if name != "tp"]
+    axes = [i for i, name in enumerate(placement.mesh_dim_names) if name not in SHARED_BATCH_AXES]
     shape = [placement.shape[i] for i in axes]
     index = int(np.ravel_multi_index([coord[i] for i in axes], shape)) if axes else 0
     return index, math.prod(shape)
@@ -198,8 +258,13 @@ class Layout:
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        """The ``dp`` group (None: the world, when there is no placement)."""
-        return None if self.mesh is None else self.mesh["dp"].get_group()
+        """The ``dp`` group, ``dp x cp`` under context parallelism (None: the world, when
+        there is no placement)."""
+        if self.mesh is None:
+            return None
+        if self.plan.cp > 1:
+            return self._flat(("dp", "cp")).get_group()
+        return self.mesh["dp"].get_group()
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
@@ -207,7 +272,24 @@ class Layout:
             return None
         if self.plan.dp_shard is not None:
             return self.mesh["dp_replicate", "dp_shard"]
+        if self.plan.cp > 1:
+            return self._flat(("dp", "cp"))
         return self.mesh["dp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The 1-D ``cp`` mesh (None without context parallelism)."""
+        return self.mesh["cp"] if self.mesh is not None and self.plan.cp > 1 else None
+
+    def _flat(self, names: tuple[str, ...]) -> DeviceMesh:
+        """The axes ``names`` as one 1-D mesh (torch caches it under the joined name), whose
+        group has the default group's timeout."""
+        assert self.mesh is not None
+        # DeviceMesh has no public flatten yet; torchtitan uses _flatten the same way.
+        axes = tuple(a for a in self.mesh.mesh_dim_names if a in names)  # mesh order
+        flat = self.mesh[axes]._flatten("_".join(axes))
+        inherit_timeout(flat.get_group())
+        return flat
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -220,12 +302,15 @@ class Layout:
         return self.mesh["ep"]
 
     @property
+    def pp_mesh(self) -> DeviceMesh:
+        assert self.mesh is not None, "pipeline parallelism needs a placement"
+        return self.mesh["pp"]
+
+    @property
     def dense_group(self) -> dist.ProcessGroup:
         """``dp x ep`` as one group: the replicas of every parameter outside the experts."""
         assert self.mesh is not None, "expert parallelism needs a placement"
-        # DeviceMesh has no public flatten yet; torchtitan uses _flatten the same way.
-        axes = tuple(a for a in self.mesh.mesh_dim_names if a in ("dp", "ep"))  # mesh order
-        return inherit_timeout(self.mesh[axes]._flatten("_".join(axes)).get_group())
+        return self._flat(("dp", "ep")).get_group()
 
     def describe(self) -> str:
         if self.placement is None:
@@ -246,7 +331,7 @@ def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layou
     if topology is None:
         if not plan.trivial:
             raise ValueError(
-                "parallel.plan needs a topology to place tp/ep/dp_shard on; use "
+                "parallel.plan needs a topology to place tp/ep/cp/pp/dp_shard on; use "
                 "topology=detect or topology=preset (topology is null)"
             )
         return Layout(plan)
@@ -256,6 +341,10 @@ def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layou
         "mesh %s on %s: %s",
         dict(placement.sizes),
         topology.name,
-        {a: placement.groups(a) for a in ("dp", "ep", "tp") if placement.dims.get(a, 1) > 1},
+        {
+            a: placement.groups(a)
+            for a in ("pp", "dp", "ep", "cp", "tp")
+            if placement.dims.get(a, 1) > 1
+        },
     )
     return Layout(plan, placement, mesh)

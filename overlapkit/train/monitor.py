@@ -54,6 +54,12 @@ class RunSummary:
     checkpoint: str | None = None
     mesh: dict | None = None
     """The planner's sizes and groups of every axis larger than 1; None without a topology."""
+    pipeline: dict | None = None
+    """With ``parallel.plan.pp > 1``: ``schedule``, ``pp``, ``virtual_stages``,
+    ``micro_batches``, ``planned_bubble_share`` (the planner's idle share of a step,
+    ``(p - 1) / (v m + p - 1)``) and, when profiled, ``send_recv_exposed_share`` (exposed
+    send/recv / step time over the profiled rank-steps: the stages' waits for each other, the
+    bubble, plus the transfers)."""
     ep_dispatch: list[dict] | None = None
     """Per rank, per MoE layer: the ``ep`` group its all-to-alls ran over and how many ran."""
     baseline_items_per_s: float | None = None
@@ -93,6 +99,19 @@ class RunSummary:
                 f"{self.profiled_steps} profiled rank-steps (details: overlapkit report "
                 f"{self.profile_dir})"
             )
+        if self.pipeline is not None:
+            p = self.pipeline
+            line = (
+                f"  pipeline {p['schedule']}: {p['pp'] * p['virtual_stages']} stages, "
+                f"{p['micro_batches']} micro-batches; planned bubble (p-1)/(v m + p-1) = "
+                f"{100 * p['planned_bubble_share']:.1f}% of the step"
+            )
+            if p.get("send_recv_exposed_share") is not None:
+                line += (
+                    f"; measured: send/recv exposed {100 * p['send_recv_exposed_share']:.1f}% "
+                    "of step time (bubble + transfers)"
+                )
+            lines.append(line)
         if self.checkpoint:
             lines.append(f"  checkpoint: {self.checkpoint}")
         lines.append(f"  TensorBoard: tensorboard --logdir {self.tensorboard_dir}")

@@ -39,7 +39,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp import GradBucketer
-from overlapkit.fsdp import step_by_block
+from overlapkit.fsdp import no_sync as fsdp_no_sync
+from overlapkit.fsdp import step_by_block, zero_stage
 from overlapkit.train.mesh import Layout, PlanConfig
 from overlapkit.train.models.moe import MoE, shard_experts
 
@@ -83,15 +84,14 @@ class Parallelized:
     clipping (None without clipping). ``step_by_block`` for ``fsdp_overlap``."""
     bucketers: tuple[GradBucketer, ...] = ()
     """The bucketers, whose bucket layouts checkpoints save and restore."""
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+    bucketer_keys: tuple[str, ...] = ()
+    """The bucketers' checkpoint keys; empty: their index. Pipeline stages key theirs by stage:
+    ranks of different stages hold different layouts, and DCP keeps one value per key."""
+    forward_backward: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor] | None = (
+        None
+    )
+    """Runs forward and backward of all the step's ``(inputs, targets)`` micro-batches itself and
+    returns the mean loss (a pipeline schedule); None: the loop runs them one by one."""
 
 
 def check_run_optimizer(factory_cfg: Mapping[str, object], *, plan: PlanConfig) -> None:
@@ -167,7 +167,7 @@ def apply_parallel(
     if by_block:
         keywords = {k: v for k, v in factory.keywords.items() if k != "optimizer_step"}
         factory = functools.partial(factory.func, *factory.args, **keywords)
-    result = factory(model, **_group_kwargs(factory, layout))
+    result = factory(model, **group_kwargs(factory, layout))
     match result:
         case DistributedDataParallel():
             return Parallelized(result, result.no_sync, _nothing, True, "ok.ddp")
@@ -194,9 +194,11 @@ def apply_parallel(
             )
         case FSDPModule():
             what = "ok.fsdp" + (" (HSDP)" if layout.plan.dp_shard is not None else "")
+            zero = zero_stage(result)
+            what += f" ZeRO-{zero}" if zero is not None else ""
             return Parallelized(
                 result,
-                lambda: _fsdp_no_sync(result),
+                lambda: fsdp_no_sync(result),
                 _nothing,
                 True,
                 what + (", optimizer step by block" if by_block else ""),
@@ -225,7 +227,7 @@ def _clipped_block_step(
     return step_by_block(model, optimizer, clip_grad_norm=max_norm)
 
 
-def _group_kwargs(factory: Callable[..., object], layout: Layout) -> dict[str, object]:
+def group_kwargs(factory: Callable[..., object], layout: Layout) -> dict[str, object]:
     """The planner's data-parallel group or mesh, under the keyword the factory takes."""
     if layout.mesh is None:
         return {}
@@ -322,20 +324,41 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> float
     kind is taken on its own (a DTensor norm reduced over its mesh) and combined.
     """
     params = [p for p in parameters if p.grad is not None]
-    kinds: dict[object, list[nn.Parameter]] = {}
-    for p in params:
-        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-        kinds.setdefault(key, []).append(p)
-    if len(kinds) <= 1:
+    if len(_by_kind([p.grad for p in params])) <= 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    total = grad_norm([p.grad for p in params]).item()
+    scale_grads(params, max_norm, total)
+    return total
+
+
+def _by_kind(grads: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    kinds: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        kinds.setdefault(key, []).append(grad)
+    return kinds
+
+
+def grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` (plain tensors and DTensors of several meshes mixed), 0-dim plain.
+
+    Each kind's norm is taken on its own (a DTensor's reduced over its mesh) and the kinds'
+    norms are combined.
+    """
     norms = []
-    for members in kinds.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in members])
+    for members in _by_kind(grads).values():
+        norm = torch.nn.utils.get_total_norm(members)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)).item()
-    coef = max_norm / (total + 1e-6)  # torch's rule
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def scale_grads(params: Iterable[nn.Parameter], max_norm: float, total_norm: float) -> None:
+    """Scale the gradients by ``max_norm / (total_norm + 1e-6)`` when that is below 1 (torch's
+    rule in ``clip_grad_norm_``)."""
+    coef = max_norm / (total_norm + 1e-6)
     if coef < 1.0:
         for p in params:
             p.grad.mul_(coef)
-    return total

@@ -40,6 +40,12 @@ class GPTConfig:
             )
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA with a causal mask; ``(B, nh, T, hs)`` each. Looked up in ``F`` per call, so
+    torch's ``context_parallel`` (which patches ``F.scaled_dot_product_attention``) applies."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -48,6 +54,9 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(config.n_embd, config.n_embd)
         self.v = nn.Linear(config.n_embd, config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
+        # The attention core (q, k, v) -> y; context parallelism replaces it
+        # (overlapkit.train.context_parallel).
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -55,7 +64,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (
             p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v)
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).flatten(2))
 
 
@@ -109,18 +118,30 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab_size) of ``idx`` (B, T) long; ``pos`` (T,) long, the tokens'
+        positions in their sequence (None: ``0 .. T-1``; a context-parallel shard passes its own).
+
+        A pipeline stage (``overlapkit.train.pipeline``) is a GPT without the parts other stages
+        run: without ``wte`` its input is the previous stage's activations (B, T, n_embd), without
+        ``lm_head`` its output is (B, T, n_embd); the blocks of other stages are ``nn.Identity``.
+        """
+        x = idx if self.wte is None else self.embed(idx, pos)
+        for block in self.blocks:
+            x = block(x)
+        return x if self.lm_head is None else self.lm_head(self.ln_f(x))
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Token plus position embeddings (B, T, n_embd) of ``idx`` (B, T) long at ``pos``."""
         seq_len = idx.shape[1]
         if seq_len > self.config.block_size:
             raise ValueError(
                 f"sequence length {seq_len} exceeds {type(self.config).__name__}.block_size "
                 f"({self.config.block_size})"
             )
-        pos = torch.arange(seq_len, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        if pos is None:
+            pos = torch.arange(seq_len, device=idx.device)
+        return self.wte(idx) + self.wpe(pos)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

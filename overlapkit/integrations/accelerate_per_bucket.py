@@ -1,0 +1,206 @@
+"""Accelerate with per-bucket updates: ``use_ok_ddp(accelerator, optimizer_overlap=True)``.
+
+No DDP is built: ``prepare`` hands the trainable model to Accelerate's own ``prepare_model(...,
+evaluation_mode=True)`` (device placement, autocast, no wrapper; what the HF Trainer does for a
+model sharded at load time), broadcasts its parameters and buffers from rank 0 (as DDP's
+constructor does), and once ``prepare`` has seen both the model and its optimizer (in one call or
+two) builds ``ok.GradBucketer(model, optimizer=opt)``. Where Accelerate 1.15 plugs in, and what
+each piece becomes (the accelerator's methods below are replaced on that instance only):
+
+- ``AcceleratedOptimizer.step`` steps only when ``gradient_state.sync_gradients``, as it does;
+  then ``bucketer.step(scaler=accelerator.scaler)``. With a GradScaler it sets
+  ``optimizer._is_overflow`` (which ``optimizer_step_was_skipped`` and the LR scheduler read)
+  from ``bucketer.step_skipped()``, one host read of ``found_inf`` per step (on CUDA a device
+  sync waiting for the last bucket's all-reduce; ``scaler.step`` itself reads it for any
+  optimizer that is not ``fused``), then calls ``scaler.update()``.
+- ``accelerator.clip_grad_norm_(parameters, max_norm, norm_type)`` records the clip
+  (``bucketer.clip_grad_norm_``, over those parameters in that order) and returns the tensor
+  the step writes the norm into. ``norm_ready_at_step=True`` (the default) makes it final when
+  ``optimizer.step()`` returns (on CPU the step waits for every bucket's all-reduce; on CUDA the
+  current stream waits for the norm, no host sync); ``False`` leaves it to whoever reads it to
+  call ``bucketer.total_norm()`` first (``OverlapTrainer`` does, on logging steps only), so other
+  steps keep the all-reduce tail overlapped. ``clip_grad_value_`` is refused.
+- ``accelerator.no_sync(model)`` (and so ``accumulate()``, and the HF Trainer's accumulation) is
+  the bucketer's ``no_sync()``: without DDP, Accelerate's own does nothing.
+
+Refused (``ValueError``, at ``use_ok_ddp`` or ``prepare``): DeepSpeed, FSDP, XLA, Megatron and
+``torch.compile`` through Accelerate, ``sync_each_batch=True``, a second trainable model or
+optimizer, a model whose buffers change during training (``overlapkit.ddp.replicas``).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType, DynamoBackend
+
+from overlapkit.ddp.bucketer import GradBucketer
+from overlapkit.ddp.replicas import BufferCheck, broadcast_module_state
+
+__all__ = ["PerBucketPreparation"]
+
+CALLER = "use_ok_ddp(optimizer_overlap=True)"
+_DDP_INSTEAD = "use use_ok_ddp(accelerator) without optimizer_overlap (DDP) instead"
+
+
+class PerBucketPreparation:
+    """What ``use_ok_ddp(accelerator, optimizer_overlap=True)`` installs on ``accelerator``.
+
+    Args:
+        accelerator (Accelerator): not prepared yet (``prepare`` has not seen the model).
+        norm_ready_at_step (bool): the norm ``clip_grad_norm_`` returned is final when
+            ``optimizer.step()`` returns (module docstring). Defaults to True.
+        **bucketer_options: ``ok.GradBucketer``'s ``bucket_mb``, ``check_finite``,
+            ``on_nonfinite``, ``forward_order_tail``.
+
+    Raises:
+        ValueError: a setup per-bucket updates refuse (module docstring), named.
+    """
+
+    def __init__(
+        self, accelerator: Accelerator, *, norm_ready_at_step: bool = True, **bucketer_options: Any
+    ):
+        _refuse_untested(accelerator)
+        self.accelerator = accelerator
+        self.norm_ready_at_step = norm_ready_at_step
+        self.model: torch.nn.Module | None = None
+        self.optimizer: AcceleratedOptimizer | None = None
+        self.bucketer: GradBucketer | None = None
+        """Built once ``prepare`` has seen the model and its optimizer."""
+        self._bucketer_options = bucketer_options
+        self._buffers: BufferCheck | None = None
+        self._clip_asked = False
+        self._prepare_model: Callable[..., torch.nn.Module] = accelerator.prepare_model
+        self._prepare_optimizer: Callable[..., AcceleratedOptimizer] = accelerator.prepare_optimizer
+        self._no_sync: Callable[..., Any] = accelerator.no_sync
+        accelerator.prepare_model = self.prepare_model
+        accelerator.prepare_optimizer = self.prepare_optimizer
+        accelerator.clip_grad_norm_ = self.clip_grad_norm_
+        accelerator.clip_grad_value_ = self.clip_grad_value_
+        accelerator.no_sync = self.no_sync
+
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        device_placement: bool | None = None,
+        evaluation_mode: bool = False,
+    ) -> torch.nn.Module:
+        """``Accelerator.prepare_model``, without the DDP wrapper for the trained model."""
+        trains = not evaluation_mode and any(p.requires_grad for p in model.parameters())
+        prepared = self._prepare_model(
+            model, device_placement=device_placement, evaluation_mode=True
+        )
+        if trains:
+            if self.model is not None and prepared is not self.model:
+                raise ValueError(f"{CALLER}: prepare got a second trainable model; train one")
+            self.model = prepared
+            self._build_when_ready()
+        return prepared
+
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> AcceleratedOptimizer:
+        """``Accelerator.prepare_optimizer``; its ``step`` becomes the bucketer's."""
+        prepared = self._prepare_optimizer(optimizer, device_placement=device_placement)
+        if self.optimizer is not None and prepared is not self.optimizer:
+            raise ValueError(f"{CALLER}: prepare got a second optimizer; train with one")
+        self.optimizer = prepared
+
+        def step(_optimizer: AcceleratedOptimizer, closure: Callable[[], Any] | None = None):
+            self.step(closure)
+
+        # Bound to the optimizer: an LR scheduler re-binds ``step.__func__`` to it.
+        prepared.step = types.MethodType(step, prepared)
+        self._build_when_ready()
+        return prepared
+
+    def _build_when_ready(self) -> None:
+        if self.bucketer is not None or self.model is None or self.optimizer is None:
+            return
+        broadcast_module_state(self.model)  # what DDP's constructor does
+        self.bucketer = GradBucketer(
+            self.model, optimizer=self.optimizer.optimizer, **self._bucketer_options
+        )
+        self._buffers = BufferCheck(
+            self.model,
+            caller=CALLER,
+            fix=f"Make them constant (BatchNorm: track_running_stats=False), or {_DDP_INSTEAD}",
+        )
+
+    def _ready(self) -> GradBucketer:
+        if self.bucketer is None:
+            raise RuntimeError(
+                f"{CALLER}: accelerator.prepare has not seen both a trainable model and its "
+                "optimizer yet; prepare both (in one call or two) before training"
+            )
+        return self.bucketer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """``AcceleratedOptimizer.step``: on sync steps, the bucketer's step (module docstring)."""
+        if closure is not None:
+            raise ValueError(f"{CALLER}: optimizer.step(closure) cannot run per bucket")
+        if not self.accelerator.gradient_state.sync_gradients:
+            return
+        bucketer = self._ready()
+        self._buffers.check()
+        scaler = self.accelerator.scaler
+        bucketer.step(scaler=scaler)
+        if scaler is not None:
+            self.optimizer._is_overflow = bucketer.step_skipped()
+            scaler.update()
+        if self._clip_asked and self.norm_ready_at_step:
+            bucketer.total_norm()
+        self._clip_asked = False
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type=2
+    ) -> torch.Tensor:
+        """``Accelerator.clip_grad_norm_``, folded into the coming step (module docstring)."""
+        norm = self._ready().clip_grad_norm_(parameters, max_norm, norm_type)
+        self._clip_asked = True
+        return norm
+
+    def clip_grad_value_(self, parameters: object, clip_value: float) -> None:
+        """Refused: it would edit the local gradients before they are all-reduced."""
+        raise ValueError(
+            f"{CALLER}: clip_grad_value_(clip_value={clip_value!r}) would edit the local "
+            "gradients before they are all-reduced; clip by norm (clip_grad_norm_, folded "
+            f"into the step), or {_DDP_INSTEAD}"
+        )
+
+    @contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """``Accelerator.no_sync``: the bucketer's ``no_sync()`` for the trained model."""
+        if self.bucketer is not None and model is self.model:
+            with self.bucketer.no_sync():
+                yield
+        else:
+            with self._no_sync(model):
+                yield
+
+
+def _refuse_untested(accelerator: Accelerator) -> None:
+    """What per-bucket updates cannot run as Accelerate's DDP would, named."""
+    kind = accelerator.distributed_type
+    if kind not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        raise ValueError(
+            f"{CALLER}: Accelerate's distributed type {kind} is not supported; per-bucket "
+            "updates replace DDP (MULTI_CPU or MULTI_GPU: several processes, one device each)"
+        )
+    if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+        raise ValueError(
+            f"{CALLER}: sync_each_batch=True reduces every micro-batch, while the bucketer "
+            "reduces what accumulated once per step; drop sync_each_batch"
+        )
+    if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
+        raise ValueError(
+            f"{CALLER}: torch.compile through Accelerate (dynamo_backend="
+            f"{accelerator.state.dynamo_plugin.backend}) is not supported with per-bucket "
+            f"updates; {_DDP_INSTEAD}"
+        )

@@ -1,0 +1,357 @@
+"""Pipeline parallelism for the training loop: stages, torch's schedule, the tied weight, clipping.
+
+``apply_pipeline`` splits the GPT into this rank's stages (``overlapkit.train.stages``), wraps
+each with the ``parallel`` group's factory over the ``dp`` group or mesh, and builds the
+``torch.distributed.pipelining`` schedule over the ``pp`` group. Per step the schedule runs the
+``train.grad_accum`` micro-batches; each micro-batch loss is divided by their count, as the loop
+divides it without a pipeline (``scale_grads=False``), so the gradients are the same sums.
+
+Data parallelism inside a stage:
+
+- ``ok.ddp``: torch's ``PipelineStage`` starts DDP's reduction itself on the stage's last
+  backward; the whole schedule runs inside ``no_sync`` (``Pipeline.forward_backward`` says why).
+- ``ok.GradBucketer``: ``PipelineStage`` knows only DDP and FSDP, so ``BucketedStage`` runs every
+  backward but the stage's last inside ``bucketer.no_sync()``; ``finish_backward`` waits.
+- ``ok.fsdp``: the schedule runs FSDP2's post-backward itself, after the last micro-batch and
+  outside autograd (``PipelineStage.perform_reduce_grad``), where ``ok.fsdp``'s asynchronous
+  reduce-scatter could not queue its autograd callback; the stage is wrapped with
+  ``overlap_reduce_scatter=False`` (FSDP2's own reduce-scatter; no backward is left to overlap).
+
+**The tied embedding and head** (gpt_tiny's ``lm_head.weight is wte.weight``) live on the first
+and the last stage (pipeline ranks 0 and ``p - 1``). As Megatron-LM does, the last stage gets its
+own copy (equal at start), and after backward the two gradients are summed by one all-reduce
+between the first and last stage's ranks (its "embedding group"). Both copies then see the same
+gradient and take the same optimizer update, so they stay equal.
+
+**Clipping**: the global norm over every stage (and every dp/tp shard): each rank's norm over its
+stages (the head's copy not counted twice), squared, summed over the ``pp`` group (as torchtitan's
+``clip_grad_norm_`` reduces it over the pp mesh), then every gradient scaled alike.
+
+**The loss** exists on the last stage only; it is broadcast over the ``pp`` group, so rank 0 (a
+first stage) shows it and the summary records it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from overlapkit.ddp import GradBucketer
+from overlapkit.fsdp import zero_stage
+from overlapkit.group.process_group import inherit_timeout
+from overlapkit.train.mesh import Layout
+from overlapkit.train.models.gpt import GPT
+from overlapkit.train.parallel import (
+    Parallelized,
+    apply_tensor_parallel,
+    grad_norm,
+    group_kwargs,
+    scale_grads,
+)
+from overlapkit.train.stages import (
+    local_stages,
+    resolve_schedule,
+    schedule_class,
+    split_stage,
+    stage_layers,
+)
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class BucketedStage(PipelineStage):
+    """A ``PipelineStage`` whose gradients an ``ok.GradBucketer`` reduces.
+
+    Every backward but the stage's last accumulates inside ``bucketer.no_sync()``; the last one
+    launches the bucketer's all-reduces, as DDP's does under ``PipelineStage``.
+
+    Args:
+        bucketer (GradBucketer): the bucketer over the stage's parameters.
+        *args, **kwargs: ``PipelineStage``'s.
+    """
+
+    def __init__(self, *args: object, bucketer: GradBucketer, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.bucketer = bucketer
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple:
+        # The hook torch's docstring names for adapting data parallelism to the schedules.
+        with contextlib.nullcontext() if last_backward else self.bucketer.no_sync():
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+@dataclass(frozen=True, slots=True)
+class TiedGradients:
+    """This rank's copy of the tied embedding and head weight, and who holds the other copy.
+
+    Attributes:
+        param: ``wte.weight`` on the first stage's rank, ``lm_head.weight`` on the last's.
+        group: the first and the last stage's ranks of this pipeline.
+    """
+
+    param: nn.Parameter
+    group: dist.ProcessGroup
+
+    def sum(self) -> None:
+        """Make the gradient the sum of both copies' (after the data-parallel reduction)."""
+        grad = self.param.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+
+def _embedding_group(layout: Layout) -> dist.ProcessGroup | None:
+    """The first and last ``pp`` rank of this rank's pipeline; None for the ranks between.
+
+    A collective: every rank creates every pipeline's pair, in the same order.
+    """
+    if layout.plan.pp == 2:
+        return layout.pp_mesh.get_group()
+    mine = None
+    for ranks in layout.placement.groups("pp"):
+        pair = [ranks[0], ranks[-1]]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = inherit_timeout(group)
+    return mine
+
+
+def clip_pipeline_grad_norm(
+    params: list[nn.Parameter],
+    max_norm: float,
+    *,
+    group: dist.ProcessGroup,
+    uncounted: tuple[nn.Parameter, ...] = (),
+) -> torch.Tensor:
+    """Clip the gradients of every stage to the global 2-norm ``max_norm``; returns that norm.
+
+    Args:
+        params: this rank's parameters (all its stages).
+        max_norm (float): ``train.clip_grad_norm``.
+        group: the ``pp`` group: the norm squared is summed over it.
+        uncounted: parameters whose gradient another stage already counts (the head's copy
+            of the tied embedding); they are clipped but not counted.
+    """
+    skip = {id(p) for p in uncounted}
+    with_grad = [p for p in params if p.grad is not None]
+    local = grad_norm(p.grad for p in with_grad if id(p) not in skip)
+    squared = local.to(with_grad[0].grad.device).square()
+    dist.all_reduce(squared, group=group)
+    total = squared.sqrt()
+    scale_grads(with_grad, max_norm, total.item())
+    return total
+
+
+@dataclass(slots=True)
+class Pipeline:
+    """This rank's stages, the schedule over them and what the step does around it."""
+
+    schedule: object
+    stages: list[PipelineStage]
+    group: dist.ProcessGroup
+    last_stage_rank: int
+    """The ``pp`` coordinate of the rank holding the last stage (the loss)."""
+    bucketers: tuple[GradBucketer, ...]
+    ddps: tuple[DistributedDataParallel, ...]
+    tied: TiedGradients | None
+    params: list[nn.Parameter]
+    """This rank's parameters, of all its stages."""
+    uncounted: tuple[nn.Parameter, ...]
+    """The head's copy of the tied embedding (the first stage counts the weight in the norm)."""
+
+    @property
+    def has_first(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Run the schedule over the step's micro-batches; the mean loss, on every ``pp`` rank."""
+        inputs = torch.cat([b[0] for b in batches]) if self.has_first else None
+        losses: list[torch.Tensor] = []
+        kwargs = {}
+        if self.has_last:
+            kwargs = dict(target=torch.cat([b[1] for b in batches]), losses=losses)
+        args = (inputs,) if inputs is not None else ()
+        with contextlib.ExitStack() as stack:
+            # PipelineStage starts DDP's reduction itself on a stage's last backward
+            # (prepare_for_backward). Outside no_sync, the forward of the schedule's metadata
+            # inference (first step) would leave DDP expecting a backward that never comes, and
+            # the first micro-batch's backward would then reduce (and, interleaved, record the
+            # bucket order twice: "rebuilt parameter indices size is not same").
+            for ddp in self.ddps:
+                stack.enter_context(ddp.no_sync())
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        device = batches[0][0].device
+        loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
+        dist.broadcast(loss, group=self.group, group_src=self.last_stage_rank)
+        return loss
+
+    def finish_backward(self) -> None:
+        for bucketer in self.bucketers:
+            bucketer.wait()
+        if self.tied is not None:
+            self.tied.sum()
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, max_norm: float | None
+    ) -> torch.Tensor | None:
+        """Clip over every stage (``max_norm`` None: no clipping), step; the norm or None."""
+        norm = None
+        if max_norm is not None:
+            norm = clip_pipeline_grad_norm(
+                self.params, max_norm, group=self.group, uncounted=self.uncounted
+            )
+        optimizer.step()
+        return norm
+
+
+def _stage_kwargs(factory: Callable[..., object], layout: Layout, stage: GPT) -> dict:
+    """The factory's group or mesh, and for ``ok.fsdp`` the stage's blocks, blocking reduce."""
+    kwargs = group_kwargs(factory, layout)
+    accepted = inspect.signature(factory).parameters
+    if "blocks" in accepted and "overlap_reduce_scatter" in accepted:
+        present = [b for b in stage.blocks if not isinstance(b, nn.Identity)]
+        kwargs |= dict(blocks=present, overlap_reduce_scatter=False)
+    return kwargs
+
+
+def apply_pipeline(
+    model: GPT,
+    factory: Callable[..., object],
+    layout: Layout,
+    *,
+    loss_fn: LossFn,
+    micro_batches: int,
+    device: torch.device,
+) -> Parallelized:
+    """Split ``model`` into this rank's stages, wrap them with ``factory``, build the schedule.
+
+    Args:
+        model (GPT): the full model, on its device (the same weights on every rank); its
+            modules are shared with the stages, its tied head untied.
+        factory (Callable): the instantiated ``parallel`` group (``ok.ddp``, ``ok.GradBucketer``
+            or ``ok.fsdp``), called once per local stage with the ``dp`` group or mesh.
+        layout (Layout): the planner's groups, with ``pp > 1`` (``check_pipeline`` passed).
+        loss_fn (Callable): ``(logits, targets) -> mean loss`` of one micro-batch.
+        micro_batches (int): ``train.grad_accum``.
+        device (torch.device): this rank's device.
+
+    Returns:
+        Parallelized: ``model`` is this rank's stages as one GPT (unsplit names; what the
+        optimizer and the checkpoint see); ``forward_backward`` runs the schedule and
+        ``optimizer_step`` clips over every stage.
+    """
+    plan = layout.plan
+    schedule_name = resolve_schedule(plan.schedule)
+    pp_rank = layout.pp_mesh.get_local_rank()
+    num_stages = plan.pp * plan.virtual_stages
+    n_layer = len(model.blocks)
+    if plan.tp > 1:
+        apply_tensor_parallel(model, layout.tp_mesh)
+    tied = model.lm_head.weight is model.wte.weight
+    if tied:
+        model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+    mine = local_stages(pp_rank, plan.pp, plan.virtual_stages)
+    last = num_stages - 1
+    layers = {s: stage_layers(n_layer, num_stages, s) for s in mine}
+    local = split_stage(
+        model, {i for r in layers.values() for i in r}, first=0 in mine, last=last in mine
+    )
+    stages, bucketers, what = [], [], None
+    for index in mine:
+        view = split_stage(model, layers[index], first=index == 0, last=index == last)
+        wrapped = factory(view, **_stage_kwargs(factory, layout, view))
+        common = dict(stage_index=index, num_stages=num_stages, device=device)
+        common["group"] = layout.pp_mesh.get_group()
+        match wrapped:
+            case GradBucketer():
+                stages.append(BucketedStage(view, bucketer=wrapped, **common))
+                bucketers.append(wrapped)
+                what = "ok.GradBucketer"
+            case DistributedDataParallel() | FSDPModule():
+                stages.append(PipelineStage(wrapped, **common))
+                what = "ok.ddp" if isinstance(wrapped, DistributedDataParallel) else "ok.fsdp"
+                if isinstance(wrapped, FSDPModule) and zero_stage(wrapped) is not None:
+                    what += f" ZeRO-{zero_stage(wrapped)}"
+            case _:
+                raise TypeError(
+                    f"parallel.plan.pp: the factory {factory!r} returned "
+                    f"{type(wrapped).__name__}; expected ok.ddp, ok.GradBucketer or ok.fsdp's"
+                )
+    cls = schedule_class(schedule_name)
+    scaled = functools.partial(_per_micro_batch, loss_fn, micro_batches)
+    schedule = cls(
+        stages[0] if issubclass(cls, PipelineScheduleSingle) else stages,
+        n_microbatches=micro_batches,
+        loss_fn=scaled,
+        scale_grads=False,  # each micro-batch loss is already divided by their count
+    )
+    tie, uncounted = None, ()
+    if tied:
+        group = _embedding_group(layout)
+        copy = local.wte if local.wte is not None else local.lm_head
+        if copy is not None:
+            tie = TiedGradients(copy.weight, group)
+        if local.lm_head is not None:
+            uncounted = (local.lm_head.weight,)
+    pipeline = Pipeline(
+        schedule=schedule,
+        stages=stages,
+        group=layout.pp_mesh.get_group(),
+        last_stage_rank=plan.pp - 1,
+        bucketers=tuple(bucketers),
+        ddps=tuple(s.submod for s in stages if isinstance(s.submod, DistributedDataParallel)),
+        tied=tie,
+        params=list(local.parameters()),
+        uncounted=uncounted,
+    )
+    logger.info(
+        "pipeline rank %d holds stage(s) %s of %d: blocks %s",
+        pp_rank,
+        ", ".join(map(str, mine)),
+        num_stages,
+        ", ".join(f"{layers[s].start}..{layers[s].stop - 1}" for s in mine),
+    )
+    description = (
+        f"pipeline {schedule_name} pp={plan.pp}"
+        + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+        + f" ({num_stages} stages of {n_layer // num_stages} block"
+        + "s" * (n_layer // num_stages != 1)
+        + f", {micro_batches} micro-batches), {what} over dp"
+        + (f", tensor parallel tp={plan.tp}" if plan.tp > 1 else "")
+    )
+    return Parallelized(
+        local,
+        contextlib.nullcontext,
+        pipeline.finish_backward,
+        not bucketers,
+        description,
+        optimizer_step=pipeline.optimizer_step,
+        bucketers=tuple(bucketers),
+        bucketer_keys=tuple(f"stage{s}" for s in mine) if bucketers else (),
+        forward_backward=pipeline.forward_backward,
+    )
+
+
+def _per_micro_batch(
+    loss_fn: LossFn, micro_batches: int, logits: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    return loss_fn(logits, targets) / micro_batches

@@ -1,0 +1,405 @@
+"""Pipeline parallelism in the training loop: the stage split and its checks, and every layout on
+4 gloo ranks against one process training the unsplit model on the same batches."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import overlapkit as ok
+from overlapkit.profiling import analyze_run
+from overlapkit.profiling.report import format_report
+from overlapkit.train.checkpoint import TrainingState, step_dir
+from overlapkit.train.data import BatchStream, SyntheticRegression
+from overlapkit.train.mesh import PlanConfig, build_layout, check_plan, data_shard, split_parallel
+from overlapkit.train.models import GPT, GPTConfig, MLPConfig
+from overlapkit.train.monitor import RunSummary
+from overlapkit.train.pipeline import apply_pipeline
+from overlapkit.train.recompute import apply_recompute
+from overlapkit.train.schedule import warmup_cosine
+from overlapkit.train.stages import (
+    bubble_share,
+    check_pipeline,
+    local_stages,
+    split_stage,
+    stage_blocks,
+    stage_layers,
+)
+from tests.cuda import requires_cuda
+from tests.multiproc import run_on_ranks
+
+CONFIG = dict(n_layer=4, n_head=2, n_embd=16, block_size=8)
+BATCH = 2  # sequences per micro-batch
+MICRO = 4  # micro-batches per step (train.grad_accum)
+STEPS = 2
+MAX_NORM = 0.05  # small enough that every step clips
+LR = 1e-2
+
+
+DDP = {"_target_": "overlapkit.ddp"}
+
+
+def _check(world_size: int = 4, grad_accum: int = MICRO, model=None, factory=DDP, **plan) -> None:
+    config = PlanConfig(**plan)
+    model = model if model is not None else GPTConfig(**CONFIG)
+    check_plan(config, world_size=world_size, model_config=model, target=factory["_target_"])
+    check_pipeline(config, model_config=model, grad_accum=grad_accum, factory_cfg=factory)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(pp=2, model=GPTConfig(**CONFIG | {"n_layer": 3})),
+            r"2 x 1 = 2 stages must divide"
+            r" model.config.n_layer \(3\) for parallel.plan.schedule=1F1B",
+        ),
+        (
+            dict(pp=2, schedule="Interleaved1F1B", virtual_stages=4),
+            r"2 x 4 = 8 stages must divide model.config.n_layer \(4\)",
+        ),
+        (
+            dict(pp=2, grad_accum=1),
+            r"train.grad_accum=1 micro-batches per step is fewer than the "
+            r"2 stages parallel.plan.schedule=1F1B keeps in flight; set train.grad_accum >= 2",
+        ),
+        (
+            dict(pp=2, schedule="interleaved1f1b", virtual_stages=2, grad_accum=5),
+            r"train.grad_accum=5 micro-batches do not split into 2 equal rounds",
+        ),
+        (
+            dict(pp=2, schedule="ZBVZeroBubble", factory={"_target_": "overlapkit.GradBucketer"}),
+            r"ZBVZeroBubble writes weight gradients by hand .* hooks of "
+            r"parallel._target_=overlapkit.GradBucketer never see them",
+        ),
+        (
+            dict(pp=2, schedule="DualPipeV", factory={"_target_": "overlapkit.fsdp"}),
+            r"DualPipeV splits backward .* FSDP2",
+        ),
+        (dict(pp=2, schedule="2F2B"), r"schedule='2F2B' is not a torch.distributed.pipelining"),
+        (dict(virtual_stages=2), r"virtual_stages=2 needs pipeline parallelism"),
+        (dict(pp=2, virtual_stages=2), r"schedule=1F1B runs one stage per rank"),
+        (dict(pp=3), r"tp x parallel.plan.ep x parallel.plan.pp = 1 x 1 x 3 = 3 does not divide"),
+        (dict(pp=2, model=MLPConfig()), r"pp=2 splits a GPT into stages .*MLPConfig"),
+        (dict(pp=2, cp=2), r"pp=2 with parallel.plan.cp=2: the pipeline's stages pass whole"),
+        (
+            dict(pp=2, factory={"_target_": "overlapkit.fsdp", "zero": 2}),
+            r"parallel.zero=2 \(ZeRO-2\) with parallel.plan.pp=2: .* use parallel=zero1",
+        ),
+        (
+            dict(pp=2, factory={"_target_": "torch.nn.Identity"}),
+            r"pp=2 needs parallel._target_ .* got torch.nn.Identity",
+        ),
+        (
+            dict(pp=2, factory={"_target_": "overlapkit.GradBucketer", "optimizer": "optim"}),
+            r"parallel.optimizer=optim .* with parallel.plan.pp=2: a clipped update needs every "
+            r"stage's gradient norm",
+        ),
+        (
+            dict(pp=2, factory={"_target_": "overlapkit.fsdp", "optimizer_step": "by_block"}),
+            r"parallel.optimizer_step=by_block",
+        ),
+    ],
+)
+def test_bad_pipeline_layouts_are_refused_naming_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _check(**kwargs)
+
+
+def test_good_pipeline_layouts_pass_the_checks():
+    _check(pp=2)
+    _check(pp=4)
+    _check(pp=2, schedule="GPipe", grad_accum=1)  # GPipe takes any number of micro-batches
+    _check(pp=2, schedule="Interleaved1F1B", virtual_stages=2, grad_accum=3)
+    _check(pp=2, dp_shard=2, factory={"_target_": "overlapkit.fsdp"})
+    _check(pp=2, tp=2, factory={"_target_": "overlapkit.GradBucketer"})
+    plan, _ = split_parallel({"_target_": "overlapkit.ddp", "plan": {"pp": 2}})
+    assert (plan.pp, plan.schedule, plan.virtual_stages, plan.trivial) == (2, "1F1B", 1, False)
+    assert plan.plan_kwargs()["pp"] == 2 and "schedule" not in plan.plan_kwargs()
+
+
+def test_pipeline_ranks_hold_looped_stages_of_consecutive_blocks():
+    assert [local_stages(r, 2, 2) for r in range(2)] == [(0, 2), (1, 3)]
+    assert [stage_layers(8, 4, s) for s in range(4)] == [range(2 * s, 2 * s + 2) for s in range(4)]
+    # The stages of one pipeline read one batch shard; dp replicas read their own.
+    pp_dp = ok.plan(ok.load_topology("cpu-gloox2"), pp=2)
+    assert [data_shard(pp_dp, r) for r in range(4)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert pp_dp.groups("pp") == ((0, 2), (1, 3))
+
+
+def test_stages_share_the_models_modules_under_the_unsplit_names():
+    model = GPT(GPTConfig(**CONFIG))
+    first = split_stage(model, range(0, 2), first=True, last=False)
+    last = split_stage(model, range(2, 4), first=False, last=True)
+    # Together the stages hold every tensor under its unsplit name, each name once.
+    assert first.state_dict().keys() | last.state_dict().keys() == model.state_dict().keys()
+    assert not first.state_dict().keys() & last.state_dict().keys()
+    assert [n for n, _ in first.named_children()] == ["wte", "wpe", "blocks"]
+    assert first.blocks[1] is model.blocks[1] and isinstance(first.blocks[2], torch.nn.Identity)
+    inputs, _ = _batch(0, 0, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(inputs)), model(inputs), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"splits a GPT .*Sequential has 0, 1"):
+        split_stage(
+            torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), [0], first=True, last=True
+        )
+
+
+def _batch(shard: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    seed = 1000 * shard + 10 * step + micro
+    tokens = torch.randint(0, 256, (BATCH, 9), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def _reference(shards: int, device: torch.device) -> tuple[dict, list[float], list[list[float]]]:
+    """One process, the unsplit model: each step the mean loss over every shard's micro-batches.
+
+    Returns the parameters after the steps, each step's norm, and each shard's loss per step.
+    """
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CONFIG)).to(device)
+    optimizer = _optimizer(model.parameters())
+    norms, losses = [], [[0.0] * STEPS for _ in range(shards)]
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for shard in range(shards):
+            for micro in range(MICRO):
+                inputs, targets = (t.to(device) for t in _batch(shard, step, micro))
+                loss = GPT.loss(model(inputs), targets) / MICRO
+                (loss / shards).backward()
+                losses[shard][step] += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, losses
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+CASES = {
+    "1F1B ok.ddp": (PlanConfig(pp=2), ok.ddp),
+    "1F1B ok.GradBucketer": (PlanConfig(pp=2), functools.partial(ok.GradBucketer, bucket_mb=0.01)),
+    "1F1B ok.fsdp": (PlanConfig(pp=2), ok.fsdp),
+    "1F1B HSDP": (PlanConfig(pp=2, dp_shard=2), ok.fsdp),
+    "Interleaved1F1B v=2 ok.ddp": (
+        PlanConfig(pp=2, schedule="Interleaved1F1B", virtual_stages=2),
+        ok.ddp,
+    ),
+    "GPipe tp=2 ok.GradBucketer": (PlanConfig(pp=2, tp=2, schedule="GPipe"), ok.GradBucketer),
+    "Interleaved1F1B v=2 ok.GradBucketer": (
+        PlanConfig(pp=2, schedule="Interleaved1F1B", virtual_stages=2),
+        ok.GradBucketer,
+    ),
+    "LoopedBFS v=2 ok.fsdp": (PlanConfig(pp=2, schedule="LoopedBFS", virtual_stages=2), ok.fsdp),
+    "1F1B pp=4": (PlanConfig(pp=4), ok.ddp),
+    "1F1B ZeRO-1 recompute=full:1": (
+        PlanConfig(pp=2),
+        functools.partial(ok.fsdp, zero=1, reshard_after_forward=None),
+        ("full", 1),  # each stage's first block, as the loop applies it
+    ),
+}
+PROFILED = "1F1B ok.ddp"
+"""Its second step is traced: the report's send/recv."""
+
+
+def _train_case(rank: int, world_size: int, topology, case, device: torch.device, profiler) -> dict:
+    """Two clipped AdamW steps of one layout; the parameters' gaps to one process and more."""
+    plan, factory, *recompute = case
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CONFIG)).to(device)
+    for blocks in stage_blocks(model.blocks, plan) if recompute else ():
+        assert apply_recompute(blocks, *recompute[0]) == [0]
+    layout = build_layout(plan, topology, device)
+    par = apply_pipeline(
+        model, factory, layout, loss_fn=GPT.loss, micro_batches=MICRO, device=device
+    )
+    optimizer = _optimizer(par.model.parameters())
+    shard, shards = layout.data_shard(rank, world_size)
+    losses, norms = [], []
+    with profiler or contextlib.nullcontext():
+        for step in range(STEPS):
+            optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
+            batches = [tuple(t.to(device) for t in _batch(shard, step, m)) for m in range(MICRO)]
+            losses.append(par.forward_backward(batches).item())
+            par.finish_backward()
+            norms.append(par.optimizer_step(optimizer, MAX_NORM).item())
+            if profiler is not None:
+                profiler.step()
+    expected, expected_norms, expected_losses = _reference(shards, device)
+    gaps = {}
+    for name, param in par.model.named_parameters():
+        reference = expected["wte.weight" if name == "lm_head.weight" else name]
+        gaps[name] = (_full(param.detach()) - reference).abs().max().item()
+    dist.barrier()
+    return {
+        "gaps": gaps,
+        "norms": norms,
+        "expected_norms": expected_norms,
+        "losses": losses,
+        "expected_losses": expected_losses[shard],
+        "description": par.description,
+        "shards": shards,
+    }
+
+
+def _layouts_match_one_process(rank: int, world_size: int, profile_dir: str) -> dict:
+    topology = ok.load_topology("cpu-gloox2")
+    out = {}
+    for name, case in CASES.items():
+        profiler = None
+        if name == PROFILED:
+            profiler = ok.profile(profile_dir, wait=0, warmup=1, active=1, record_shapes=True)
+        out[name] = _train_case(rank, world_size, topology, case, torch.device("cpu"), profiler)
+    return out
+
+
+def _assert_matches_one_process(results: list[dict], cases, tolerance) -> None:
+    for name in cases:
+        gap = max(max(result[name]["gaps"].values()) for result in results)
+        print(f"{name}: max |parameter - one process| after {STEPS} steps {gap:.2e}")
+        assert gap < tolerance(name), name
+        for result in results:
+            case = result[name]
+            assert case["norms"] == pytest.approx(case["expected_norms"], rel=1e-5), name
+            assert case["norms"][0] > MAX_NORM  # clipping was active
+            # The last stage's loss reached every rank of its pipeline (rank 0: a first stage).
+            assert case["losses"] == pytest.approx(case["expected_losses"], rel=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(tmp_path):
+    results = run_on_ranks(
+        _layouts_match_one_process,
+        4,
+        str(tmp_path),
+        collective_timeout_s=30,
+        total_timeout_s=280,
+    )
+    names = {n for result in results for n in result[next(iter(CASES))]["gaps"]}
+    # Every parameter, on some rank.
+    assert names == set(GPT(GPTConfig(**CONFIG)).state_dict())  # the head's copy included
+    # Measured: <= 1.0e-6; with tp 2.6e-5 (its row-parallel partial sums add in another order,
+    # and AdamW's first steps turn a gradient's relative error into lr x that error).
+    _assert_matches_one_process(results, CASES, lambda name: 1e-4 if "tp=" in name else 1e-5)
+    # The report shows the stages' point-to-point traffic as its own kind: each stage sends and
+    # receives one activation (or its gradient) per micro-batch, (BATCH, 8, n_embd) floats.
+    report = analyze_run(tmp_path)
+    assert sorted((r.rank, r.step) for r in report.steps) == [(r, 1) for r in range(4)]  # 2nd
+    for row in report.steps:
+        send_recv = row.kinds["send_recv"]
+        assert (send_recv.count, send_recv.nbytes) == (2 * MICRO, 2 * MICRO * BATCH * 8 * 16 * 4)
+        assert 0 < send_recv.exposed_ms <= send_recv.time_ms
+    assert re.search(r"send_recv 8x 0.01 MiB \(\d+\.\d\d ms exposed\)", format_report(report))
+
+
+def test_summary_shows_the_planned_bubble_and_the_measured_send_recv():
+    assert bubble_share(2, 1, 4) == pytest.approx(1 / 5)  # (p - 1) / (v m + p - 1)
+    assert bubble_share(2, 2, 4) == pytest.approx(1 / 9)
+    summary = RunSummary(
+        name="x",
+        world_size=4,
+        nodes=1,
+        parallel="pipeline",
+        unit="tok",
+        start_step=0,
+        final_step=5,
+        steps_run=5,
+        seconds=1.0,
+        steps_per_s=5.0,
+        items_per_s=3000.0,
+        median_step_ms=200.0,
+        loss_first=5.0,
+        loss_last=4.0,
+        pipeline={
+            "schedule": "1F1B",
+            "pp": 2,
+            "virtual_stages": 1,
+            "micro_batches": 4,
+            "planned_bubble_share": 0.2,
+            "send_recv_exposed_share": 0.27,
+        },
+    )
+    assert (
+        "pipeline 1F1B: 2 stages, 4 micro-batches; planned bubble (p-1)/(v m + p-1) = 20.0% of "
+        "the step; measured: send/recv exposed 27.0% of step time (bubble + transfers)"
+    ) in summary.format()
+
+
+NCCL_ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"}
+CUDA_CASES = {
+    "1F1B ok.ddp": CASES["1F1B ok.ddp"],
+    "Interleaved1F1B v=2 ok.fsdp": (
+        PlanConfig(pp=2, schedule="Interleaved1F1B", virtual_stages=2),
+        ok.fsdp,
+    ),
+}
+
+
+def _nccl_layouts_match_one_process(rank: int, world_size: int, profile_dir: str) -> dict:
+    if torch.cuda.device_count() >= world_size:
+        device = torch.device("cuda", rank)
+    else:  # one GPU: NCCL joins the two ranks through its socket transport, as two "hosts"
+        os.environ["NCCL_HOSTID"] = f"host{rank}"
+        device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    topology = ok.load_topology("cpu-gloo")  # 2 ranks; the mesh is built on `device`
+    out = {}
+    for name, case in CUDA_CASES.items():
+        profiler = None
+        if name == PROFILED:
+            profiler = ok.profile(profile_dir, wait=0, warmup=1, active=1, record_shapes=True)
+        out[name] = _train_case(rank, world_size, topology, case, device, profiler)
+    return out
+
+
+@requires_cuda
+@pytest.mark.timeout(600)
+def test_pipeline_over_nccl_trains_as_one_process_and_reports_its_send_recv(tmp_path):
+    results = run_on_ranks(
+        _nccl_layouts_match_one_process,
+        2,
+        str(tmp_path),
+        collective_timeout_s=120,
+        total_timeout_s=560,
+        env=NCCL_ENV,
+        backend="nccl",
+    )
+    # CUDA kernels may sum in another order than the CPU's; same tolerance as tp on gloo.
+    _assert_matches_one_process(results, CUDA_CASES, lambda name: 1e-4)
+    # NCCL's SendRecv kernels of single sends and receives, named by their metadata (1F1B fuses
+    # some into batch_isend_irecv, whose metadata name is not checked here).
+    for row in analyze_run(tmp_path).steps:
+        assert row.kinds["send_recv"].count >= 1, row.kinds
+
+
+def _training_state(flatten: bool) -> TrainingState:
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    scheduler = warmup_cosine(optimizer, total_steps=3, warmup_steps=0)
+    stream = BatchStream(SyntheticRegression(width=4), rank=0, batch_size=1)
+    return TrainingState(model, optimizer, scheduler, stream, rank=0, flatten_optimizer=flatten)
+
+
+@pytest.mark.parametrize("saved_flat", [True, False])
+def test_a_checkpoint_resumes_into_a_run_of_its_optimizer_form_only(tmp_path, saved_flat):
+    path = step_dir(tmp_path, 1)
+    torch.distributed.checkpoint.save(_training_state(saved_flat).state_dict(1), checkpoint_id=path)
+    assert _training_state(saved_flat).load(path) == 1
+    pipelined = "a pipeline-parallel run's" if saved_flat else "a run without pipeline"
+    with pytest.raises(ValueError, match=rf"saved per parameter .*\({pipelined}.*start a new run"):
+        _training_state(not saved_flat).load(path)
