@@ -64,10 +64,10 @@ def test_the_slowed_rank_is_named_with_its_cause_and_collective_in_every_profile
     # The sleep comes before the step's forward: the rank is late for the step's first bucket.
     assert {s.step for s in mine if s.collective == "all_reduce #0"} == {3, 4, 5}, mine
     assert found.per_rank()[0]["rank"] == SLOW_RANK
-    # It idled at least the sleep longer than the others (more where the OS kept it waiting
-    # for a core once awake: four ranks share two), and the others waited for most of that.
+    # It idled about the sleep longer than the others (give or take their own idle time and
+    # the OS's: four ranks share two cores), and the others waited for most of that.
     for s in mine:
-        assert s.excess_ms >= 0.9 * SLOW_MS and s.cost_ms >= 0.5 * SLOW_MS, s
+        assert s.excess_ms >= 0.5 * SLOW_MS and s.cost_ms >= 0.5 * SLOW_MS, s
 
 
 def test_the_sleep_is_a_multiple_of_the_step_jitter_of_the_other_ranks(found):
