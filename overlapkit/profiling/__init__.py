@@ -2,9 +2,9 @@
 
 Data flows trace file → ``trace_loader`` (events, decoded in runs) → ``rank_trace`` (compact
 records of one rank) → ``step_metrics`` (per step metrics, vectorised) → ``analysis`` (all
-files, in parallel) → ``collectives`` (matched across ranks, clocks aligned) → ``stragglers``
-(who delays whom, why, at what cost) → ``tensorboard`` / ``counters`` / ``report`` /
-``timeline`` / ``heatmap``.
+files, in parallel; ``rank_summary`` across ranks) → ``collectives`` (matched across ranks,
+clocks aligned) → ``stragglers`` (who delays whom, why, at what cost) → ``tensorboard`` /
+``counters`` / ``report`` / ``timeline`` / ``heatmap``.
 
 Public names load on first use (``overlapkit.lazy``), so the trace analysis, and the worker
 processes ``overlapkit report`` starts, import neither torch nor the profiler.
@@ -13,12 +13,12 @@ processes ``overlapkit report`` starts, import neither torch nor the profiler.
 from overlapkit.lazy import lazy_exports
 
 _EXPORTS = {
-    "CrossRankStep": "overlapkit.profiling.analysis",
+    "CrossRankStep": "overlapkit.profiling.rank_summary",
     "KindStats": "overlapkit.profiling.analysis",
     "RunReport": "overlapkit.profiling.analysis",
     "StepMetrics": "overlapkit.profiling.analysis",
     "analyze_run": "overlapkit.profiling.analysis",
-    "cross_rank": "overlapkit.profiling.analysis",
+    "cross_rank": "overlapkit.profiling.rank_summary",
     "Profile": "overlapkit.profiling.profile",
     "profile": "overlapkit.profiling.profile",
     "TraceFormatError": "overlapkit.profiling.trace_loader",

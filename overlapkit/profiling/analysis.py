@@ -6,10 +6,8 @@ there are cores (``file_pool``). The results are small arrays; ``RunReport`` hol
 whole run and makes ``StepMetrics`` rows only when asked (``steps``), so a thousand ranks of
 hundreds of steps cost tens of megabytes here. See ``step_metrics`` for what each number means.
 
-Across ranks: the slowest rank of each step and the spread of ``comm_ms`` (``cross_rank``), the
-``top_k`` slowest ranks of each step and per rank percentiles of step time (``slowest_ranks``,
-``rank_percentiles``); matching collectives and stragglers are ``collectives`` and
-``stragglers``.
+Across ranks: ``rank_summary`` (the slowest ranks of each step, per rank totals and
+percentiles); matching collectives and stragglers are ``collectives`` and ``stragglers``.
 """
 
 from __future__ import annotations
@@ -23,6 +21,14 @@ import numpy as np
 
 from overlapkit.profiling.file_pool import map_files
 from overlapkit.profiling.programs import RankProgram, rank_program
+from overlapkit.profiling.rank_summary import (
+    TABLE_DTYPE,
+    CrossRankStep,
+    cross_rank,
+    rank_percentiles,
+    rank_totals,
+    slowest_ranks,
+)
 from overlapkit.profiling.rank_trace import COLLECTIVE_KINDS, load_rank_trace
 from overlapkit.profiling.record_store import DEFAULT_BUDGET_BYTES, SpillStore
 from overlapkit.profiling.step_metrics import StepLanes, compute_table, step_rows
@@ -35,19 +41,6 @@ TRACE_NAMES = ("*.pt.trace.json*", "rank*_trace.json*")
 """What torch.profiler's ``tensorboard_trace_handler`` and torchtitan's profiler name a trace."""
 TORCHTITAN_TRACES = "profiling/traces"
 """Where torchtitan writes them under its dump folder (``Profiler.Config.save_traces_folder``)."""
-TOP_K = 5
-TABLE_DTYPE = np.dtype(
-    [
-        ("rank", "i8"),
-        ("step", "i8"),
-        ("file", "i4"),
-        ("step_ms", "f8"),
-        ("compute_ms", "f8"),
-        ("comm_ms", "f8"),
-        ("exposed_comm_ms", "f8"),
-        ("tail_ms", "f8"),
-    ]
-)
 KIND_ROW_DTYPE = np.dtype(
     [
         ("row", "i8"),
@@ -246,120 +239,6 @@ class RunReport:
             "slowest_ranks": slowest_ranks(self.table),
             "rank_percentiles": rank_percentiles(self.table),
         }
-
-
-@dataclass(frozen=True, slots=True)
-class CrossRankStep:
-    """One step across ranks: who was slowest and how far ``comm_ms`` spread (ms)."""
-
-    step: int
-    ranks: int
-    slowest_rank: int
-    slowest_step_ms: float
-    fastest_step_ms: float
-    min_comm_rank: int
-    min_comm_ms: float
-    max_comm_rank: int
-    max_comm_ms: float
-    comm_spread_ms: float
-    """max - min comm_ms: roughly the time the faster ranks waited for the slowest one."""
-
-
-def _as_table(steps: list[StepMetrics] | np.ndarray) -> np.ndarray:
-    if isinstance(steps, np.ndarray):
-        return steps
-    table = np.zeros(len(steps), TABLE_DTYPE)
-    for name in ("rank", "step", "step_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "tail_ms"):
-        table[name] = [getattr(row, name) for row in steps]
-    return table
-
-
-def _groups(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Unique keys, the order that sorts rows by key (stably), and each group's first index."""
-    order = np.argsort(keys, kind="stable")
-    unique, first = np.unique(keys[order], return_index=True)
-    return unique, order, first
-
-
-def cross_rank(steps: list[StepMetrics] | np.ndarray) -> list[CrossRankStep]:
-    """For each step number: the slowest rank and the spread of comm time across ranks."""
-    table = _as_table(steps)
-    unique, order, first = _groups(table["step"])
-    out = []
-    for number, rows in zip(unique.tolist(), np.split(table[order], first[1:]), strict=True):
-        slowest = rows[np.argmax(rows["step_ms"])]  # first of equal maxima, as max() picks
-        least = rows[np.argmin(rows["comm_ms"])]
-        most = rows[np.argmax(rows["comm_ms"])]
-        out.append(
-            CrossRankStep(
-                step=number,
-                ranks=len(np.unique(rows["rank"])),
-                slowest_rank=int(slowest["rank"]),
-                slowest_step_ms=float(slowest["step_ms"]),
-                fastest_step_ms=float(rows["step_ms"].min()),
-                min_comm_rank=int(least["rank"]),
-                min_comm_ms=float(least["comm_ms"]),
-                max_comm_rank=int(most["rank"]),
-                max_comm_ms=float(most["comm_ms"]),
-                comm_spread_ms=float(most["comm_ms"] - least["comm_ms"]),
-            )
-        )
-    return out
-
-
-def rank_totals(steps: list[StepMetrics] | np.ndarray) -> list[dict[str, Any]]:
-    """Per rank sums over its steps and the whole-trace overlap percentage."""
-    table = _as_table(steps)
-    unique, order, first = _groups(table["rank"])
-    out = []
-    for rank, rows in zip(unique.tolist(), np.split(table[order], first[1:]), strict=True):
-        comm, exposed = float(rows["comm_ms"].sum()), float(rows["exposed_comm_ms"].sum())
-        out.append(
-            {
-                "rank": rank,
-                "steps": len(rows),
-                "compute_ms": float(rows["compute_ms"].sum()),
-                "comm_ms": comm,
-                "exposed_comm_ms": exposed,
-                "tail_ms": float(rows["tail_ms"].sum()),
-                "overlap_pct": 100.0 * (1.0 - exposed / comm) if comm > 0 else None,
-            }
-        )
-    return out
-
-
-def slowest_ranks(table: np.ndarray, k: int = TOP_K) -> list[dict[str, Any]]:
-    """Per step, the ``k`` ranks with the longest step time: ``{"step", "ranks": [{"rank",
-    "step_ms"}]}`` slowest first."""
-    unique, order, first = _groups(table["step"])
-    out = []
-    for number, rows in zip(unique.tolist(), np.split(table[order], first[1:]), strict=True):
-        top = rows[np.argsort(-rows["step_ms"], kind="stable")[:k]]
-        out.append(
-            {
-                "step": number,
-                "ranks": [
-                    {"rank": int(r), "step_ms": float(ms)}
-                    for r, ms in zip(top["rank"], top["step_ms"], strict=True)
-                ],
-            }
-        )
-    return out
-
-
-def rank_percentiles(table: np.ndarray) -> list[dict[str, Any]]:
-    """Per rank, the 50th, 90th and 99th percentiles of its step time and its comm time (ms)."""
-    unique, order, first = _groups(table["rank"])
-    out = []
-    for rank, rows in zip(unique.tolist(), np.split(table[order], first[1:]), strict=True):
-        step = np.percentile(rows["step_ms"], [50, 90, 99])
-        comm = np.percentile(rows["comm_ms"], [50, 90, 99])
-        out.append(
-            {"rank": rank, "steps": len(rows)}
-            | {f"step_ms_p{p}": float(v) for p, v in zip((50, 90, 99), step, strict=True)}
-            | {f"comm_ms_p{p}": float(v) for p, v in zip((50, 90, 99), comm, strict=True)}
-        )
-    return out
 
 
 def find_trace_files(run_dir: Path, iteration: int | None = None) -> list[Path]:

@@ -128,23 +128,6 @@ class RecordTable:
         for block in self.blocks:
             yield self._load(block)
 
-    def replace_block(self, index: int, rows: np.ndarray) -> None:
-        """Put ``rows`` (same length, possibly a wider dtype) in place of block ``index``."""
-        block = self.blocks[index]
-        assert len(rows) == block.count
-        if block.rows is not None:
-            self.store.resident_bytes += rows.nbytes - block.rows.nbytes
-            block.rows = rows
-        else:
-            np.save(block.path, rows, allow_pickle=False)
-        block.ranges.update(
-            {
-                k: (float(rows[k].min()), float(rows[k].max()))
-                for k in rows.dtype.names
-                if k in self.keys
-            }
-        )
-
     def select(self, key: str, lo: float, hi: float) -> np.ndarray:
         """The rows with ``lo <= row[key] < hi``, in file order."""
         parts = []

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from overlapkit.profiling.analysis import (
-    RunReport,
-    StepMetrics,
+from overlapkit.profiling.analysis import RunReport, StepMetrics
+from overlapkit.profiling.rank_summary import (
     cross_rank,
     rank_percentiles,
     rank_totals,

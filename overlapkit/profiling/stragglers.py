@@ -115,7 +115,6 @@ class StragglerReport:
     """Per (rank, step): ``rank``, ``step``, ``wait_ms`` (waited for others), ``cost_ms``."""
     collectives: list[dict[str, Any]]
     thresholds_us: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
 
     def per_rank(self) -> list[dict[str, Any]]:
         """Per rank with stragglers: how often, what it cost, and the causes."""
@@ -167,7 +166,6 @@ class StragglerReport:
             "collectives": rows,
             "collectives_omitted": len(self.collectives) - len(rows),
             "thresholds_us": self.thresholds_us,
-            "straggler_notes": self.notes,
         }
 
 

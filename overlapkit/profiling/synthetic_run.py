@@ -25,7 +25,6 @@ injection less the run's time with all but that one (the random draws are the sa
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -301,8 +300,3 @@ def write_run(spec: RunSpec, directory: str | Path, *, ranks: range | None = Non
             directory / f"rank{rank}.1.pt.trace.json"
         )
     return truth(spec)
-
-
-def with_injections(spec: RunSpec, injections: tuple[Injection, ...]) -> RunSpec:
-    """``spec`` with other injections."""
-    return dataclasses.replace(spec, injections=tuple(injections))
