@@ -69,7 +69,8 @@ test-gpu: $(STAMP)
 
 # ...and `make fuzz` explores: fresh random examples, ten times as many. Keep what it finds as
 # an @example beside the test.
-FUZZ_TESTS := tests/test_fuzz_inputs.py tests/test_intervals.py tests/test_placement_properties.py
+FUZZ_TESTS := tests/test_fuzz_inputs.py tests/test_intervals.py tests/test_placement_properties.py \
+	tests/test_interval_arrays.py tests/test_stragglers_synthetic.py
 fuzz: $(STAMP)
 	OVERLAPKIT_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q $(FUZZ_TESTS)
 
@@ -92,6 +93,9 @@ bench: $(STAMP)
 	$(PY) -m bench.placement --json bench/results/placement.json
 	$(PY) -m bench.profile_overhead --json bench/results/profile_overhead.json
 	$(PY) -m bench.profile_exposed --out runs/profile_exposed --json bench/results/profile_exposed.json
+	# 8 ranks x 128 MB of GPU traces (written to the temp dir, deleted after), HTA beside; 1,024 ranks.
+	$(PY) -m bench.trace_scale --thousand --json bench/results/trace_scale.json
+	$(PY) -m bench.stragglers_real --json bench/results/stragglers_real.json
 	$(PY) -m bench.autotune --json bench/results/autotune.json
 	$(PY) -m bench.scaling --json bench/results/scaling.json
 	$(PY) -m bench.compress_hooks --json bench/results/compress_hooks.json

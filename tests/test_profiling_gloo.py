@@ -76,7 +76,7 @@ def test_ddp_trace_agrees_with_ddps_own_logging_data(gloo_runs):
     Both must see overlap in those steps.
     """
     root, logging_data = gloo_runs
-    report = analyze_run(root / "ok_ddp")
+    report = analyze_run(root / "ok_ddp", lanes=True)
     for rank, ddp in enumerate(logging_data["ok_ddp"]):
         lanes = [s for s in report.lanes if s.rank == rank]
         rows = [r for r in report.steps if r.rank == rank]

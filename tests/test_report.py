@@ -147,7 +147,7 @@ def test_counter_copy_traces_exposed_and_hidden_comm_and_analyses_the_same(tmp_p
     t.gloo("all_reduce", 650, 700, tid=9002)
     (tmp_path / "run").mkdir()
     original = t.write(tmp_path / "run" / name)
-    report = analyze_run(tmp_path / "run")
+    report = analyze_run(tmp_path / "run", lanes=True)
     [m], [lanes] = report.steps, report.lanes
     copy = write_counter_copy(original, [(lanes, m)], tmp_path / "copy")
     assert copy.name == name

@@ -10,8 +10,7 @@ import logging
 
 import pytest
 
-from overlapkit.profiling.analysis import analyze_run, analyze_trace, cross_rank
-from overlapkit.profiling.rank_trace import load_rank_trace
+from overlapkit.profiling.analysis import analyze_files, analyze_run, cross_rank
 from overlapkit.profiling.synthetic import TraceBuilder
 
 NCCL_AR = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)"
@@ -21,9 +20,8 @@ AUTOGRAD_TID = 77
 
 
 def _metrics(builder: TraceBuilder, tmp_path, name="rank0.1.pt.trace.json"):
-    trace = load_rank_trace(builder.write(tmp_path / name))
-    metrics, _ = analyze_trace(trace)
-    return {m.step: m for m in metrics}
+    report = analyze_files([builder.write(tmp_path / name)], tmp_path)
+    return {m.step: m for m in report.steps}
 
 
 def _check(m, *, compute, comm, exposed, tail):

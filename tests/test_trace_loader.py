@@ -33,12 +33,12 @@ def _read(path):
     return header, events
 
 
-@pytest.mark.parametrize("chunk_chars", [1, 3, 7, 64, 1 << 22])
+@pytest.mark.parametrize("chunk_bytes", [1, 3, 7, 64, 1 << 22])
 @pytest.mark.parametrize("suffix", [".pt.trace.json", ".pt.trace.json.gz"])
 def test_events_and_header_equal_json_load_for_any_chunk_size(
-    tmp_path, monkeypatch, chunk_chars, suffix
+    tmp_path, monkeypatch, chunk_bytes, suffix
 ):
-    monkeypatch.setattr(trace_loader, "CHUNK_CHARS", chunk_chars)
+    monkeypatch.setattr(trace_loader, "CHUNK_BYTES", chunk_bytes)
     path = tmp_path / f"rank3{suffix}"
     text = json.dumps(SAMPLE, indent=1)
     if suffix.endswith(".gz"):
@@ -49,18 +49,18 @@ def test_events_and_header_equal_json_load_for_any_chunk_size(
     header, events = _read(path)
     assert events == SAMPLE["traceEvents"]
     expected = {k: v for k, v in SAMPLE.items() if k != "traceEvents"}
-    assert header == {**expected, "_event_count": 3}
+    assert header == {**expected, "_event_count": 3, "_fast_events": 0}
 
 
 def test_an_empty_event_list_is_a_trace(tmp_path):
     path = tmp_path / "t.json"
     path.write_text('{"traceEvents": [ ]}')
-    assert _read(path) == ({"_event_count": 0}, [])
+    assert _read(path) == ({"_event_count": 0, "_fast_events": 0}, [])
 
 
 @pytest.mark.parametrize("cut", [1, 40, 150, 260, -2, -1])
 def test_a_truncated_file_is_reported_by_name_as_truncated(tmp_path, monkeypatch, cut):
-    monkeypatch.setattr(trace_loader, "CHUNK_CHARS", 16)
+    monkeypatch.setattr(trace_loader, "CHUNK_BYTES", 16)
     text = json.dumps(SAMPLE)
     path = tmp_path / "rank0.123.pt.trace.json"
     path.write_text(text[:cut])

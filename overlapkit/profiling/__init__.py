@@ -1,28 +1,27 @@
 """Profiling: ``ok.profile``, trace analysis of exposed communication, TensorBoard and reports.
 
-Data flows trace file → ``rank_trace`` (classified intervals) → ``analysis`` (per step metrics
-with ``intervals``) → ``tensorboard`` / ``counters`` / ``report`` / ``timeline``.
+Data flows trace file → ``trace_loader`` (events, decoded in runs) → ``rank_trace`` (compact
+records of one rank) → ``step_metrics`` (per step metrics, vectorised) → ``analysis`` (all
+files, in parallel; ``rank_summary`` across ranks) → ``collectives`` (matched across ranks,
+clocks aligned) → ``stragglers`` (who delays whom, why, at what cost) → ``tensorboard`` /
+``counters`` / ``report`` / ``timeline`` / ``heatmap``.
+
+Public names load on first use (``overlapkit.lazy``), so the trace analysis, and the worker
+processes ``overlapkit report`` starts, import neither torch nor the profiler.
 """
 
-from overlapkit.profiling.analysis import (
-    CrossRankStep,
-    KindStats,
-    RunReport,
-    StepMetrics,
-    analyze_run,
-    cross_rank,
-)
-from overlapkit.profiling.profile import Profile, profile
-from overlapkit.profiling.trace_loader import TraceFormatError
+from overlapkit.lazy import lazy_exports
 
-__all__ = [
-    "CrossRankStep",
-    "KindStats",
-    "Profile",
-    "RunReport",
-    "StepMetrics",
-    "TraceFormatError",
-    "analyze_run",
-    "cross_rank",
-    "profile",
-]
+_EXPORTS = {
+    "CrossRankStep": "overlapkit.profiling.rank_summary",
+    "KindStats": "overlapkit.profiling.analysis",
+    "RunReport": "overlapkit.profiling.analysis",
+    "StepMetrics": "overlapkit.profiling.analysis",
+    "analyze_run": "overlapkit.profiling.analysis",
+    "cross_rank": "overlapkit.profiling.rank_summary",
+    "Profile": "overlapkit.profiling.profile",
+    "profile": "overlapkit.profiling.profile",
+    "TraceFormatError": "overlapkit.profiling.trace_loader",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,31 +1,37 @@
-"""Exposed communication per step and per rank, from classified traces (docs/architecture.md).
+"""Exposed communication per step and per rank for a run's trace files (docs/profiling.md).
 
-For each step of each rank, with ``comm`` the collectives assigned to the step (by launch on GPU,
-by start on CPU) and ``compute`` the compute intervals assigned to it:
+Each file is read and reduced by itself (``analyze_file``: ``rank_trace`` → ``step_metrics``,
+and with ``programs`` the collective program of ``programs``), on as many worker processes as
+there are cores (``file_pool``). The results are small arrays; ``RunReport`` holds them for the
+whole run and makes ``StepMetrics`` rows only when asked (``steps``), so a thousand ranks of
+hundreds of steps cost tens of megabytes here. See ``step_metrics`` for what each number means.
 
-- ``compute_ms`` = |∪ compute|, ``comm_ms`` = |∪ comm|;
-- ``exposed_comm_ms`` = |∪ comm ∖ ∪ all compute of the trace|: a collective of step N hidden
-  behind step N+1's forward is hidden, and no interval is counted in two steps;
-- ``tail_ms`` = the exposed part after the end of the step's last backward compute (when the
-  trace has no backward, after the last compute that starts before the step's comm ends);
-- ``overlap_ratio`` = 1 - exposed / comm (None for a step without communication).
-
-Across ranks: the slowest rank of each step and the spread of ``comm_ms`` (the rank with the least
-comm waited least, so its comm is closest to the transfer itself; the others also waited for it).
+Across ranks: ``rank_summary`` (the slowest ranks of each step, per rank totals and
+percentiles); matching collectives and stragglers are ``collectives`` and ``stragglers``.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overlapkit.profiling import intervals
-from overlapkit.profiling.rank_trace import COLLECTIVE_KINDS, RankTrace, load_rank_trace
+import numpy as np
+
+from overlapkit.profiling.file_pool import map_files
+from overlapkit.profiling.programs import RankProgram, rank_program
+from overlapkit.profiling.rank_summary import (
+    TABLE_DTYPE,
+    CrossRankStep,
+    cross_rank,
+    rank_percentiles,
+    rank_totals,
+    slowest_ranks,
+)
+from overlapkit.profiling.rank_trace import COLLECTIVE_KINDS, load_rank_trace
+from overlapkit.profiling.record_store import DEFAULT_BUDGET_BYTES, SpillStore
+from overlapkit.profiling.step_metrics import StepLanes, compute_table, step_rows
 from overlapkit.profiling.trace_loader import TraceFormatError
 
 logger = logging.getLogger(__name__)
@@ -35,6 +41,29 @@ TRACE_NAMES = ("*.pt.trace.json*", "rank*_trace.json*")
 """What torch.profiler's ``tensorboard_trace_handler`` and torchtitan's profiler name a trace."""
 TORCHTITAN_TRACES = "profiling/traces"
 """Where torchtitan writes them under its dump folder (``Profiler.Config.save_traces_folder``)."""
+KIND_ROW_DTYPE = np.dtype(
+    [
+        ("row", "i8"),
+        ("kind", "i4"),
+        ("count", "i8"),
+        ("bytes", "i8"),
+        ("time_ms", "f8"),
+        ("exposed_ms", "f8"),
+    ]
+)
+
+__all__ = [
+    "CrossRankStep",
+    "KindStats",
+    "RunReport",
+    "StepLanes",
+    "StepMetrics",
+    "analyze_files",
+    "analyze_run",
+    "cross_rank",
+    "find_trace_files",
+    "rank_totals",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,26 +81,8 @@ class KindStats:
 
 
 @dataclass(frozen=True, slots=True)
-class StepLanes:
-    """The intervals (µs) behind one step's numbers; what the timeline draws."""
-
-    rank: int
-    step: int
-    file: str
-    pid: Any
-    """The main thread's process id in the trace (where counter tracks are drawn)."""
-    start: float
-    end: float
-    compute: list[intervals.Interval]
-    comm: list[intervals.Interval]
-    exposed: list[intervals.Interval]
-    tail_from: float | None
-    """Where the tail starts (end of the last backward compute), µs; None without comm."""
-
-
-@dataclass(frozen=True, slots=True)
 class StepMetrics:
-    """Per rank, per step numbers; all times in ms (see the module docstring)."""
+    """Per rank, per step numbers; all times in ms (see ``step_metrics``)."""
 
     rank: int
     step: int
@@ -98,160 +109,57 @@ class StepMetrics:
         return row
 
 
-def _by_step(trace: RankTrace, items: list, anchor_of: Callable[[Any], float]) -> dict[int, list]:
-    """Group ``items`` by the index of the step window that holds their anchor time."""
-    starts = [s[1] for s in trace.steps]
-    grouped: dict[int, list] = defaultdict(list)
-    for item in items:
-        anchor = anchor_of(item)
-        i = bisect.bisect_right(starts, anchor) - 1
-        if i >= 0 and anchor < trace.steps[i][2]:
-            grouped[i].append(item)
-    return grouped
+@dataclass(slots=True)
+class FileResult:
+    """What a worker returns for one file: small arrays, or why the file was skipped."""
+
+    path: str
+    error: str | None = None
+    rank: int = 0
+    world_size: int | None = None
+    device: str = "cpu"
+    steps: np.ndarray | None = None
+    kinds: np.ndarray | None = None
+    lanes: list[StepLanes] = field(default_factory=list)
+    program: RankProgram | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
-def _tail_start(
-    comm: list[intervals.Interval], backward: list, compute_all: list[intervals.Interval]
-) -> float:
-    if backward:
-        return max(end for _, end, _ in backward)
-    comm_end = comm[-1][1]
-    i = bisect.bisect_left(compute_all, comm_end, key=lambda iv: iv[0]) - 1
-    return compute_all[i][1] if i >= 0 else comm[0][0]
+def analyze_file(
+    path: Path,
+    *,
+    lanes: bool | set[int] = False,
+    program: bool = False,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> FileResult:
+    """Analyse one trace file (a worker's task; an unreadable file gives ``error``).
 
-
-def _kind_stats(ops: list, compute_all: list[intervals.Interval]) -> dict[str, KindStats]:
-    stats = {}
-    for kind in COLLECTIVE_KINDS:
-        mine = [op for op in ops if op.kind == kind]
-        if not mine:
-            continue
-        sizes = [op.nbytes for op in mine]
-        comm = intervals.union((op.start, op.end) for op in mine)
-        hiding = intervals.clip(compute_all, comm[0][0], comm[-1][1])
-        stats[kind] = KindStats(
-            count=len(mine),
-            nbytes=None if None in sizes else sum(sizes),
-            time_ms=intervals.total(comm) / 1e3,
-            exposed_ms=intervals.total(intervals.subtract(comm, hiding)) / 1e3,
-        )
-    return stats
-
-
-def analyze_trace(trace: RankTrace) -> tuple[list[StepMetrics], list[StepLanes]]:
-    """Per step metrics and the intervals behind them, for one rank's trace."""
-    compute_all = intervals.union((s, e) for s, e, _ in trace.compute)
-    comm_by_step = _by_step(trace, trace.comm, lambda op: op.anchor)
-    compute_by_step = _by_step(trace, trace.compute, lambda iv: iv[2])
-    backward_by_step = _by_step(trace, trace.backward, lambda iv: iv[2])
-    metrics, lanes = [], []
-    for i, (number, start, end) in enumerate(trace.steps):
-        ops = comm_by_step.get(i, [])
-        comm = intervals.union((op.start, op.end) for op in ops)
-        compute = intervals.union((s, e) for s, e, _ in compute_by_step.get(i, []))
-        tail_from = None
-        exposed: list[intervals.Interval] = []
-        if comm:
-            hiding = intervals.clip(compute_all, comm[0][0], comm[-1][1])
-            exposed = intervals.subtract(comm, hiding)
-            tail_from = _tail_start(comm, backward_by_step.get(i, []), compute_all)
-        comm_us, exposed_us = intervals.total(comm), intervals.total(exposed)
-        tail_us = intervals.total(intervals.clip(exposed, tail_from, float("inf"))) if comm else 0.0
-        metrics.append(
-            StepMetrics(
-                rank=trace.rank,
-                step=number,
-                step_ms=(end - start) / 1e3,
-                compute_ms=intervals.total(compute) / 1e3,
-                comm_ms=comm_us / 1e3,
-                exposed_comm_ms=exposed_us / 1e3,
-                tail_ms=tail_us / 1e3,
-                overlap_ratio=(1.0 - exposed_us / comm_us) if comm_us > 0 else None,
-                kinds=_kind_stats(ops, compute_all),
-                file=trace.path.name,
-            )
-        )
-        lanes.append(
-            StepLanes(
-                rank=trace.rank,
-                step=number,
-                file=trace.path.name,
-                pid=trace.main_pid,
-                start=start,
-                end=end,
-                compute=compute,
-                comm=comm,
-                exposed=exposed,
-                tail_from=tail_from,
-            )
-        )
-    return metrics, lanes
-
-
-@dataclass(frozen=True, slots=True)
-class CrossRankStep:
-    """One step across ranks: who was slowest and how far ``comm_ms`` spread (ms)."""
-
-    step: int
-    ranks: int
-    slowest_rank: int
-    slowest_step_ms: float
-    fastest_step_ms: float
-    min_comm_rank: int
-    min_comm_ms: float
-    max_comm_rank: int
-    max_comm_ms: float
-    comm_spread_ms: float
-    """max - min comm_ms: roughly the time the faster ranks waited for the slowest one."""
-
-
-def cross_rank(steps: list[StepMetrics]) -> list[CrossRankStep]:
-    """For each step number: the slowest rank and the spread of comm time across ranks."""
-    by_number: dict[int, list[StepMetrics]] = defaultdict(list)
-    for row in steps:
-        by_number[row.step].append(row)
-    out = []
-    for number in sorted(by_number):
-        rows = by_number[number]
-        slowest = max(rows, key=lambda r: r.step_ms)
-        least = min(rows, key=lambda r: r.comm_ms)
-        most = max(rows, key=lambda r: r.comm_ms)
-        out.append(
-            CrossRankStep(
-                step=number,
-                ranks=len({r.rank for r in rows}),
-                slowest_rank=slowest.rank,
-                slowest_step_ms=slowest.step_ms,
-                fastest_step_ms=min(r.step_ms for r in rows),
-                min_comm_rank=least.rank,
-                min_comm_ms=least.comm_ms,
-                max_comm_rank=most.rank,
-                max_comm_ms=most.comm_ms,
-                comm_spread_ms=most.comm_ms - least.comm_ms,
-            )
-        )
-    return out
-
-
-def rank_totals(steps: list[StepMetrics]) -> list[dict[str, Any]]:
-    """Per rank sums over its steps and the whole-trace overlap percentage."""
-    out = []
-    for rank in sorted({r.rank for r in steps}):
-        rows = [r for r in steps if r.rank == rank]
-        comm = sum(r.comm_ms for r in rows)
-        exposed = sum(r.exposed_comm_ms for r in rows)
-        out.append(
-            {
-                "rank": rank,
-                "steps": len(rows),
-                "compute_ms": sum(r.compute_ms for r in rows),
-                "comm_ms": comm,
-                "exposed_comm_ms": exposed,
-                "tail_ms": sum(r.tail_ms for r in rows),
-                "overlap_pct": 100.0 * (1.0 - exposed / comm) if comm > 0 else None,
-            }
-        )
-    return out
+    Args:
+        path (Path): the trace.
+        lanes (bool | set[int]): keep the intervals of every step (True) or of these steps.
+        program (bool): also build the collective program (``programs``) for stragglers.
+        budget_bytes (int): memory for the file's records before they spill to disk.
+    """
+    try:
+        with SpillStore(budget_bytes) as store:
+            trace = load_rank_trace(path, store=store)
+            compute = compute_table(trace)
+            wanted = {n for n, _, _ in trace.steps} if lanes is True else (lanes or None)
+            steps, kinds, step_lanes = step_rows(trace, compute, wanted)
+            built = rank_program(trace, compute) if program else None
+    except (TraceFormatError, OSError) as err:
+        return FileResult(path=str(path), error=str(err).removeprefix(f"{path}: "))
+    return FileResult(
+        path=str(path),
+        rank=trace.rank,
+        world_size=trace.world_size,
+        device=trace.device,
+        steps=steps,
+        kinds=kinds,
+        lanes=step_lanes,
+        program=built,
+        warnings=trace.warnings,
+    )
 
 
 @dataclass(slots=True)
@@ -259,33 +167,85 @@ class RunReport:
     """Everything ``overlapkit report`` prints, for one directory of traces."""
 
     run_dir: Path
-    steps: list[StepMetrics]
-    lanes: list[StepLanes]
+    table: np.ndarray
+    """``TABLE_DTYPE``: one row per rank and step, sorted by step then rank (ms)."""
+    kind_table: np.ndarray
+    """Per row of ``table`` index (``row``) and kind: count, bytes (-1 unknown), time_ms."""
     files: list[str]
     skipped: list[dict[str, str]]
+    lanes: list[StepLanes] = field(default_factory=list)
+    programs: list[RankProgram] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     traces: list[dict[str, Any]] = field(default_factory=list)
     """Per analysed file: ``file``, ``rank``, ``world_size``, ``device`` (gpu/cpu), ``steps``."""
+    _steps: list[StepMetrics] | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        """``overlapkit report --json`` (docs/json-contracts.md) plus extras."""
+    @property
+    def steps(self) -> list[StepMetrics]:
+        """One ``StepMetrics`` per row of ``table`` (made on first use)."""
+        if self._steps is None:
+            self._steps = self.step_metrics(len(self.table))
+        return self._steps
+
+    def step_metrics(self, limit: int) -> list[StepMetrics]:
+        """The first ``limit`` rows of ``table`` as ``StepMetrics``."""
+        kinds: dict[int, dict[str, KindStats]] = {}
+        for row, kind, count, nbytes, time_ms, exposed_ms in self.kind_table.tolist():
+            if row < limit:
+                kinds.setdefault(row, {})[COLLECTIVE_KINDS[kind]] = KindStats(
+                    count=count,
+                    nbytes=None if nbytes < 0 else nbytes,
+                    time_ms=time_ms,
+                    exposed_ms=exposed_ms,
+                )
+        names = [Path(f).name for f in self.files]
+        out = []
+        for i, r in enumerate(self.table[:limit].tolist()):
+            rank, step, file, step_ms, compute_ms, comm_ms, exposed, tail = r
+            out.append(
+                StepMetrics(
+                    rank=rank,
+                    step=step,
+                    step_ms=step_ms,
+                    compute_ms=compute_ms,
+                    comm_ms=comm_ms,
+                    exposed_comm_ms=exposed,
+                    tail_ms=tail,
+                    overlap_ratio=(1.0 - exposed / comm_ms) if comm_ms > 0 else None,
+                    kinds=kinds.get(i, {}),
+                    file=names[file],
+                )
+            )
+        return out
+
+    def to_json(self, step_rows: int | None = None) -> dict[str, Any]:
+        """``overlapkit report --json`` (docs/json-contracts.md) plus extras.
+
+        Args:
+            step_rows (int | None): keep only this many ``steps`` rows (None: all).
+        """
+        limit = len(self.table) if step_rows is None else min(step_rows, len(self.table))
+        steps = self.steps[:limit] if self._steps is not None else self.step_metrics(limit)
         return {
             "run_dir": str(self.run_dir),
-            "steps": [row.to_dict() for row in self.steps],
+            "steps": [row.to_dict() for row in steps],
+            "steps_omitted": len(self.table) - limit,
             "files": self.files,
             "skipped": self.skipped,
             "warnings": self.warnings,
             "traces": self.traces,
-            "ranks": rank_totals(self.steps),
-            "cross_rank": [asdict(c) for c in cross_rank(self.steps)],
+            "ranks": rank_totals(self.table),
+            "cross_rank": [asdict(c) for c in cross_rank(self.table)],
+            "slowest_ranks": slowest_ranks(self.table),
+            "rank_percentiles": rank_percentiles(self.table),
         }
 
 
 def find_trace_files(run_dir: Path, iteration: int | None = None) -> list[Path]:
-    """The ``*.json``/``*.json.gz`` files directly in ``run_dir`` (sorted by name); else, or
-    with ``iteration``, torchtitan's: ``iteration_N/[leaf/]rankR_trace.json.gz`` under
-    ``run_dir`` or its ``profiling/traces`` (``run_dir`` a torchtitan dump folder), every N or
-    that one."""
+    """The trace files of a run, the one place that decides which they are: the
+    ``*.json``/``*.json.gz`` files directly in ``run_dir`` (sorted by name); else, or with
+    ``iteration``, torchtitan's: ``iteration_N/[leaf/]rankR_trace.json.gz`` under ``run_dir`` or
+    its ``profiling/traces`` (``run_dir`` a torchtitan dump folder), every N or that one."""
     direct = [p for p in run_dir.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES)]
     if direct and iteration is None:
         return sorted(direct)
@@ -298,46 +258,106 @@ def find_trace_files(run_dir: Path, iteration: int | None = None) -> list[Path]:
     )
 
 
-def analyze_files(files: list[Path], run_dir: Path) -> RunReport:
-    """Analyse trace files; unreadable ones are listed in ``skipped`` and the rest still count."""
-    report = RunReport(run_dir=run_dir, steps=[], lanes=[], files=[], skipped=[])
-    seen: dict[tuple[int, int], str] = {}
-    for path in files:
-        try:
-            trace = load_rank_trace(path)
-        except (TraceFormatError, OSError) as err:
-            reason = str(err).removeprefix(f"{path}: ")
-            logger.warning("skipping %s: %s", path, reason)
-            report.skipped.append({"file": str(path), "reason": reason})
+def analyze_files(
+    files: list[Path],
+    run_dir: Path,
+    *,
+    jobs: int | None = None,
+    lanes: bool | set[int] = False,
+    programs: bool = False,
+    **options: Any,
+) -> RunReport:
+    """Analyse trace files; unreadable ones are listed in ``skipped`` and the rest still count.
+
+    Args:
+        files (list[Path]): the traces, in the order their rows are kept for equal keys.
+        run_dir (Path): the directory reported.
+        jobs (int | None): worker processes (None: the cores available; ``file_pool``).
+        lanes (bool | set[int]): keep the intervals of every step (True) or of these steps.
+        programs (bool): build each file's collective program (for ``stragglers``).
+        **options: ``min_bytes`` (``file_pool.map_files``), ``budget_bytes`` (``analyze_file``).
+    """
+    min_bytes = options.pop("min_bytes", None)
+    pool_options = {} if min_bytes is None else {"min_bytes": min_bytes}
+    results = map_files(
+        analyze_file, files, jobs=jobs, lanes=lanes, program=programs, **pool_options, **options
+    )
+    report = RunReport(
+        run_dir=run_dir,
+        table=np.empty(0, TABLE_DTYPE),
+        kind_table=np.empty(0, KIND_ROW_DTYPE),
+        files=[],
+        skipped=[],
+    )
+    tables, kind_tables = [], []
+    for result in results:
+        if result.error is not None:
+            logger.warning("skipping %s: %s", result.path, result.error)
+            report.skipped.append({"file": result.path, "reason": result.error})
             continue
-        report.files.append(str(path))
-        report.warnings.extend(trace.warnings)
+        index = len(report.files)
+        report.files.append(result.path)
+        report.warnings.extend(result.warnings)
+        numbers = result.steps["step"]
         report.traces.append(
             {
-                "file": str(path),
-                "rank": trace.rank,
-                "world_size": trace.world_size,
-                "device": trace.device,
-                "steps": [number for number, _, _ in trace.steps],
+                "file": result.path,
+                "rank": result.rank,
+                "world_size": result.world_size,
+                "device": result.device,
+                "steps": numbers.tolist(),
             }
         )
-        metrics, lanes = analyze_trace(trace)
-        for row in metrics:
-            key = (row.rank, row.step)
-            if key in seen:
-                report.warnings.append(
-                    f"rank {row.rank} step {row.step} appears in {seen[key]} and {row.file}; "
-                    "both are kept (were two runs written to one directory?)"
-                )
-            seen.setdefault(key, row.file)
-        report.steps.extend(metrics)
-        report.lanes.extend(lanes)
-    report.steps.sort(key=lambda r: (r.step, r.rank))
-    report.lanes.sort(key=lambda s: (s.step, s.rank))
+        table = np.zeros(len(numbers), TABLE_DTYPE)
+        table["rank"], table["step"], table["file"] = result.rank, numbers, index
+        table["step_ms"] = (result.steps["end"] - result.steps["start"]) / 1e3
+        for name in ("compute_ms", "comm_ms", "exposed_comm_ms", "tail_ms"):
+            table[name] = result.steps[name]
+        tables.append(table)
+        kind_tables.append((index, result.rank, result.kinds))
+        report.lanes.extend(result.lanes)
+        if result.program is not None:
+            report.programs.append(result.program)
+    _assemble(report, tables, kind_tables)
     return report
 
 
-def analyze_run(run_dir: str | Path, iteration: int | None = None) -> RunReport:
+def _assemble(report: RunReport, tables: list[np.ndarray], kind_tables: list) -> None:
+    """Sort the rows by (step, rank), keep the kinds beside them, warn about duplicates."""
+    table = np.concatenate(tables) if tables else np.empty(0, TABLE_DTYPE)
+    order = np.lexsort((np.arange(len(table)), table["rank"], table["step"]))
+    report.table = table[order]
+    position = np.empty(len(order), np.int64)
+    position[order] = np.arange(len(order))
+    row_of = {}
+    offset = 0
+    for t in tables:
+        for k, (file, step) in enumerate(zip(t["file"].tolist(), t["step"].tolist(), strict=True)):
+            row_of[(file, step)] = int(position[offset + k])
+        offset += len(t)
+    kinds = [
+        (row_of[(index, int(step))], int(kind), int(count), int(nbytes), time_ms, exposed_ms)
+        for index, _, rows in kind_tables
+        for step, kind, count, nbytes, time_ms, exposed_ms in rows.tolist()
+        if (index, int(step)) in row_of
+    ]
+    report.kind_table = np.array(kinds, dtype=KIND_ROW_DTYPE)
+    keys = report.table[["rank", "step"]]
+    if len(keys) > 1:
+        same = np.flatnonzero(
+            (keys["rank"][1:] == keys["rank"][:-1]) & (keys["step"][1:] == keys["step"][:-1])
+        )
+        names = [Path(f).name for f in report.files]
+        for i in same.tolist():
+            a, b = report.table[i], report.table[i + 1]
+            report.warnings.append(
+                f"rank {a['rank']} step {a['step']} appears in {names[a['file']]} and "
+                f"{names[b['file']]}; both are kept (were two runs written to one directory?)"
+            )
+    report.lanes.sort(key=lambda s: (s.step, s.rank))
+
+
+def analyze_run(run_dir: str | Path, iteration: int | None = None, **options: Any) -> RunReport:
     """Analyse every trace inside ``run_dir`` (all ranks, all profiling cycles).
 
     Args:
@@ -345,6 +365,7 @@ def analyze_run(run_dir: str | Path, iteration: int | None = None) -> RunReport:
             ``.pt.trace.json`` / ``.json.gz`` traces), or a torchtitan dump folder
             (``find_trace_files``).
         iteration (int | None): only torchtitan's ``iteration_N`` folder of that N.
+        **options: passed to ``analyze_files`` (``jobs``, ``lanes``, ``programs``, ...).
 
     Returns:
         RunReport: per step, per rank metrics in ms; skipped files with the reason.
@@ -359,7 +380,7 @@ def analyze_run(run_dir: str | Path, iteration: int | None = None) -> RunReport:
         raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} is a file, not a directory of traces")
-    report = analyze_files(find_trace_files(run_dir, iteration), run_dir)
+    report = analyze_files(find_trace_files(run_dir, iteration), run_dir, **options)
     if report.files:
         return report
     detail = "; ".join(f"{Path(s['file']).name}: {s['reason']}" for s in report.skipped)

@@ -177,7 +177,7 @@ class Profile:
                 f"{self.wait + self.warmup + self.active} calls of prof.step()"
             )
         if self._report is None:
-            self._report = analyze_files(self.files, self.logdir)
+            self._report = analyze_files(self.files, self.logdir, jobs=1, lanes=True)
         return self._report
 
     def summary(self) -> list[StepMetrics]:

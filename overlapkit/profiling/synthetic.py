@@ -33,6 +33,9 @@ class TraceBuilder:
         world_size (int): written to ``distributedInfo``. Defaults to 2.
         backend (str): written to ``distributedInfo``. Defaults to ``"nccl"``.
         distributed (bool): False leaves ``distributedInfo`` out. Defaults to True.
+        groups (list[dict] | None): ``distributedInfo.pg_config`` entries (``pg_name``,
+            ``ranks``); None leaves it out. Defaults to None.
+        host (str | None): the ``host_name`` key; None leaves it out. Defaults to None.
         pid (int): the process id of the CPU threads. Defaults to 4242.
         main_tid (int): the training loop's thread id. Defaults to 4242.
     """
@@ -46,8 +49,12 @@ class TraceBuilder:
         distributed: bool = True,
         pid: int = 4242,
         main_tid: int = 4242,
+        groups: list[dict[str, Any]] | None = None,
+        host: str | None = None,
     ):
         self.rank = rank
+        self.groups = groups
+        self.host = host
         self.world_size = world_size
         self.backend = backend
         self.distributed = distributed
@@ -90,6 +97,13 @@ class TraceBuilder:
         self._range(
             "user_annotation", f"ProfilerStep#{number}", start, end, pid=self.pid, tid=self.main_tid
         )
+
+    def user_annotation(
+        self, name: str, start: float, end: float, *, tid: int | None = None
+    ) -> None:
+        """A ``user_annotation`` range such as ``enumerate(DataLoader)#...`` on the main thread."""
+        tid = self.main_tid if tid is None else tid
+        self._range("user_annotation", name, start, end, pid=self.pid, tid=tid)
 
     def cpu_op(
         self,
@@ -139,6 +153,11 @@ class TraceBuilder:
         dtype: str = "Float",
         metadata_on_kernel: bool = True,
         mirror: bool = True,
+        seq: int | None = None,
+        group: str = "0",
+        group_ranks: list[int] | None = None,
+        flows: bool = True,
+        ranks_in_metadata: bool = True,
     ) -> None:
         """A GPU kernel; with ``launch_at``, also its launch call and flow arrow.
 
@@ -148,6 +167,15 @@ class TraceBuilder:
                 whose ``gpu_user_annotation`` mirror is drawn on the stream when ``mirror``.
             metadata_on_kernel (bool): put the collective metadata on the kernel itself (newer
                 Kineto) rather than only on ``record_param_comms``.
+            seq (int | None): the collective's ``Seq`` in its group (torch >= 2.4 writes it);
+                None leaves it out.
+            group (str): its ``Process Group Name``. Defaults to ``"0"``.
+            group_ranks (list[int] | None): its ``Process Group Ranks`` (written as a string,
+                as Kineto does); None: ranks 0 .. world_size - 1.
+            flows (bool): also write the ``ac2g`` flow arrow of the launch (the analysis reads
+                ``correlation``, not flows). Defaults to True.
+            ranks_in_metadata (bool): write ``Process Group Ranks`` (5 KB for 1,024 ranks, on
+                every collective; the groups are in ``pg_config`` too). Defaults to True.
         """
         self._streams.add(stream)
         correlation = self._id()
@@ -158,9 +186,14 @@ class TraceBuilder:
                 "Collective name": collective,
                 "dtype": dtype,
                 "Group size": self.world_size,
-                "Process Group Name": "0",
-                "Process Group Description": "default_pg",
+                "Process Group Name": group,
+                "Process Group Description": "default_pg" if group == "0" else f"pg{group}",
             }
+            if ranks_in_metadata:
+                ranks = list(range(self.world_size)) if group_ranks is None else group_ranks
+                meta["Process Group Ranks"] = str(ranks)
+            if seq is not None:
+                meta["Seq"] = seq
             if nelems is not None:
                 meta |= {"In msg nelems": nelems, "Out msg nelems": nelems}
         args = {
@@ -217,11 +250,14 @@ class TraceBuilder:
                 tid=tid,
                 args={"cbid": 211, "correlation": correlation},
             )
-            flow = {"id": correlation, "cat": "ac2g", "name": "ac2g"}
-            self.events.append({"ph": "s", "pid": self.pid, "tid": tid, "ts": launch_at, **flow})
-            self.events.append(
-                {"ph": "f", "bp": "e", "pid": GPU_PID, "tid": stream, "ts": start, **flow}
-            )
+            if flows:
+                flow = {"id": correlation, "cat": "ac2g", "name": "ac2g"}
+                self.events.append(
+                    {"ph": "s", "pid": self.pid, "tid": tid, "ts": launch_at, **flow}
+                )
+                self.events.append(
+                    {"ph": "f", "bp": "e", "pid": GPU_PID, "tid": stream, "ts": start, **flow}
+                )
 
     def metadata(self) -> list[dict[str, Any]]:
         """Process and thread name events, as Kineto writes them."""
@@ -248,12 +284,20 @@ class TraceBuilder:
     def header(self) -> dict[str, Any]:
         """The top-level keys other than ``traceEvents``."""
         head: dict[str, Any] = {"schemaVersion": 1, "deviceProperties": []}
+        if self.host is not None:
+            head["host_name"] = self.host
         if self.distributed:
             head["distributedInfo"] = {
                 "backend": self.backend,
                 "rank": self.rank,
                 "world_size": self.world_size,
             }
+            if self.groups is not None:
+                head["distributedInfo"]["pg_count"] = len(self.groups)
+                head["distributedInfo"]["pg_config"] = [
+                    {"pg_name": g["pg_name"], "pg_size": len(g["ranks"]), "ranks": g["ranks"]}
+                    for g in self.groups
+                ]
         return head
 
     def to_dict(self) -> dict[str, Any]:

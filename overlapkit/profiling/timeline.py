@@ -16,8 +16,14 @@ _COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "exposed": "#C44E52"}
 
 
 def default_step(report: RunReport) -> int:
-    """The last step recorded by the most ranks."""
-    counts = Counter(lanes.step for lanes in report.lanes)
+    """The last step recorded by the most ranks.
+
+    Raises:
+        ValueError: the report has no steps.
+    """
+    counts = Counter(report.table["step"].tolist())
+    if not counts:
+        raise ValueError(f"no steps to draw in {report.run_dir}")
     most = max(counts.values())
     return max(step for step, n in counts.items() if n == most)
 
@@ -29,6 +35,8 @@ def _bars(intervals_us: list[tuple[float, float]], origin: float) -> list[tuple[
 def draw_timeline(report: RunReport, path: str | Path, step: int | None = None) -> Path:
     """Write a PNG of ``step`` (default: ``default_step``) for every rank.
 
+    The report must hold that step's intervals (``analyze_run(..., lanes={step})``).
+
     Raises:
         ValueError: ``step`` is not in the report (the message lists the steps there are).
     """
@@ -36,12 +44,14 @@ def draw_timeline(report: RunReport, path: str | Path, step: int | None = None) 
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    if not report.lanes:
-        raise ValueError(f"no steps to draw in {report.run_dir}")
-    available = sorted({lanes.step for lanes in report.lanes})
+    available = sorted(set(report.table["step"].tolist()))
     step = default_step(report) if step is None else step
     if step not in available:
         raise ValueError(f"--step {step} is not in the traces; steps there: {available}")
+    if not any(lanes.step == step for lanes in report.lanes):
+        raise ValueError(
+            f"the report holds no intervals of step {step}: analyse with lanes={{{step}}}"
+        )
     chosen: list[StepLanes] = sorted(
         (lanes for lanes in report.lanes if lanes.step == step), key=lambda s: s.rank
     )

@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from overlapkit.train.faults import install_kill_from_env
+from overlapkit.train.faults import install_kill_from_env, install_slow_from_env
 from overlapkit.train.loop import RunPaths, resolve_device, train
 from overlapkit.train.resume import NoUsableCheckpoint
 from overlapkit.validation import check_int, is_finite_number
@@ -193,6 +193,7 @@ def worker_main(
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     # Test-only, and only when OVERLAPKIT_TEST_KILL is set (single node: run_dir is the run's).
     install_kill_from_env(rank, RunPaths(Path(run_dir), "").checkpoints)
+    install_slow_from_env(rank)  # test-only, and only when OVERLAPKIT_TEST_SLOW is set
     torch.set_num_threads(threads)
     device = resolve_device(job["train"]["device"], local_rank)
     if device.type == "cuda":
