@@ -5,7 +5,7 @@ limited to ``--rate``) run two gloo ranks each, as ``bench.placement`` does
 (``bench.harness.two_node_bench``). Every rank detects the topology (2 nodes x 2 ranks), fits
 the cost model to this machine (``two_node_bench.calibrated_topology``: the link, and the
 in-node path while both nodes use theirs) and measures the host terms the planner's
-``StepOptions`` take (``bench.harness.step_calibration``): the model's own compute rate (the
+``StepOptions`` take (``overlapkit.train.host_calibration``): the model's own compute rate (the
 planner's "achievable TFLOP/s" here), the tensor-parallel plan's dispatch per layer pass
 (``tp_layer_dispatch_s``), what one collective call costs between busy ranks
 (``collective_overhead_s``: milliseconds here, where four ranks share two cores), the AdamW
@@ -53,14 +53,6 @@ import torch.distributed as dist
 
 import overlapkit as ok
 from bench.harness.json_report import write_json_report
-from bench.harness.step_calibration import (
-    collective_overhead,
-    compute_calibration,
-    one_rank_group,
-    optimizer_calibration,
-    overlap_calibration,
-    slowest_medians,
-)
 from bench.harness.two_node_bench import (
     add_two_node_arguments,
     calibrated_topology,
@@ -75,6 +67,14 @@ from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.models import train_model_spec
 from overlapkit.autoplan.step_time import StepOptions, predict_step
 from overlapkit.planner.layout import TrainingLayout
+from overlapkit.train.host_calibration import (
+    collective_overhead,
+    compute_calibration,
+    one_rank_group,
+    optimizer_calibration,
+    overlap_calibration,
+    slowest_medians,
+)
 from overlapkit.train.mesh import PlanConfig, build_layout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 from overlapkit.train.parallel import apply_parallel
@@ -141,7 +141,7 @@ def step(par, optimizer, inputs, targets) -> list[float]:
 
 
 def calibrate(name: str, alone: dist.ProcessGroup, args: argparse.Namespace) -> dict:
-    """``name``'s host terms for the planner, measured here (``bench.harness.step_calibration``)."""
+    """``name``'s host terms for the planner (``overlapkit.train.host_calibration``)."""
     inputs, targets = batch(dist.get_rank(), args)
     spec = planner_spec(name)
     flops = spec.model_flops_per_token(SHAPE["block_size"]) * args.batch * SHAPE["block_size"]

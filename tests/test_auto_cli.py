@@ -217,15 +217,19 @@ def test_a_tensor_parallel_winner_is_also_priced_as_overlapkit_train_runs_it():
 
 
 def test_layouts_overlapkit_train_lacks_say_what():
-    # The search's best layout with pp fixed: what the winner's other sizes are is the cost
-    # model's business (its dp need not be even), so the test does not derive one from it.
+    # The search's best layout with pp and cp fixed, which overlapkit-train refuses together.
     answer = auto_plan(
-        load_topology("dgx-h100x4"), "llama3-70b", global_batch=64, seq_len=8192, fixed={"pp": 2}
+        load_topology("dgx-h100x4"),
+        "llama3-70b",
+        global_batch=64,
+        seq_len=8192,
+        fixed={"pp": 2, "cp": 2},
     )
     layout = answer.best.layout
-    assert "pipeline parallelism (pp=2)" in OVERLAPKIT_TRAIN.lacks(layout)
-    with pytest.raises(ValueError, match=r"does not run .*pipeline parallelism \(pp=2\)"):
+    assert "pipeline with context parallelism" in OVERLAPKIT_TRAIN.lacks(layout)
+    with pytest.raises(ValueError, match=r"does not run .*pipeline with context parallelism"):
         train_overrides(layout, topology="dgx-h100x4", nodes=4, ranks_per_node=8, model=None)
+    assert "overlapkit-train lacks" in render_auto(answer, [], 0.0)
 
 
 def _mesh_of_auto_plan(rank: int, world_size: int) -> tuple:

@@ -16,13 +16,14 @@ from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import InterpolationKeyError
 
 import overlapkit as ok
 from overlapkit.conf.run_name import path_safe_name
 from overlapkit.profiling import Profile
 from overlapkit.topology import detect_topology, load_topology
+from overlapkit.train.auto import AutoConfig
 from overlapkit.train.cli import check_fresh_start, check_job, check_missing, node_rank_from_argv
 from overlapkit.train.data import SyntheticRegression, SyntheticTokens, TextCorpus
 from overlapkit.train.launch import LauncherConfig
@@ -85,6 +86,11 @@ def test_every_option_composes_and_builds(group, option, monkeypatch):
         overrides += ["train.grad_accum=2"]  # 1F1B keeps pp micro-batches in flight
     cfg = _compose(*overrides)
     launcher = instantiate(cfg.launcher)
+    if group == "parallel" and option == "auto":  # planned first (tests/test_train_auto.py)
+        assert AutoConfig(**OmegaConf.to_container(cfg.parallel)).auto
+        with pytest.raises(ValueError, match="parallel=auto: the planner chooses the layout"):
+            check_job(cfg, launcher)
+        return
     assert isinstance(launcher, LauncherConfig)
     assert isinstance(instantiate(cfg.train), TrainConfig)
     check_job(cfg, launcher)  # builds model config, data, optimizer, scheduler, profiler
@@ -110,7 +116,7 @@ def test_parallel_options_call_the_public_api_with_planned_sizes():
         "ep_dp": (ok.GradBucketer, {"bucket_mb": 25}, {"ep": 2}),
         "pp_dp": (ok.ddp, {"bucket_mb": None, "compress": None}, {"pp": 2}),
     }
-    assert {option for group, option in OPTIONS if group == "parallel"} == set(expected)
+    assert {option for group, option in OPTIONS if group == "parallel"} == {*expected, "auto"}
     for option, (target, keywords, sizes) in expected.items():
         plan, factory_cfg = split_parallel(_compose(f"parallel={option}").parallel)
         factory = instantiate(factory_cfg)
@@ -199,11 +205,14 @@ def test_demo_recipe_profiles_gpt_tiny_with_ok_ddp():
     assert _compose("profiler=on").profiler.wait == cfg.profiler.wait
 
 
-@pytest.mark.parametrize("option", [o for g, o in OPTIONS if g == "parallel" and o != "ep_dp"])
+@pytest.mark.parametrize(
+    "option", [o for g, o in OPTIONS if g == "parallel" and o not in ("ep_dp", "auto")]
+)
 def test_demo_recipe_builds_with_every_parallel_option(option):
     # The README suggests `overlapkit-train recipe=demo parallel=fsdp`: the recipe must not pin a
     # keyword that only one wrapper takes (it once set parallel.bucket_mb, which ok.fsdp refuses).
-    # (ep_dp needs experts; the demo's gpt_tiny is refused by name, tested with the bad values.)
+    # (ep_dp needs experts; the demo's gpt_tiny is refused by name, tested with the bad values;
+    # parallel=auto becomes one of the others before the checks.)
     overrides = ["recipe=demo", f"parallel={option}"]
     if option == "bucketer_overlap":
         overrides += ["train.clip_grad_norm=null"]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity
 
 import overlapkit as ok
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
@@ -25,11 +26,13 @@ from overlapkit.autoplan.memory import (
 )
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.models import train_model_spec
+from overlapkit.autoplan.selective import SDPA_KERNEL
 from overlapkit.autoplan.step_time import parameter_tensors
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 from overlapkit.train.models.moe import shard_experts
 from overlapkit.train.parallel import apply_tensor_parallel
+from overlapkit.train.recompute import apply_recompute
 from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 
@@ -157,6 +160,45 @@ def test_one_block_saves_the_predicted_activation_bytes_within_10_percent(batch,
         tiny_spec(), layout, FP32, seq_len=seq, flash_attention=True, moe_layer=False
     )
     assert measured == pytest.approx(predicted, rel=0.10), (measured, predicted)
+
+
+def _retained_by_one_block_forward(recompute: str, batch: int, seq: int) -> int:
+    """Bytes one block's forward leaves allocated (the profiler's allocations minus frees):
+    what it keeps for backward, the selective cache included, beside its output."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**(CONFIG | {"block_size": seq})))
+    apply_recompute(model.blocks, recompute)
+    x = torch.randn(batch, seq, CONFIG["n_embd"], requires_grad=True)
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = model.blocks[0](x)  # held: its graph keeps what backward needs
+    retained = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_parent is None)
+    del out
+    return retained
+
+
+def test_overlapkit_train_selective_recomputation_keeps_what_its_policy_prices():
+    # overlapkit-train's selective reruns SDPA only: the log-sum-exp is freed, the SDPA output
+    # is not (proj keeps a view of it), and the outputs of proj and the MLP's second layer
+    # stay in the selective cache (autoplan.selective.SDPA_KERNEL).
+    batch, seq = 4, 128
+    measured = _retained_by_one_block_forward("selective", batch, seq)
+    measured -= _retained_by_one_block_forward("none", batch, seq)
+    layout = TrainingLayout(dp=1, micro_batch=batch)
+    predicted = [
+        layer_activation_bytes(
+            tiny_spec(),
+            layout,
+            FP32,
+            seq_len=seq,
+            flash_attention=True,
+            moe_layer=False,
+            recompute=mode,
+            selective=SDPA_KERNEL,
+        )
+        for mode in ("selective", "none")
+    ]
+    assert measured > 0  # it keeps more than without recomputation
+    assert measured == pytest.approx(predicted[0] - predicted[1], rel=0.05)
 
 
 @requires_cuda

@@ -19,7 +19,7 @@ from overlapkit.autoplan.run_config import train_overrides
 from overlapkit.autoplan.search import price, search
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.cli import main
-from overlapkit.planner.layout import RECOMPUTE, SHARDING, TrainingLayout
+from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology import load_topology
 
 GPT = "gpt:layers=8,hidden=1024,heads=16"
@@ -176,34 +176,52 @@ def test_overlapkit_train_never_proposes_what_it_refuses_and_megatron_does():
 
 
 def test_the_framework_refusal_names_each_thing_it_lacks():
+    # What overlapkit-train refuses before launch (train/mesh.py, stages.py), one by one.
     lacks = {
-        TrainingLayout(cp=2): "context parallelism (cp=2)",
-        TrainingLayout(pp=2): "pipeline parallelism (pp=2)",
-        TrainingLayout(recompute="full", recompute_layers=2): "activation recomputation (full)",
-        TrainingLayout(dp=2, sharding="zero1"): "zero1 optimizer-state sharding",
         TrainingLayout(tp=2, ep=2): "tensor and expert parallelism together",
         TrainingLayout(tp=2, dp=2, sharding="fsdp"): "tensor parallelism under FSDP",
+        TrainingLayout(tp=2, dp=2, sharding="zero1"): "tensor parallelism under FSDP (zero1)",
         TrainingLayout(ep=2, dp=4, sharding="hsdp", dp_shard=2): "expert parallelism under FSDP",
+        TrainingLayout(ep=2, dp=2, sharding="zero2"): "expert parallelism under FSDP (zero2)",
+        TrainingLayout(pp=2, ep=2, num_micro_batches=2): "pipeline with expert parallelism",
+        TrainingLayout(pp=2, cp=2, num_micro_batches=2): "pipeline with context parallelism",
+        TrainingLayout(pp=2, dp=2, num_micro_batches=2, sharding="zero2"): "zero2 under a pipeline",
+        TrainingLayout(cp=2, ep=2): "context with expert parallelism",
+        TrainingLayout(cp=2, dp=4, sharding="hsdp", dp_shard=2): "cp with hsdp",
+        TrainingLayout(pp=2): "a pipeline of 2 stages with 1 micro-batches per step (fewer than "
+        "its stages)",
     }
     for layout, reason in lacks.items():
         assert OVERLAPKIT_TRAIN.lacks(layout) == [reason]
         assert OVERLAPKIT_TRAIN.refusal(layout) == f"overlapkit-train does not run {reason}"
         assert MEGATRON.refusal(layout) is None
-    assert OVERLAPKIT_TRAIN.refusal(TrainingLayout(tp=2, dp=2)) is None
+    uneven = TrainingLayout(pp=2, num_micro_batches=2, virtual_stages=2)
+    assert OVERLAPKIT_TRAIN.lacks(uneven, layers=6) == [
+        "6 layers in 4 pipeline chunks (unequal stages)"
+    ]
+    assert OVERLAPKIT_TRAIN.lacks(uneven, layers=8) == []
+    runs = (
+        TrainingLayout(tp=2, dp=2),
+        TrainingLayout(pp=2, tp=2, num_micro_batches=2, recompute="selective"),
+        TrainingLayout(pp=2, dp=2, num_micro_batches=2, sharding="zero1"),
+        TrainingLayout(cp=2, dp=2, sharding="zero2", recompute="full", recompute_layers=1),
+        TrainingLayout(cp=2, tp=2),
+        TrainingLayout(pp=2, dp=4, num_micro_batches=2, sharding="hsdp", dp_shard=2),
+    )
+    assert all(OVERLAPKIT_TRAIN.refusal(layout) is None for layout in runs)
 
 
-def test_a_framework_that_recomputes_gets_the_train_recompute_overrides():
-    runs_more = dataclasses.replace(OVERLAPKIT_TRAIN, recompute=RECOMPUTE, sharding=SHARDING)
+def test_recomputing_layouts_get_the_train_recompute_overrides():
     layout = TrainingLayout(dp=4, recompute="full", recompute_layers=3)
     args = dict(topology="dgx-a100", nodes=1, ranks_per_node=4, model="gpt_tiny")
-    overrides = train_overrides(layout, framework=runs_more, **args)
+    overrides = train_overrides(layout, **args)
     assert "train.recompute=full" in overrides and "train.recompute_layers=3" in overrides
     selective = dataclasses.replace(layout, recompute="selective", recompute_layers=None)
-    overrides = train_overrides(selective, framework=runs_more, **args)
+    overrides = train_overrides(selective, **args)
     assert "train.recompute=selective" in overrides
     assert not any(o.startswith("train.recompute_layers") for o in overrides)
-    with pytest.raises(ValueError, match=r"does not run activation recomputation \(full\)"):
-        train_overrides(layout, **args)
+    with pytest.raises(ValueError, match=r"does not run tensor parallelism under FSDP \(zero1\)"):
+        train_overrides(TrainingLayout(tp=2, dp=2, sharding="zero1"), **args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,8 +286,8 @@ def test_a_gpt_shape_is_megatrons_gpt():
         (["--micro-batch", "0"], "--micro-batch"),
         (["--virtual-stages", "0"], "--virtual-stages"),
         (["--dp-shard", "2", "--sharding", "ddp"], "--dp-shard 2 goes with --sharding hsdp"),
-        (["--framework", "overlapkit-train", "--pp", "2"], "pipeline parallelism (pp=2)"),
-        (["--framework", "overlapkit-train", "--recompute", "full:2"], "recomputation (full)"),
+        (["--framework", "overlapkit-train", "--pp", "2", "--cp", "2"], "pipeline with context"),
+        (["--framework", "overlapkit-train", "--tp", "2", "--sharding", "zero1"], "FSDP (zero1)"),
         (["--framework", "torchtitan", "--recompute", "full:2"], "recomputation of 2 layers"),
         (["--framework", "torchtitan", "--sharding", "zero1"], "zero1 optimizer-state"),
         (["--model", "gpt:layers=8,hidden=1024"], "missing heads="),

@@ -15,6 +15,7 @@ from overlapkit.planner import plan
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology import bare_link, load_topology
 from overlapkit.topology.accelerator import Accelerator
+from overlapkit.topology.model import Library
 from overlapkit.train.models import GPTConfig
 
 GPU = Accelerator(name="test", memory_GB=80, peak_bf16_tflops=1000, sms=None)
@@ -195,3 +196,88 @@ def test_a_single_gradient_bucket_hides_behind_nothing():
     # compute is.
     fsdp = predict_step(spec, TrainingLayout(dp=4, sharding="fsdp"), ideal, costs)
     assert fsdp.fsdp_s > 0
+
+
+TINY = train_model_spec(GPTConfig(n_embd=128, block_size=64), name="gpt_tiny")  # 4 blocks
+
+
+def _calls(
+    layout: TrainingLayout, framework, part: str = "comm_total_s", library: str = "ideal"
+) -> float:
+    """Collective calls of one step where each costs 1 ms on links too fast to add anything."""
+    costs = AxisCosts(dataclasses.replace(_free_comm(4), library=Library(library)))
+    options = _options(collective_overhead_s=1e-3, framework=framework)
+    return getattr(predict_step(TINY, layout, options, costs), part) / 1e-3
+
+
+def test_overlapkit_train_gathers_kv_before_attention_and_scatters_their_gradients_exposed():
+    # Per layer and micro-batch on gloo: one K/V all-gather and one reduce-scatter of their
+    # gradients (full recomputation gathers again; selective saves the gathered K/V). On CUDA
+    # torch's context_parallel gathers K/V again in backward.
+    for recompute, calls in (("none", 2), ("selective", 2), ("full", 3)):
+        layout = TrainingLayout(cp=2, dp=2, num_micro_batches=3, recompute=recompute)
+        gloo = _calls(layout, OVERLAPKIT_TRAIN, "cp_s", library="gloo")
+        assert gloo == pytest.approx(3 * 4 * calls), recompute
+        nccl = _calls(layout, OVERLAPKIT_TRAIN, "cp_s", library="nccl")
+        assert nccl == pytest.approx(3 * 4 * (calls + 1), rel=0.02), recompute  # + its latencies
+    # Megatron's ring hides them behind the attention (the free links leave only the calls).
+    ring = TrainingLayout(cp=2, dp=2, num_micro_batches=3)
+    assert _calls(ring, MEGATRON, "cp_s") < _calls(ring, OVERLAPKIT_TRAIN, "cp_s")
+
+
+def test_overlapkit_train_sums_the_tied_embedding_once_per_step_between_first_and_last_stage():
+    layout = TrainingLayout(pp=2, dp=2, num_micro_batches=4)
+    untied = dataclasses.replace(OVERLAPKIT_TRAIN, tied_embedding_all_reduce=False)
+    extra = _calls(layout, OVERLAPKIT_TRAIN, "pp_s") - _calls(layout, untied, "pp_s")
+    assert extra == pytest.approx(1.0)
+    assert _calls(layout, MEGATRON, "pp_s") == _calls(layout, untied, "pp_s")
+
+
+def test_overlapkit_train_zero_and_fsdp_make_fsdp2s_counted_collectives():
+    # docs/fsdp.md's table per step, 5 FSDP groups (4 blocks and the root), m micro-batches:
+    # ZeRO-1 one all-gather and one reduce-scatter per group, ZeRO-2 m reduce-scatters, ZeRO-3
+    # (FSDP2 under the loop's no_sync) 2m all-gathers and one reduce-scatter.
+    m, groups = 3, 5
+    for sharding, calls in (
+        ("zero1", 2 * groups),
+        ("zero2", groups + m * groups),
+        ("fsdp", 2 * m * groups + groups),
+    ):
+        layout = TrainingLayout(dp=4, num_micro_batches=m, sharding=sharding)
+        assert _calls(layout, OVERLAPKIT_TRAIN) == pytest.approx(calls), sharding
+    # Megatron's distributed optimizer: one bucket each way; its FSDP scatters every backward.
+    zero1 = TrainingLayout(dp=4, num_micro_batches=m, sharding="zero1")
+    assert _calls(zero1, MEGATRON) == pytest.approx(2)
+    fsdp = TrainingLayout(dp=4, num_micro_batches=m, sharding="fsdp")
+    assert _calls(fsdp, MEGATRON) == pytest.approx(3 * m * groups)
+
+
+def test_overlapkit_train_reduces_fsdp_after_the_pipeline_schedule_exposed():
+    # Under pp the stage's reduce-scatter follows the schedule: on the critical path whole.
+    costs = AxisCosts(load_topology("cpu-gloox2").with_accelerator(GPU))
+    options = dataclasses.replace(_options(framework=OVERLAPKIT_TRAIN), overlap_efficiency=1.0)
+    for sharding in ("fsdp", "zero1"):
+        layout = TrainingLayout(pp=2, dp=2, num_micro_batches=2, sharding=sharding)
+        after = predict_step(TINY, layout, options, costs)
+        inside = predict_step(
+            TINY,
+            layout,
+            dataclasses.replace(
+                options,
+                framework=dataclasses.replace(OVERLAPKIT_TRAIN, fsdp_reduce_after_pipeline=False),
+            ),
+            costs,
+        )
+        assert after.dp_s > inside.dp_s, sharding
+
+
+def test_overlapkit_train_selective_reruns_the_attention_forward_even_with_flash():
+    costs = AxisCosts(_free_comm(1))
+    for framework, extra in ((MEGATRON, False), (OVERLAPKIT_TRAIN, True)):
+        none, selective = (
+            predict_step(TINY, TrainingLayout(recompute=r), _options(framework=framework), costs)
+            for r in ("none", "selective")
+        )
+        # Megatron's policy under flash rebuilds only the activation outputs (memory traffic,
+        # none on this accelerator without a bandwidth); overlapkit-train's reruns SDPA.
+        assert (selective.compute_s > none.compute_s) == extra, framework.name

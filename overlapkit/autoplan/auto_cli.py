@@ -274,7 +274,7 @@ def run_instructions(
     batch = dict(global_batch=answer.global_batch, seq_len=answer.seq_len)
     settings = setting_pins(answer)
     call = plan_call(layout, model=answer.model_source, settings=settings, **where_from, **batch)
-    lacks = OVERLAPKIT_TRAIN.lacks(layout)
+    lacks = OVERLAPKIT_TRAIN.lacks(layout, layers=answer.model.layers)
     out: dict = {
         "plan_call": call,
         "plan_command": plan_command(
@@ -305,10 +305,11 @@ def run_instructions(
     if not lacks:
         overrides = train_overrides(
             layout,
-            topology=topo.name,
+            topology=topology or topo.name,
             nodes=topo.num_nodes,
             ranks_per_node=len(topo.nodes()[0]),
             model=answer.model.name,
+            layers=answer.model.layers,
         )
         out["overlapkit_train"] = ["overlapkit-train", *overrides]
         if layout.tp > 1 and answer.settings.framework != OVERLAPKIT_TRAIN:

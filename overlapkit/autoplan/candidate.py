@@ -45,16 +45,8 @@ class Candidate:
 
     def to_dict(self) -> dict:
         """One entry of ``overlapkit plan --auto --json``'s ``candidates`` (keys fixed)."""
-        lay = self.layout
         return {
-            "dims": lay.dims,
-            "micro_batch": lay.micro_batch,
-            "num_micro_batches": lay.num_micro_batches,
-            "virtual_stages": lay.virtual_stages,
-            "recompute": lay.recompute,
-            "recompute_layers": lay.recompute_layers,
-            "sharding": lay.sharding,
-            "dp_shard": lay.dp_shard,
+            **layout_dict(self.layout),
             "step_time_s": self.step.step_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "model_tflops_per_gpu": self.model_tflops_per_gpu,
@@ -64,6 +56,26 @@ class Candidate:
             "fits": self.fits,
             "breakdown": {"time": self.step.to_dict(), "memory": self.memory.to_dict()},
         }
+
+
+def layout_dict(layout: TrainingLayout) -> dict:
+    """A layout's choices as ``--json`` spells them (``dims``, ``micro_batch``, ...)."""
+    return {
+        "dims": layout.dims,
+        "micro_batch": layout.micro_batch,
+        "num_micro_batches": layout.num_micro_batches,
+        "virtual_stages": layout.virtual_stages,
+        "recompute": layout.recompute,
+        "recompute_layers": layout.recompute_layers,
+        "sharding": layout.sharding,
+        "dp_shard": layout.dp_shard,
+    }
+
+
+def layout_from_dict(record: dict) -> TrainingLayout:
+    """The layout ``layout_dict`` wrote (a recorded one read back)."""
+    fields = {k: v for k, v in record.items() if k != "dims"}
+    return TrainingLayout(**record["dims"], **fields)
 
 
 @dataclass(slots=True)

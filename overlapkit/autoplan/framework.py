@@ -11,19 +11,39 @@ prices each layout as that framework splits the model. The registry ``FRAMEWORKS
   reduce-scatter after each of them, in forward and in backward; the embedding and the output
   layer split over the vocabulary; the parameters plain tensors (FSDP2's excepted, which are
   always DTensors).
-- ``OVERLAPKIT_TRAIN``: overlapkit-train (``overlapkit/train/parallel.py``). It runs ddp, fsdp
-  and hsdp, tensor parallelism (``parallel=tp_dp``) and expert parallelism (``parallel=ep_dp``)
-  with ddp; not pipeline or context parallelism, activation recomputation, ZeRO-1/2, tp with
-  ep, nor tp or ep under FSDP (``overlapkit/train/mesh.py`` refuses the last ones). Its
-  ``apply_tensor_parallel`` is torch's ``parallelize_module`` on every block: ``q``, ``k``,
-  ``v`` and the MLP's first layer column-wise, ``proj`` and the MLP's second layer row-wise. The
-  activations between the blocks stay replicated, so forward all-reduces the output of each
-  row-wise layer (2 per layer) and backward the input gradient of each column-wise layer (4:
-  ``q``, ``k`` and ``v`` are separate modules). The profiler counts 24 all-reduces in a
-  forward and backward of 4-layer gpt_tiny at tp = 2. The embeddings, the norms and the head
-  stay replicated: every tp rank computes the whole output layer. The split parameters are
-  DTensors, and so are the experts ``shard_experts`` splits over ep. Its MoE layers are not
-  split over tp; that case is not modelled (overlapkit-train runs moe_tiny under ep).
+- ``OVERLAPKIT_TRAIN``: overlapkit-train (``overlapkit/train``), priced as it runs each
+  dimension, and searched only where it runs it (``lacks``: what ``overlapkit/train/mesh.py``,
+  ``stages.py`` and ``context_parallel.py`` refuse before launch):
+
+  - **tp**: torch's ``parallelize_module`` on every block (``apply_tensor_parallel``): ``q``,
+    ``k``, ``v`` and the MLP's first layer column-wise, ``proj`` and the MLP's second layer
+    row-wise. The activations between the blocks stay replicated, so forward all-reduces the
+    output of each row-wise layer (2 per layer) and backward the input gradient of each
+    column-wise layer (4: ``q``, ``k`` and ``v`` are separate modules); the profiler counts 24
+    all-reduces in a forward and backward of 4-layer gpt_tiny at tp = 2. The embeddings, the
+    norms and the head stay whole on every tp rank. The split parameters are DTensors, and so
+    are the experts ``shard_experts`` splits over ep. Its MoE layers are not split over tp.
+  - **pp**: ``torch.distributed.pipelining``'s 1F1B (interleaved with ``v > 1``), bubble
+    ``(p - 1) / (v m + p - 1)`` of the step as for Megatron-LM; only where ``p x v`` divides the
+    layers and a step has at least ``p`` micro-batches. The tied embedding and head are summed
+    by one all-reduce between the first and last stage after backward, on the critical path.
+    ``ok.fsdp`` under a pipeline reduce-scatters after the schedule (torch's ``PipelineStage``
+    runs FSDP2's post-backward itself), exposed.
+  - **cp**: K and V all-gathered before each layer's attention and their gradients
+    reduce-scattered in backward (``flex_cp_allgather`` on gloo), the attention waiting for
+    both; torch's ``context_parallel`` on CUDA gathers K and V again in backward.
+  - **zero1 / zero2**: ``ok.fsdp(zero=1|2)``, FSDP2 with the parameters kept gathered for the
+    step: per block one all-gather per step, one reduce-scatter per step (ZeRO-1) or per
+    micro-batch (ZeRO-2); its parameters are DTensors. Its FSDP (ZeRO-3) reduce-scatters once
+    per step too (the loop's ``no_sync`` keeps the gradients unsharded until the last
+    micro-batch's backward).
+  - **selective recomputation**: ``SDPA_KERNEL`` (``autoplan.selective``): only the SDPA kernel
+    is rerun in backward.
+  - **refused**: pp with ep or cp, ZeRO-2 under pp, cp with ep or HSDP, tp with ep, and tp or ep
+    under FSDP (fsdp, hsdp, zero1, zero2): ``parallelize_module``'s DTensor shards under FSDP2
+    would need 2-D (dp, tp) shards that ``ok.fsdp``'s gloo all-gather and reduce-scatter do not
+    handle, and expert shards are reduced over another group than the dense parameters, which
+    one FSDP mesh cannot express; both are kept out of its search.
 
 - ``TORCHTITAN``: torchtitan 0.3.0 (``autoplan.torchtitan`` hands a layout over to it). Its
   tensor parallelism is Megatron-style with sequence parallelism (``enable_sequence_parallel``,
@@ -48,8 +68,8 @@ prices each layout as that framework splits the model. The registry ``FRAMEWORKS
   included.
 
 "Selective" recomputation is the framework's policy (``selective``, ``autoplan.selective``):
-for Megatron-LM and overlapkit-train the attention core (Megatron-LM's
-``--recompute-granularity selective``), for torchtitan its op policy (every second matmul).
+for Megatron-LM the attention core (its ``--recompute-granularity selective``), for
+overlapkit-train the SDPA kernel, for torchtitan its op policy (every second matmul).
 
 DTensor parameters matter where the host runs the optimizer step tensor by tensor (CPU ranks:
 ``StepOptions.optimizer_dtensor_s``); on GPUs the difference is not priced (the defaults are 0).
@@ -59,7 +79,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from overlapkit.autoplan.selective import ATTENTION_CORE, TORCHTITAN_OP_SAC, SelectiveRecompute
+from overlapkit.autoplan.selective import (
+    ATTENTION_CORE,
+    SDPA_KERNEL,
+    TORCHTITAN_OP_SAC,
+    SelectiveRecompute,
+)
 from overlapkit.planner.layout import RECOMPUTE, SHARDING, TrainingLayout
 
 
@@ -108,14 +133,51 @@ class Framework:
     grad_sync_every_micro_batch: bool = False
     """With pp = 1, gradients are reduced after every micro-batch's backward (False: once per
     step, after the last)."""
+    zero_on_fsdp: bool = False
+    """Its zero1 / zero2 are FSDP2 with the parameters kept gathered (``ok.fsdp(zero=)``):
+    refused where FSDP is (``tp_under_fsdp``, ``ep_under_fsdp``), priced with FSDP2's traffic
+    per block and its DTensor parameters; False: Megatron-LM's distributed optimizer."""
+    fsdp_reduces_once_per_step: bool = False
+    """Its FSDP (fsdp, hsdp) keeps the gradients unsharded over a step's micro-batches and
+    reduce-scatters them after the last backward (FSDP2 under ``no_sync``); False: after each
+    micro-batch's backward."""
+    pp_with_ep: bool = True
+    """Runs pp > 1 with ep > 1."""
+    pp_with_cp: bool = True
+    """Runs pp > 1 with cp > 1."""
+    pp_with_zero2: bool = True
+    """Runs pp > 1 with zero2 sharding."""
+    cp_with_ep: bool = True
+    """Runs cp > 1 with ep > 1."""
+    cp_with_hsdp: bool = True
+    """Runs cp > 1 with hsdp sharding."""
+    equal_stages_only: bool = False
+    """Runs a pipeline only where ``pp x v`` divides the layers (every model chunk alike)."""
+    micro_batches_below_stages: bool = True
+    """Runs a pipeline with fewer micro-batches per step than stages."""
+    cp_all_gather: bool = False
+    """Context parallelism by all-gathering K and V before each layer's attention (exposed),
+    their gradients reduce-scattered in backward; False: Megatron-LM's ring, hidden behind
+    the attention."""
+    tied_embedding_all_reduce: bool = False
+    """Under pp a model with a tied embedding and head sums the two copies' gradients with one
+    all-reduce between the first and last stage after backward (priced, exposed). False: not
+    priced (Megatron-LM does the same all-reduce; its validation table was fitted without it)."""
+    fsdp_reduce_after_pipeline: bool = False
+    """Under pp, FSDP's gradient reduction runs after the whole schedule (torch's
+    ``PipelineStage`` runs FSDP2's post-backward itself), with no backward left to hide it."""
 
-    def lacks(self, layout: TrainingLayout) -> list[str]:
-        """What of ``layout`` this framework does not run, in words (empty: it runs it)."""
+    def lacks(self, layout: TrainingLayout, *, layers: int | None = None) -> list[str]:
+        """What of ``layout`` this framework does not run, in words (empty: it runs it).
+
+        ``layers``: the model's layers, for the pipeline's stage split (None: not checked).
+        """
         out = []
-        if layout.cp > 1 and not self.context_parallel:
-            out.append(f"context parallelism (cp={layout.cp})")
-        if layout.pp > 1 and not self.pipeline_parallel:
-            out.append(f"pipeline parallelism (pp={layout.pp})")
+        pp, cp, ep, tp = layout.pp, layout.cp, layout.ep, layout.tp
+        if cp > 1 and not self.context_parallel:
+            out.append(f"context parallelism (cp={cp})")
+        if pp > 1 and not self.pipeline_parallel:
+            out.append(f"pipeline parallelism (pp={pp})")
         if layout.recompute not in self.recompute:
             out.append(f"activation recomputation ({layout.recompute})")
         elif layout.recompute_layers is not None and not self.partial_full_recompute:
@@ -126,23 +188,42 @@ class Framework:
         if layout.sharding not in self.sharding:
             what = "optimizer-state sharding" if layout.sharding.startswith("zero") else "sharding"
             out.append(f"{layout.sharding} {what}")
-        fsdp = layout.sharding in ("fsdp", "hsdp")
-        if layout.tp > 1 and layout.ep > 1 and not self.tp_with_ep:
-            out.append("tensor and expert parallelism together")
-        if layout.tp > 1 and fsdp and not self.tp_under_fsdp:
-            out.append("tensor parallelism under FSDP")
-        if layout.ep > 1 and fsdp and not self.ep_under_fsdp:
-            out.append("expert parallelism under FSDP")
-        spread = [f"{k}={v}" for k, v in (("cp", layout.cp), ("ep", layout.ep)) if v > 1]
+        fsdp = layout.sharding in ("fsdp", "hsdp") or (
+            self.zero_on_fsdp and layout.sharding in ("zero1", "zero2")
+        )
+        under = f"FSDP ({layout.sharding})" if layout.sharding.startswith("zero") else "FSDP"
+        pairs = (
+            (tp > 1 and ep > 1 and not self.tp_with_ep, "tensor and expert parallelism together"),
+            (tp > 1 and fsdp and not self.tp_under_fsdp, f"tensor parallelism under {under}"),
+            (ep > 1 and fsdp and not self.ep_under_fsdp, f"expert parallelism under {under}"),
+            (pp > 1 and ep > 1 and not self.pp_with_ep, "pipeline with expert parallelism"),
+            (pp > 1 and cp > 1 and not self.pp_with_cp, "pipeline with context parallelism"),
+            (
+                pp > 1 and layout.sharding == "zero2" and not self.pp_with_zero2,
+                "zero2 under a pipeline",
+            ),
+            (cp > 1 and ep > 1 and not self.cp_with_ep, "context with expert parallelism"),
+            (cp > 1 and layout.sharding == "hsdp" and not self.cp_with_hsdp, "cp with hsdp"),
+        )
+        out += [what for refused, what in pairs if refused]
+        spread = [f"{k}={v}" for k, v in (("cp", cp), ("ep", ep)) if v > 1]
         if spread and layout.sharding == "ddp" and not self.ddp_with_cp_or_ep:
             out.append(f"ddp with {' and '.join(spread)}")
         if spread and layout.sharding == "hsdp" and not self.hsdp_with_cp_or_ep:
             out.append(f"hsdp with {' and '.join(spread)}")
+        if pp > 1 and not self.micro_batches_below_stages and layout.num_micro_batches < pp:
+            out.append(
+                f"a pipeline of {pp} stages with {layout.num_micro_batches} micro-batches per "
+                "step (fewer than its stages)"
+            )
+        chunks = pp * layout.virtual_stages
+        if pp > 1 and self.equal_stages_only and layers is not None and layers % chunks:
+            out.append(f"{layers} layers in {chunks} pipeline chunks (unequal stages)")
         return out
 
-    def refusal(self, layout: TrainingLayout) -> str | None:
+    def refusal(self, layout: TrainingLayout, *, layers: int | None = None) -> str | None:
         """Why this framework does not run ``layout`` (one line), or None when it runs it."""
-        lacks = self.lacks(layout)
+        lacks = self.lacks(layout, layers=layers)
         return f"{self.name} does not run {', '.join(lacks)}" if lacks else None
 
 
@@ -156,13 +237,22 @@ OVERLAPKIT_TRAIN = Framework(
     tp_backward_all_reduces=4,
     vocab_parallel=False,
     dtensor_parameters=True,
-    pipeline_parallel=False,
-    context_parallel=False,
-    recompute=("none",),
-    sharding=("ddp", "fsdp", "hsdp"),
+    selective=SDPA_KERNEL,
     tp_with_ep=False,
     tp_under_fsdp=False,
     ep_under_fsdp=False,
+    zero_on_fsdp=True,
+    fsdp_reduces_once_per_step=True,
+    pp_with_ep=False,
+    pp_with_cp=False,
+    pp_with_zero2=False,
+    cp_with_ep=False,
+    cp_with_hsdp=False,
+    equal_stages_only=True,
+    micro_batches_below_stages=False,
+    cp_all_gather=True,
+    tied_embedding_all_reduce=True,
+    fsdp_reduce_after_pipeline=True,
 )
 TORCHTITAN = Framework(
     name="torchtitan",

@@ -8,11 +8,17 @@ per micro-batch; FSDP's all-gather per block for forward and again for backward 
 reduce-scatter, per micro-batch, hidden behind the compute (the first block's gather and the
 last reduce-scatter are not); hsdp's replica all-reduce per block after the last backward.
 
-The framework changes two of them (``autoplan.framework``): where FSDP keeps a stage gathered
+The framework changes some of them (``autoplan.framework``): where FSDP keeps a stage gathered
 across micro-batches under pp (torchtitan), its parameters are gathered once, behind the first
 forward, and its gradients reduced once, after the last backward; where gradients are reduced
 after every micro-batch (torchtitan with pp = 1), hsdp's replica all-reduce runs per
 micro-batch, and so does ddp's, per block in the reduce dtype (FSDP2 over a shard group of 1).
+Where FSDP accumulates unsharded gradients over a step (overlapkit-train's ``no_sync``), they
+are reduce-scattered once, after the last backward; where a pipeline reduces them after its
+whole schedule (overlapkit-train: torch's ``PipelineStage`` runs FSDP2's post-backward), the
+reduction is exposed whole. Where ZeRO-1/2 are FSDP2 with the parameters kept gathered
+(overlapkit-train's ``ok.fsdp(zero=)``), each block is all-gathered once per step, ahead of the
+first forward, and reduce-scattered in the last backward (zero1) or in every one (zero2).
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ def grad_sync(
     last_bwd, first_fwd = eff * windows.backward_s, eff * forward_s
     dense_axes, expert_axes = ("dp", "ep", "cp"), ("dp", "cp")
     every_micro_batch = fw.grad_sync_every_micro_batch and lay.pp == 1
+    after_pipeline = fw.fsdp_reduce_after_pipeline and lay.pp > 1
 
     def in_chunks(collective: str, nbytes: float, chunks: int, *axes: str) -> float:
         return chunks * cost(collective, nbytes / chunks, *axes)
@@ -123,6 +130,12 @@ def grad_sync(
             total += gather + scatter
             exposed_s += exposed(gather, collectives, first_fwd)
             exposed_s += exposed(scatter, collectives, last_bwd)
+        elif fw.fsdp_reduces_once_per_step or after_pipeline:
+            # Gathered for forward and again for backward every micro-batch; the gradients
+            # reduced once per step, after the last backward or after the whole schedule.
+            per_mb = max(0.0, 2 * gather - eff * windows.compute_s) + gather / blocks
+            exposed_s += scatter if after_pipeline else exposed(scatter, collectives, last_bwd)
+            total += m * 2 * gather + scatter
         else:
             # Gathered for forward and again for backward, reduced, every micro-batch.
             traffic = 2 * gather + scatter
@@ -150,8 +163,25 @@ def grad_sync(
                 per_mb += exposed(replica, collectives, last_bwd)
             else:
                 total += replica
-                exposed_s += exposed(replica, collectives, last_bwd)
+                exposed_s += exposed(replica, collectives, 0.0 if after_pipeline else last_bwd)
         return GradSync(per_mb, total, exposed_s)
+    if lay.sharding in ("zero1", "zero2") and fw.zero_on_fsdp:
+        # FSDP2 with the parameters kept gathered: per block one all-gather before the step's
+        # first forward, one reduce-scatter in the last backward (zero1) or in every one (zero2).
+        gather = in_chunks("all_gather", dense_params * act, blocks, *dense_axes) + in_chunks(
+            "all_gather", expert_params * act, expert_blocks, *expert_axes
+        )
+        scatter = in_chunks(
+            "reduce_scatter", dense_params * p.fsdp_reduce_bytes, blocks, *dense_axes
+        ) + in_chunks(
+            "reduce_scatter", expert_params * p.fsdp_reduce_bytes, expert_blocks, *expert_axes
+        )
+        collectives = blocks + pieces(stage.layers)
+        gather_exposed = exposed(gather, collectives, first_fwd)
+        scatter_exposed = scatter if after_pipeline else exposed(scatter, collectives, last_bwd)
+        if lay.sharding == "zero1":
+            return GradSync(0.0, gather + scatter, gather_exposed + scatter_exposed)
+        return GradSync(scatter_exposed, gather + m * scatter, gather_exposed)
     if lay.sharding == "ddp" and every_micro_batch:
         # FSDP2 over a shard group of one: each block's gradients all-reduced in the reduce
         # dtype as its backward ends, every micro-batch.

@@ -1,16 +1,26 @@
 """How to run a chosen layout: ``overlapkit-train`` overrides (torchtitan's arguments are
 ``autoplan.torchtitan``'s), and the layout priced as another framework runs it.
 
-overlapkit-train runs data parallelism with ``ok.ddp`` / ``ok.GradBucketer`` (``parallel=ddp``),
-``ok.fsdp`` (``parallel=fsdp``) and HSDP (``parallel=hsdp``, ``parallel.plan.dp_shard``), tensor
-parallelism with the bucketer (``parallel=tp_dp``, ``parallel.plan.tp``) and expert parallelism
-with it (``parallel=ep_dp``, ``parallel.plan.ep``); not tensor with expert parallelism together,
-nor tensor parallelism under FSDP (``overlapkit/train/mesh.py`` refuses both). It has no
-context or pipeline parallelism, no activation recomputation and no ZeRO-1/2 optimizer sharding:
-what it runs is ``autoplan.framework.OVERLAPKIT_TRAIN``'s ``lacks`` / ``refusal``.
+overlapkit-train runs what ``autoplan.framework.OVERLAPKIT_TRAIN`` does not refuse
+(``lacks`` / ``refusal``). ``train_overrides`` spells a layout with its config groups:
+
+=====================  ===============================================================
+the layout             the overrides
+=====================  ===============================================================
+ep > 1                 ``parallel=ep_dp parallel.plan.ep=E`` (``ok.GradBucketer``)
+tp > 1                 ``parallel=tp_dp parallel.plan.tp=T`` (``ok.GradBucketer``)
+otherwise, by sharding ``parallel=ddp``, ``fsdp``, ``zero1``, ``zero2``, ``hsdp
+                       parallel.plan.dp_shard=Z``; pp with ddp ``parallel=pp_dp``, cp with
+                       ddp ``parallel=cp_dp``
+pp > 1                 ``parallel.plan.pp=P`` (``Interleaved1F1B`` with
+                       ``parallel.plan.virtual_stages=v`` for v > 1, 1F1B otherwise)
+cp > 1                 ``parallel.plan.cp=C``
+=====================  ===============================================================
+
+A plan key the chosen group does not set is added with ``++`` (add or override).
 ``train.batch_size`` is the micro-batch per rank and ``train.grad_accum`` the micro-batches; a
-recomputing layout (once the framework runs one) adds ``train.recompute`` and, for full
-recomputation of some layers, ``train.recompute_layers`` (layers of each pipeline stage).
+recomputing layout adds ``train.recompute`` and, for full recomputation of some layers,
+``train.recompute_layers`` (layers of each pipeline stage).
 """
 
 from __future__ import annotations
@@ -24,6 +34,47 @@ from overlapkit.planner.layout import TrainingLayout
 
 TRAIN_MODELS = ("gpt_tiny", "moe_tiny", "mlp")
 """overlapkit-train's model zoo (``conf/model``)."""
+INTERLEAVED_SCHEDULE = "Interleaved1F1B"
+"""The schedule a layout with ``virtual_stages > 1`` runs (the planner prices interleaved 1F1B)."""
+_GROUP_PLAN_KEYS = {
+    "ep_dp": ("ep",),
+    "tp_dp": ("tp",),
+    "cp_dp": ("cp",),
+    "pp_dp": ("pp", "schedule", "virtual_stages"),
+    "hsdp": ("dp_shard",),
+}
+"""The ``parallel.plan`` keys each group's YAML sets (the others are added with ``++``)."""
+
+
+def parallel_group(layout: TrainingLayout) -> str:
+    """The ``parallel`` config group that runs ``layout`` (see module doc)."""
+    if layout.ep > 1:
+        return "ep_dp"
+    if layout.tp > 1:
+        return "tp_dp"
+    if layout.sharding == "ddp":
+        return "pp_dp" if layout.pp > 1 else "cp_dp" if layout.cp > 1 else "ddp"
+    return layout.sharding
+
+
+def plan_overrides(layout: TrainingLayout, group: str) -> list[str]:
+    """The ``parallel.plan`` overrides of ``layout`` on top of ``group``'s YAML."""
+    sizes: dict[str, object] = {
+        "ep": layout.ep,
+        "tp": layout.tp,
+        "cp": layout.cp,
+        "pp": layout.pp,
+        "dp_shard": layout.dp_shard,
+    }
+    if layout.pp > 1 and layout.virtual_stages > 1:
+        sizes |= {"schedule": INTERLEAVED_SCHEDULE, "virtual_stages": layout.virtual_stages}
+    own = _GROUP_PLAN_KEYS.get(group, ())
+    out = []
+    for key, value in sizes.items():
+        if value in (None, 1):
+            continue
+        out.append(f"{'' if key in own else '++'}parallel.plan.{key}={value}")
+    return out
 
 
 def train_overrides(
@@ -34,34 +85,25 @@ def train_overrides(
     ranks_per_node: int,
     model: str | None,
     framework: Framework = OVERLAPKIT_TRAIN,
+    layers: int | None = None,
 ) -> list[str]:
     """The ``overlapkit-train`` command-line overrides that run ``layout``.
 
-    ``framework``: what overlapkit-train runs (``OVERLAPKIT_TRAIN``; a test passes one that
-    runs more, as overlapkit-train will).
+    ``framework``: what overlapkit-train runs (``OVERLAPKIT_TRAIN``; a test passes another);
+    ``layers``: the model's layers, checked against the pipeline's stages (None: not checked).
 
     Raises:
         ValueError: overlapkit-train cannot run ``layout`` (the message says why).
     """
-    refusal = framework.refusal(layout)
+    refusal = framework.refusal(layout, layers=layers)
     if refusal is not None:
         raise ValueError(refusal)
-    if layout.tp > 1:
-        parallel = ["parallel=tp_dp", f"parallel.plan.tp={layout.tp}"]
-    elif layout.ep > 1:
-        parallel = ["parallel=ep_dp", f"parallel.plan.ep={layout.ep}"]
-    elif layout.sharding == "hsdp":
-        parallel = ["parallel=hsdp", f"parallel.plan.dp_shard={layout.dp_shard}"]
-    elif layout.sharding == "fsdp":
-        parallel = ["parallel=fsdp"]
-    else:
-        parallel = ["parallel=ddp"]
+    group = parallel_group(layout)
     args = [f"model={model}"] if model in TRAIN_MODELS else []
     args += [
-        *parallel,
-        f"train.batch_size={layout.micro_batch}",
-        f"train.grad_accum={layout.num_micro_batches}",
-        *recompute_overrides(layout),
+        f"parallel={group}",
+        *plan_overrides(layout, group),
+        *batch_overrides(layout),
         "topology=preset",
         f"topology.name_or_path={topology}",
         f"launcher.nnodes={nodes}",
@@ -70,6 +112,15 @@ def train_overrides(
     if nodes > 1:
         args.append("launcher=multinode")
     return args
+
+
+def batch_overrides(layout: TrainingLayout) -> list[str]:
+    """``train.batch_size``, ``train.grad_accum`` and the recomputation of ``layout``."""
+    return [
+        f"train.batch_size={layout.micro_batch}",
+        f"train.grad_accum={layout.num_micro_batches}",
+        *recompute_overrides(layout),
+    ]
 
 
 def recompute_overrides(layout: TrainingLayout) -> list[str]:

@@ -260,7 +260,7 @@ def search(
         layouts = _variants(dims, model, global_batch, fixed, domain_size(topology))
         divisible = divisible or global_batch % (dims["dp"] * dims["ep"]) == 0
         for layout in layouts:
-            lacks = framework.lacks(layout)
+            lacks = framework.lacks(layout, layers=model.layers)
             if lacks:
                 refused += 1
                 first_refusal = first_refusal or lacks
@@ -320,6 +320,28 @@ def search(
         fixed=fixed,
         refused=refused,
     )
+
+
+def searched_layouts(
+    topology: Topology,
+    model: ModelSpec,
+    *,
+    global_batch: int,
+    seq_len: int,
+    fixed: Mapping[str, object] | None = None,
+    settings: SearchSettings | None = None,
+) -> list[TrainingLayout]:
+    """Every layout ``search`` would price for this request: those enumerated that the
+    framework runs, before memory (and before full recomputation is cut to as few layers as
+    fit, so full layouts recompute every layer unless ``recompute_layers`` is pinned)."""
+    fixed = check_pins(fixed or {})
+    framework = (settings or SearchSettings()).framework
+    return [
+        layout
+        for dims in _parallel_sizes(topology, model, seq_len, fixed)
+        for layout in _variants(dims, model, global_batch, fixed, domain_size(topology))
+        if not framework.lacks(layout, layers=model.layers)
+    ]
 
 
 def price(
@@ -382,7 +404,9 @@ def _rank_key(candidate: Candidate) -> tuple:
     if not candidate.fits:
         return (True, candidate.memory.total, candidate.step.step_s)
     # Equal predictions (cp = 2 with twice the micro-batch computes the same as cp = 1) go
-    # to the layout with fewer parallel dimensions, then to the less sharded one.
+    # to the layout with fewer parallel dimensions, then to the less sharded one, then to
+    # fewer micro-batches (each launches every kernel again: on a measured host, whose rate
+    # is one micro-batch size's, the model does not see that).
     lay = candidate.layout
     dims = sum(size > 1 for name, size in lay.dims.items() if name != "dp")
     return (
@@ -390,6 +414,7 @@ def _rank_key(candidate: Candidate) -> tuple:
         round(math.log(candidate.step.step_s) / math.log1p(TIE)),
         dims,
         SHARDING.index(lay.sharding),
+        lay.num_micro_batches,
         candidate.step.step_s,
     )
 

@@ -4,15 +4,31 @@ Full recomputation means the same in every framework (a layer's forward again, k
 input); selective recomputation does not: each framework picks which operations it recomputes.
 A ``Framework`` (``autoplan.framework``) carries its policy as ``selective``, and the memory
 (``autoplan.memory``) and step-time (``autoplan.step_time``) models ask the policy what a layer
-keeps and what rebuilding the rest costs. Two policies are described:
+keeps and what rebuilding the rest costs. Three policies are described:
 
-- ``ATTENTION_CORE`` (Megatron-LM's ``--recompute-granularity selective``, and overlapkit-train's
-  once it recomputes): Korthikanti et al.'s (MLSys'23, section 5), the attention core (``QK^T``,
-  the softmax and its dropout, ``a x s`` bytes per token and layer) is dropped after forward
+- ``ATTENTION_CORE`` (Megatron-LM's ``--recompute-granularity selective``): Korthikanti et al.'s
+  (MLSys'23, section 5), the attention core (``QK^T``, the softmax and its dropout, ``a x s``
+  bytes per token and layer) is dropped after forward
   and recomputed in backward, plus the MLP's activation-function outputs, rebuilt from the kept
   first projection (Megatron-LM's ``--recompute-modules mlp_act`` / ``moe_act``). Flash
   attention never stores the core (its backward recomputes it anyway), so there the policy
   saves the activation outputs only, and costs their memory traffic only.
+- ``SDPA_KERNEL`` (overlapkit-train's ``train.recompute=selective``,
+  ``overlapkit/train/recompute.py``): every block runs under ``torch.utils.checkpoint`` with a
+  policy that reruns the SDPA kernels in backward and saves every other op's output. What that
+  keeps, measured on gpt_tiny's block (the profiler's allocations retained by a forward, in
+  ``b x s x h`` fp32 tensors: none 16.03, selective 18.02, tp = 2 on 2 gloo ranks 10.02 and
+  14.02): the SDPA output is not freed, because ``proj`` saves its input, a view of that
+  output's storage; the log-sum-exp (4 bytes per head and token) is; and the selective cache
+  also keeps the outputs of the two row-wise layers (``proj``, the MLP's second layer) that
+  backward never reads and plain autograd frees after the residual add: ``2 x c x h`` bytes per
+  token and layer more (under tp their all-reduced copies too, ``4 x c x h``, which this
+  policy does not count: the memory model has no tp term outside its three parts). Its price
+  is the attention's forward again in backward. With flash attention the backward kernel
+  rebuilds the softmax from the log-sum-exp anyway, so the recomputed forward is pure extra
+  work: one flash forward per layer, for a layer that then holds more memory than without
+  recomputation. Without a fused kernel (``--attention softmax``) SDPA's math path is not one
+  of the kernels the policy reruns: nothing is recomputed, the cache's extra outputs remain.
 - ``TORCHTITAN_OP_SAC`` (torchtitan 0.3.0's ``activation-checkpoint:selective``,
   ``torchtitan/distributed/activation_checkpoint.py``: ``SelectiveAC``): a per-op policy over
   each block, which keeps only the block's input and the outputs of the operations it saves:
@@ -120,6 +136,49 @@ class AttentionCoreRecompute:
 
 
 ATTENTION_CORE = AttentionCoreRecompute()
+
+
+@dataclass(frozen=True, slots=True)
+class SdpaKernelRecompute:
+    """overlapkit-train's selective recomputation: only the SDPA kernel reruns (module doc)."""
+
+    name: str = "SDPA kernel"
+    tp_all_gathers_recomputed: int = 0  # its tp has no sequence parallelism
+    recomputes_attention_core: bool = False
+    """Without flash attention SDPA's math path is not a kernel the policy reruns."""
+
+    def kept_bytes_per_token(
+        self,
+        model: ModelSpec,
+        element_bytes: int,
+        *,
+        saved: tuple[float, float, float],
+        moe_layer: bool,
+        tp: int,
+        ep: int,
+    ) -> tuple[float, float, float]:
+        sp_part, tp_part, core = saved
+        # The outputs of the two row-wise layers stay in the selective cache until backward.
+        cached = 2 * element_bytes * model.hidden
+        # Under flash attention (no core stored) the log-sum-exp is recomputed, not kept.
+        lse = 4 * model.heads if core == 0 else 0.0
+        return sp_part + cached, tp_part - lse, core
+
+    def rebuilt_bytes_per_token(
+        self, model: ModelSpec, element_bytes: int, *, moe_layer: bool
+    ) -> float:
+        return 0.0
+
+    def extra_forward_s(
+        self, model: ModelSpec, *, matmul_s: float, attention_s: float, flash: bool
+    ) -> float:
+        return attention_s if flash else 0.0
+
+    def extra_flops_per_token(self, model: ModelSpec, seq_len: int) -> float:
+        return model.attention_flops_per_token(seq_len)
+
+
+SDPA_KERNEL = SdpaKernelRecompute()
 
 
 @dataclass(frozen=True, slots=True)

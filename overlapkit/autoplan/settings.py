@@ -5,6 +5,7 @@ the search may propose."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from overlapkit.autoplan.compute import LAYER_OVER_MATMUL, achievable_fraction, overlap_efficiency
@@ -51,7 +52,9 @@ class SearchSettings:
     ep_overlap: float = 0.0
     fsdp_prefetch: int = 1
     accelerator: Accelerator | None = None
-    """Overrides the topology's (a measured CPU, another memory size)."""
+    """Overrides the topology's (a measured CPU, another memory size). An accelerator with a
+    ``host`` section (``overlapkit calibrate --host``) gives the step model its per-operation
+    host costs and overlap efficiency, and its peak counts as achieved."""
     framework: Framework | str = MEGATRON
     """What runs the layouts (``autoplan.framework``; a ``Framework`` or its name in
     ``FRAMEWORKS``): the search proposes only what it runs and prices it as it splits the
@@ -76,6 +79,14 @@ class SearchSettings:
         dtype = self.precision.matmul_dtype
         accelerator.peak_tflops(dtype)  # refuses fp8 where there is none
         achievable = self.achievable
+        host = accelerator.host
+        if host is not None and achievable is None:
+            achievable = 1.0  # a measured host's peak is its model's own rate, achieved
+        overlap = self.overlap_efficiency
+        if overlap is None and host is not None:
+            overlap = host.overlap_efficiency
+        host_terms = {} if host is None else dataclasses.asdict(host)
+        host_terms.pop("overlap_efficiency", None)
         return StepOptions(
             seq_len=seq_len,
             accelerator=accelerator,
@@ -90,15 +101,14 @@ class SearchSettings:
                 else achievable
             ),
             overlap_efficiency=(
-                overlap_efficiency(str(topology.library))
-                if self.overlap_efficiency is None
-                else self.overlap_efficiency
+                overlap_efficiency(str(topology.library)) if overlap is None else overlap
             ),
             precision=self.precision,
             flash_attention=self.flash_attention,
             tp_overlap=self.tp_overlap,
             ep_overlap=self.ep_overlap,
             framework=self.framework,
+            **host_terms,
         )
 
     def memory(self, model: ModelSpec, layout: TrainingLayout, seq_len: int) -> MemoryBreakdown:

@@ -17,19 +17,30 @@ the output layer on the last stage):
   MLP, in forward and backward (and in the recomputed forward), of the micro-batch's
   activations: on the critical path (``tp_overlap`` hides a share, as async TP does).
 - **cp** (ring attention): K and V gathered in forward, again in backward with their gradients
-  reduce-scattered, per layer; hidden behind that layer's attention compute.
+  reduce-scattered, per layer; hidden behind that layer's attention compute. Where the framework
+  all-gathers K and V before the attention instead (``Framework.cp_all_gather``,
+  overlapkit-train): the gather in forward (again in a recomputed one, and in backward on a
+  non-gloo library, where torch's ``context_parallel`` gathers again) and the gradients'
+  reduce-scatter in backward, all on the critical path.
 - **ep**: all-to-all dispatch and combine of each token's ``topk`` copies, forward and backward,
   per MoE layer: exposed (``ep_overlap`` hides a share, as DeepSeek's DualPipe does).
-- **pp**: the activation sent forward and its gradient sent back, per model chunk.
+- **pp**: the activation sent forward and its gradient sent back, per model chunk; where the
+  framework sums a tied embedding and head between the first and last stage
+  (``Framework.tied_embedding_all_reduce``), that all-reduce after backward (2 ranks: as long
+  as sending the gradient once).
 - **fsdp / hsdp shard axis**: each block's parameters all-gathered for forward and for
-  backward and its gradients reduce-scattered, per micro-batch, hidden behind its compute (the
-  first block's gather is not).
+  backward and its gradients reduce-scattered, per micro-batch (once per step where the framework
+  accumulates unsharded, ``Framework.fsdp_reduces_once_per_step``), hidden behind its compute
+  (the first block's gather is not; under a pipeline that reduces after the schedule,
+  ``Framework.fsdp_reduce_after_pipeline``, the reduction is exposed).
 
 Then ``step = (m + (pp - 1) / v) x t_micro_batch`` (1F1B, interleaved: Narayanan et al.,
 SC'21), plus the data-parallel gradient traffic that does not hide behind the last
 micro-batch's backward (ddp all-reduce; zero1 reduce-scatter, then the parameter all-gather
 behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica all-reduce; in
-Megatron-LM's buckets, or per block for hsdp; ``autoplan.grad_sync``, which also holds what the
+Megatron-LM's buckets, or per block for hsdp; ZeRO on FSDP2, ``Framework.zero_on_fsdp``: per
+block, one all-gather ahead of the step's first forward and one reduce-scatter in its last
+backward, zero2 one in every backward; ``autoplan.grad_sync``, which also holds what the
 framework changes there),
 plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter; where
 the host steps tensor by tensor, a cost per parameter tensor, more for DTensors).
@@ -259,12 +270,18 @@ def predict_step(
         tp_total += n_layers * regathers * cost("all_gather", tp_bytes, "tp")
     tp_exposed = (1 - o.tp_overlap) * tp_total
 
-    # Context parallel (ring attention), hidden behind each layer's attention.
+    # Context parallel: ring attention hidden behind each layer's attention, or K/V gathered
+    # before it (and their gradients scattered after its backward) on the critical path.
     kv_bytes = tokens * (model.kv_dim + model.v_dim) * act / tp
-    cp_layer = 2 * cost("all_gather", kv_bytes, "cp") + cost("reduce_scatter", kv_bytes, "cp")
-    attn_layer = 3 * attn_fwd
-    cp_total = n_layers * cp_layer
-    cp_exposed = n_layers * max(0.0, cp_layer - o.overlap_efficiency * attn_layer)
+    kv_gather, kv_scatter = (cost(c, kv_bytes, "cp") for c in ("all_gather", "reduce_scatter"))
+    if fw.cp_all_gather:
+        gathers = 1 + recomputed + (str(costs.topology.library) != "gloo")
+        cp_total = n_layers * (gathers * kv_gather + kv_scatter)
+        cp_exposed = cp_total
+    else:
+        cp_layer = 2 * kv_gather + kv_scatter
+        cp_total = n_layers * cp_layer
+        cp_exposed = n_layers * max(0.0, cp_layer - o.overlap_efficiency * 3 * attn_fwd)
 
     # Expert parallel: dispatch + combine, forward and backward (and recomputed forward).
     ep_bytes = tokens / (cp * tp) * model.hidden * model.dispatch_copies * act
@@ -275,6 +292,10 @@ def predict_step(
     # Pipeline: one activation forward and one gradient back per model chunk boundary.
     pp_bytes = tokens / cp * model.hidden * act / tp
     pp_total = 2 * v * cost("send_recv", pp_bytes, "pp") if pp > 1 else 0.0
+    tied = 0.0
+    if pp > 1 and model.tied_embeddings and fw.tied_embedding_all_reduce:
+        vocab_rows = model.vocab_size / (tp if fw.vocab_parallel else 1)
+        tied = cost("send_recv", vocab_rows * model.hidden * o.precision.grad_reduce_bytes, "pp")
 
     # Data-parallel traffic of the heaviest stage's parameters (``autoplan.grad_sync``).
     stage = stage_params(model, lay, stage=0, vocab_parallel=fw.vocab_parallel)
@@ -298,7 +319,7 @@ def predict_step(
 
     t_mb = t_compute + tp_exposed + cp_exposed + ep_exposed + pp_total + fsdp_mb
     bubble = (pp - 1) / v * t_mb
-    pipeline = m * t_mb + bubble
+    pipeline = m * t_mb + bubble + tied
 
     z_dense, z_expert = (
         (1, 1)
@@ -337,12 +358,12 @@ def predict_step(
         tp_s=m * tp_exposed,
         cp_s=m * cp_exposed,
         ep_s=m * ep_exposed,
-        pp_s=m * pp_total,
+        pp_s=m * pp_total + tied,
         fsdp_s=m * fsdp_mb,
         dp_s=dp_exposed,
         bubble_s=bubble,
         optimizer_s=optimizer,
-        comm_total_s=m * (tp_total + cp_total + ep_total + pp_total) + dp_total,
+        comm_total_s=m * (tp_total + cp_total + ep_total + pp_total) + tied + dp_total,
         model_flops=model_flops,
         hardware_flops=model_flops + recompute_flops,
     )
@@ -354,8 +375,9 @@ def parameter_tensors(
     """(plain, DTensor) parameter tensors one GPU of pipeline stage ``stage`` holds, with its
     ``layers`` layers (an MoE model's averaged over dense and MoE layers).
 
-    FSDP2 (fsdp, hsdp) makes every parameter a DTensor; otherwise the tp and ep shards are
-    DTensors where ``framework.dtensor_parameters``, the rest plain tensors.
+    FSDP2 (fsdp, hsdp, and zero1 / zero2 where ``framework.zero_on_fsdp``) makes every
+    parameter a DTensor; otherwise the tp and ep shards are DTensors where
+    ``framework.dtensor_parameters``, the rest plain tensors.
     """
     share = model.moe_layers / model.layers if model.is_moe else 0.0
     dense = model.layer_tensors(moe_layer=False)
@@ -366,7 +388,8 @@ def parameter_tensors(
         total += model.embedding_tensors()
     if stage == layout.pp - 1:
         total += model.head_tensors()
-    if layout.sharding in ("fsdp", "hsdp"):
+    fsdp2 = ("fsdp", "hsdp", "zero1", "zero2") if framework.zero_on_fsdp else ("fsdp", "hsdp")
+    if layout.sharding in fsdp2:
         return 0.0, total
     dtensors = 0.0
     if framework.dtensor_parameters:

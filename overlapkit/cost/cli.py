@@ -17,10 +17,11 @@ from overlapkit.topology.units import parse_size
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``calibrate`` to the ``overlapkit`` command."""
-    _add_calibrate(subparsers)
+    add_calibrate_parser(subparsers)
 
 
-def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
+def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``calibrate`` parser with its options (``run_calibrate`` as its ``func``)."""
     parser = subparsers.add_parser(
         "calibrate",
         help="measure all-reduce here and fit the cost model (writes a topology)",
@@ -70,6 +71,7 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run_calibrate)
+    return parser
 
 
 def run_calibrate(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ Every error names the file, the line and the key (``dgx.yaml:12: scale_up.links:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
@@ -44,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from overlapkit.topology.accelerator import Accelerator
+from overlapkit.topology.accelerator import Accelerator, HostCosts
 from overlapkit.topology.model import (
     DeviceKind,
     DomainKind,
@@ -83,7 +84,9 @@ _KEYS = {
         "peak_fp8_tflops",
         "memory_bandwidth",
         "sms",
+        "host",
     },
+    "accelerator.host": {f.name.removesuffix("_s") for f in dataclasses.fields(HostCosts)},
     "scale_up": {
         "kind",
         "nodes_per_domain",
@@ -255,19 +258,35 @@ def _accelerator(reader: _Reader) -> Accelerator | None:
     if "accelerator" not in reader.data:
         return None
     reader.section("accelerator")
+    # Each value's error names its own line; what Accelerator refuses names the section's.
+    fields = dict(
+        name=reader.value("accelerator.name", _string),
+        memory_GB=reader.value("accelerator.memory", _gigabytes),
+        peak_bf16_tflops=reader.value("accelerator.peak_bf16_tflops", _real(0.0)),
+        peak_fp8_tflops=reader.value("accelerator.peak_fp8_tflops", _real(0.0), default=None),
+        memory_bandwidth_GBps=reader.value(
+            "accelerator.memory_bandwidth", _bandwidth, default=None
+        ),
+        sms=reader.value("accelerator.sms", _integer(1), default=None),
+        host=_host(reader),
+    )
     try:
-        return Accelerator(
-            name=reader.value("accelerator.name", _string),
-            memory_GB=reader.value("accelerator.memory", _gigabytes),
-            peak_bf16_tflops=reader.value("accelerator.peak_bf16_tflops", _real(0.0)),
-            peak_fp8_tflops=reader.value("accelerator.peak_fp8_tflops", _real(0.0), default=None),
-            memory_bandwidth_GBps=reader.value(
-                "accelerator.memory_bandwidth", _bandwidth, default=None
-            ),
-            sms=reader.value("accelerator.sms", _integer(1), default=None),
-        )
+        return Accelerator(**fields)
     except ValueError as err:
         raise ValueError(f"{reader.where('accelerator')}: {err}") from None
+
+
+def _host(reader: _Reader) -> HostCosts | None:
+    if reader.data["accelerator"].get("host") is None:
+        return None
+    reader.section("accelerator.host")
+    values = {}
+    for field in dataclasses.fields(HostCosts):
+        # 0 is a measurement: on a host where nothing overlaps, nothing hides.
+        convert = _share if field.name == "overlap_efficiency" else _seconds
+        key = f"accelerator.host.{field.name.removesuffix('_s')}"
+        values[field.name] = reader.value(key, convert, default=field.default)
+    return HostCosts(**values)
 
 
 def _domain_bandwidth(reader: _Reader, scale_up: dict, links: int) -> float:
@@ -343,9 +362,14 @@ class _Reader:
                 )
 
     def section(self, name: str) -> dict:
-        if name not in self.data:
+        """The mapping at ``name`` (dotted for a nested one), its keys checked."""
+        container: Any = self.data
+        *parents, last = name.split(".")
+        for part in parents:
+            container = container[part]
+        if last not in container:
             raise ValueError(f"{self.source}: missing section {name!r}")
-        value = self.data[name]
+        value = container[last]
         if not isinstance(value, dict):
             raise ValueError(f"{self.where(name)}: must be a mapping of keys, got {value!r}")
         self._check_keys(name, value)
@@ -466,6 +490,12 @@ def _fraction(value: Any) -> float:
     return float(value)
 
 
+def _share(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"expected a share in [0, 1], got {value!r}")
+    return float(value)
+
+
 def _boolean(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"expected true or false, got {value!r}")
@@ -503,6 +533,10 @@ def _microseconds(value: Any) -> float:
     if not math.isfinite(microseconds):
         raise ValueError(f"expected a finite duration, got {value!r}")
     return round(microseconds, 9)
+
+
+def _seconds(value: Any) -> float:
+    return _microseconds(value) / 1e6
 
 
 def _int_tuple(value: Any) -> tuple[int, ...]:

@@ -8,6 +8,9 @@
     overlapkit-train -m parallel=ddp,bucketer,fsdp      # one launch after another
     overlapkit-train parallel=tp_dp launcher.nproc_per_node=4   # tp=2 x dp=2, planned
     overlapkit-train parallel=ep_dp launcher.nproc_per_node=4   # moe_tiny, ep=2 x dp=2
+    # the auto-planner chooses (a topology file with an accelerator section; on CPU hosts
+    # `overlapkit calibrate --host` writes one)
+    overlapkit-train parallel=auto topology=preset topology.name_or_path=host.yaml
     # two nodes: the same command on each, with its node_rank
     overlapkit-train launcher=multinode launcher.node_rank=0 launcher.rdzv_endpoint=HOST:29500
     # inside a Slurm allocation (recipes/slurm/train.sbatch): nodes and ranks from SLURM_*
@@ -34,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from overlapkit.fsdp.zero import resolve_reshard_after_forward
 from overlapkit.planner import plan as place
+from overlapkit.train.auto import is_auto, resolve_auto
 from overlapkit.train.checkpoint import latest_checkpoint
 from overlapkit.train.context_parallel import check_sequence_split
 from overlapkit.train.data import check_compatible
@@ -98,8 +102,14 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
     """Build the cheap parts of the job once, so that bad values fail before any worker starts.
 
     Raises:
-        ValueError / TypeError / FileNotFoundError: the first bad value, named by its key.
+        ValueError / TypeError / FileNotFoundError: the first bad value, named by its key;
+            ``parallel=auto`` (its layout is chosen first: ``resolve_auto``).
     """
+    if is_auto(cfg.parallel):
+        raise ValueError(
+            "parallel=auto: the planner chooses the layout before the checks (overlapkit-train "
+            "does it; from Python, overlapkit.train.auto.resolve_auto)"
+        )
     train = instantiate(cfg.train)
     model_config = instantiate(cfg.model.config)
     source = instantiate(cfg.data)
@@ -181,8 +191,18 @@ def run(cfg: DictConfig) -> None:
             f"launcher.node_rank={launcher.node_rank} must be given on the command line "
             "(launcher.node_rank=N), so that nodes other than 0 keep no Hydra outputs"
         )
-    check_job(cfg, launcher)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if is_auto(cfg.parallel):  # the planner's layout, composed in place of parallel=auto
+        hydra_cfg = HydraConfig.get()
+        cfg = resolve_auto(
+            cfg,
+            run_dir=run_dir,
+            model=hydra_cfg.runtime.choices.get("model", "model"),
+            world_size=launcher.nnodes * launcher.nproc_per_node,
+            task_overrides=list(hydra_cfg.overrides.task),
+            compose=lambda overrides: hydra.compose(config_name="config", overrides=overrides),
+        )
+    check_job(cfg, launcher)
     check_fresh_start(cfg, run_dir)
     job = OmegaConf.to_container(cfg, resolve=True)
     try:

@@ -44,6 +44,7 @@ from overlapkit.train.parallel import (
     clip_grad_norm,
 )
 from overlapkit.train.pipeline import apply_pipeline
+from overlapkit.train.planned import predict_job
 from overlapkit.train.recompute import NONE, apply_recompute, check_recompute_mode
 from overlapkit.train.resume import resume_from_newest_usable
 from overlapkit.train.stages import check_pipeline, pipeline_record, stage_blocks
@@ -397,6 +398,21 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         cfg.steps,
     )
 
+    prediction = None
+    if rank == 0:  # what the planner predicts for this layout, where the topology can say
+        prediction = predict_job(
+            plan,
+            factory,
+            cfg,
+            world_size=world_size,
+            topology=topology,
+            model_config=model.config,
+            seq_len=getattr(source, "seq_len", None),
+            name=str(job.get("name", "")),
+        )
+        if prediction is not None:
+            logger.info("%s", prediction.describe())
+
     items_per_step = cfg.batch_size * cfg.grad_accum * data_shards * source.items_per_sample
     monitor = Monitor(
         enabled=rank == 0,
@@ -469,6 +485,10 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         tensorboard_dir=str(paths.tensorboard),
         checkpoint=str(checkpoint) if checkpoint else None,
     )
+    if prediction is not None:
+        summary.planned_layout = prediction.record()
+        summary.predicted_step_s = prediction.step_s
+        summary.measured_step_s = None if median_ms is None else median_ms / 1e3
     if profiler is not None:
         share, send_recv, count, report = _exposed_share(paths.profile)
         summary.exposed_comm_share, summary.profiled_steps = share, count

@@ -66,6 +66,14 @@ class RunSummary:
     """``train.baseline_items_per_s``: a 1-rank run's throughput, tok/s (or samples/s)."""
     scaling_efficiency: float | None = None
     """``items_per_s / (world_size x baseline_items_per_s)``; None without a baseline."""
+    planned_layout: dict | None = None
+    """The run's layout as the auto-planner describes it (``overlapkit plan --auto --json``'s
+    layout keys and ``text``); None where the topology has no accelerator section."""
+    predicted_step_s: float | None = None
+    """The planner's step time for ``planned_layout``, s."""
+    measured_step_s: float | None = None
+    """The measured step beside it: the median over the steps after the first, the same steps
+    as ``median_step_ms``, s."""
 
     def format(self) -> str:
         """Readable lines for the end of the run."""
@@ -115,6 +123,15 @@ class RunSummary:
         if self.checkpoint:
             lines.append(f"  checkpoint: {self.checkpoint}")
         lines.append(f"  TensorBoard: tensorboard --logdir {self.tensorboard_dir}")
+        if self.predicted_step_s is not None:
+            line = f"  planned {self.planned_layout['text']}: predicted step "
+            line += f"{self.predicted_step_s * 1e3:.1f} ms"
+            if self.measured_step_s is not None:
+                line += (
+                    f", measured {self.measured_step_s * 1e3:.1f} ms (median step; measured / "
+                    f"predicted {self.measured_step_s / self.predicted_step_s:.2f})"
+                )
+            lines.append(line)
         return "\n".join(lines)
 
     def write(self, path: Path) -> None:

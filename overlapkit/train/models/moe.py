@@ -187,8 +187,9 @@ class MoE(nn.Module):
         received = _AllToAll.apply(rows, recv_splits, send_splits, group, stats)
         by_expert = _regroup(recv)
         out = self.experts(received[by_expert], recv.sum(dim=0).tolist())
-        back = torch.empty_like(by_expert)
-        back[by_expert] = torch.arange(len(by_expert))
+        # The inverse permutation, without writing into a tensor: selective recomputation
+        # caches op outputs and refuses one that was changed in place.
+        back = by_expert.argsort()
         return _AllToAll.apply(out[back], send_splits, recv_splits, group, stats)
 
 
