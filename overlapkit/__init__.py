@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "Placement": "overlapkit.planner.placement",
     "estimate": "overlapkit.cost.estimate",
     "plan": "overlapkit.autoplan.auto",
-    "profile": "overlapkit.profiling",
+    "profile": "overlapkit.profiling.profile",
     "Topology": "overlapkit.topology",
     "detect_topology": "overlapkit.topology",
     "load_topology": "overlapkit.topology",

@@ -10,7 +10,7 @@ Public names load on first use (``overlapkit.lazy``), so the trace analysis, and
 processes ``overlapkit report`` starts, import neither torch nor the profiler.
 """
 
-from overlapkit.lazy import lazy_exports
+from overlapkit.lazy import keep_public_names, lazy_exports
 
 _EXPORTS = {
     "CrossRankStep": "overlapkit.profiling.rank_summary",
@@ -25,3 +25,5 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+# ``profile`` is the function, also the name of the module that defines it.
+keep_public_names(__name__, _EXPORTS)
