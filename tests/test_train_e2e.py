@@ -240,3 +240,19 @@ def test_a_failing_worker_ends_the_run_with_its_error(tmp_path):
             kill_tree(proc.pid)
     assert proc.returncode == 1
     assert "ValueError: ok.ddp: bucket_mb must be > 0 MiB, got -1" in err
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_before_launch_is_one_line_without_a_traceback(tmp_path):
+    # A preset of 8 ranks for a launch of SMALL's ranks: refused before any worker starts.
+    args = ["topology=preset", "topology.name_or_path=dgx-h100", f"hydra.run.dir={tmp_path}/r"]
+    proc = _start(args, tmp_path)
+    try:
+        _, err = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    assert proc.returncode == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("overlapkit-train: error: topology 'dgx-h100' describes 8"), err
+    assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err, err

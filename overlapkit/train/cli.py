@@ -24,6 +24,7 @@ file): the other nodes run Hydra in a scratch directory that is deleted when the
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -192,6 +193,24 @@ def run(cfg: DictConfig) -> None:
             "(launcher.node_rank=N), so that nodes other than 0 keep no Hydra outputs"
         )
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        cfg = _checked_job(cfg, launcher, run_dir)
+    except ValueError as refusal:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        # One line naming the value, not Hydra's traceback of the check that refused it.
+        raise SystemExit(f"overlapkit-train: error: {refusal}") from None
+    job = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        launch(job, run_dir, launcher)
+    except NoUsableCheckpoint as refusal:
+        # One line, no traceback (Hydra would print one): each rank has logged its reasons.
+        raise SystemExit(f"overlapkit-train: error: {refusal}") from None
+
+
+def _checked_job(cfg: DictConfig, launcher: LauncherConfig, run_dir: Path) -> DictConfig:
+    """The job to launch: ``parallel=auto`` resolved to the planner's layout, and every check
+    made before a worker starts (each refusal a ValueError naming the value)."""
     if is_auto(cfg.parallel):  # the planner's layout, composed in place of parallel=auto
         hydra_cfg = HydraConfig.get()
         cfg = resolve_auto(
@@ -204,12 +223,7 @@ def run(cfg: DictConfig) -> None:
         )
     check_job(cfg, launcher)
     check_fresh_start(cfg, run_dir)
-    job = OmegaConf.to_container(cfg, resolve=True)
-    try:
-        launch(job, run_dir, launcher)
-    except NoUsableCheckpoint as refusal:
-        # One line, no traceback (Hydra would print one): each rank has logged its reasons.
-        raise SystemExit(f"overlapkit-train: error: {refusal}") from None
+    return cfg
 
 
 def main() -> None:
