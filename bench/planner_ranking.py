@@ -233,6 +233,8 @@ class LayoutRun:
     source: object
     train_cfg: object
     split: object
+    description: str
+    """What overlapkit-train's log line says the run is (its wrapper, cp, recomputation)."""
 
     def step(self) -> list[float]:
         """One ``train_step``; its ``PHASES`` on this rank (s)."""
@@ -259,7 +261,7 @@ def layout_run(config: DictConfig, topology: ok.Topology) -> LayoutRun:
     plan, factory_cfg = split_parallel(config.parallel)
     layout = build_layout(plan, topology, CPU)
     make_optimizer = instantiate(config.optim.optimizer)
-    par, split, _ = wrap_model(
+    par, split, recomputed = wrap_model(
         model,
         plan,
         factory_cfg,
@@ -272,7 +274,10 @@ def layout_run(config: DictConfig, topology: ok.Topology) -> LayoutRun:
     optimizer = par.optimizer or make_optimizer(par.model.parameters())
     index, _ = layout.data_shard(dist.get_rank(), dist.get_world_size())
     stream = BatchStream(source, rank=index, batch_size=train_cfg.batch_size)
-    return LayoutRun(PhaseClock(par), optimizer, stream, source, train_cfg, split)
+    description = par.description + split.description
+    if recomputed:
+        description += f", recompute={train_cfg.recompute} ({len(recomputed)} blocks)"
+    return LayoutRun(PhaseClock(par), optimizer, stream, source, train_cfg, split, description)
 
 
 def calibrate(name: str, alone: dist.ProcessGroup, args: argparse.Namespace) -> dict:
@@ -383,7 +388,7 @@ def worker(args: argparse.Namespace) -> None:
             "planned_layouts": {n: lay.describe() for n, lay in layouts.items()},
             "predicted_s": {layout: step["step_s"] for layout, step in predicted.items()},
             "predicted_parts": predicted,
-            "descriptions": {n: run.clock.par.description for n, run in runs.items()},
+            "descriptions": {n: run.description for n, run in runs.items()},
         }
         report[name]["measured_s"], report[name]["measured_phases_ms"] = measure_model(runs, args)
     if dist.get_rank() == 0:
