@@ -12,22 +12,35 @@ planner's "achievable TFLOP/s" here), the tensor-parallel plan's dispatch per la
 step per plain and per DTensor parameter tensor and per parameter (``optimizer_tensor_s``,
 ``optimizer_dtensor_s``, ``optimizer_param_s``) and the share of the compute that all-reduces
 over the link hide behind (``overlap_efficiency``). The planner prices each layout as
-overlapkit-train runs it (``autoplan.framework.OVERLAPKIT_TRAIN``). Then, for each model
-(``gpt_tiny``, ``moe_tiny``), it trains every layout overlapkit-train can run on 4 ranks with
-overlapkit-train's own wrapping (``overlapkit.train.parallel.apply_parallel`` on
-``overlapkit.train.mesh.build_layout``):
+overlapkit-train runs it (``autoplan.framework.OVERLAPKIT_TRAIN``; the layout is the one a run
+of that config prices itself with, ``overlapkit.train.planned.run_layout``). Then, for each
+model (``gpt_tiny``, ``moe_tiny``), it trains every layout below exactly as overlapkit-train
+runs it: the config composed from overlapkit-train's own groups (``overlapkit/conf``), its mesh
+(``overlapkit.train.mesh.build_layout``), its wrapping (``overlapkit.train.step.wrap_model``:
+context parallelism, recomputation, the pipeline or the ``parallel`` group's wrapper) and its
+step (``overlapkit.train.step.train_step``, ``train.grad_accum`` micro-batches of
+``train.batch_size`` sequences from ``data=synthetic``; no clipping, which the planner does not
+price). Every ok.ddp / ok.GradBucketer reduces in one 25 MiB bucket, as the planner's
+Megatron-LM bucket rule gives for these models.
 
-- ``ddp``: ``ok.ddp`` over dp = 4 (``parallel=ddp``; the MoE model: ``ok.GradBucketer``)
-- ``fsdp``: ``ok.fsdp`` over dp = 4 (``parallel=fsdp``)
-- ``hsdp``: ``ok.fsdp`` sharded over dp_shard = 2 ranks, replicated over 2 (``parallel=hsdp``)
-- ``tp2``: tensor parallel inside each node, ``ok.GradBucketer`` over dp = 2 (gpt_tiny)
-- ``ep2``: experts over 2 ranks inside each node, dp = 2 (moe_tiny, ``parallel=ep_dp``)
+- ``ddp``: ``parallel=ddp`` over dp = 4 (the MoE model: ``parallel=bucketer``)
+- ``fsdp``: ``parallel=fsdp`` over dp = 4
+- ``hsdp``: ``parallel=hsdp``, sharded over dp_shard = 2 ranks, replicated over 2
+- ``tp2``: ``parallel=tp_dp``, tensor parallel inside each node, dp = 2 (gpt_tiny)
+- ``ep2``: ``parallel=ep_dp``, experts over 2 ranks inside each node, dp = 2 (moe_tiny)
+- ``pp2``: ``parallel=pp_dp``, 2 pipeline stages (1F1B over the step's micro-batches) x dp = 2
+- ``cp2``: ``parallel=cp_dp``, each sequence split over 2 ranks (K/V all-gathered) x dp = 2
+- ``zero1``, ``zero2``: ``parallel=zero1`` / ``zero2`` (``ok.fsdp(zero=1|2)``) over dp = 4
+- ``full``, ``selective``: ``parallel=ddp`` with ``train.recompute=full`` / ``selective``
 
 Rounds run every layout once, in a rotating order, so noise on a shared machine hits all alike;
-a step's time is the slowest rank's. Per pair of layouts: the median over rounds of their
-time ratio, the noise (half the interquartile range of that ratio), and whether the planner's
-predicted step times order them the same way. The planner's top choice must be the measured
-fastest or within the noise of it.
+a step's time is the slowest rank's. Per layout: its measured median step over the predicted one.
+Per pair of layouts: the median over rounds of their time ratio, the noise (half the
+interquartile range of that ratio), and whether the planner's predicted step times order them
+the same way. The planner's top choice must be the measured fastest or within the noise of it.
+Every layout runs ``--micro-batches`` micro-batches of ``--batch`` sequences per data-parallel
+replica and step (a pipeline needs as many as it has stages, and ZeRO-2 differs from ZeRO-1
+only with more than one); the layouts with dp = 2 therefore take half the global batch.
 
 Example::
 
@@ -50,9 +63,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 
 import overlapkit as ok
 from bench.harness.json_report import write_json_report
+from bench.harness.train_layout import PHASES, LayoutRun, compose_run, layout_run, planned_layout
 from bench.harness.two_node_bench import (
     add_two_node_arguments,
     calibrated_topology,
@@ -75,34 +90,55 @@ from overlapkit.train.host_calibration import (
     overlap_calibration,
     slowest_medians,
 )
-from overlapkit.train.mesh import PlanConfig, build_layout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
-from overlapkit.train.parallel import apply_parallel
 
 TENSOR_PARALLEL = ("gpt_tiny",)
 """The models with a tensor-parallel layout (moe_tiny's experts go over ep instead)."""
 SHAPE = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 MOE = dict(n_expert=4, top_k=2, expert_hidden=256)
-BUCKETER = functools.partial(ok.GradBucketer, bucket_mb=25)
-FSDP = functools.partial(ok.fsdp, prefetch=1)
-# name -> (planner layout fields, overlapkit-train plan section, factory); dp = 4 / tp / ep.
+ONE_BUCKET = "parallel.bucket_mb=25"
+"""ok.ddp's bucket size: one bucket for these models, as the planner's bucket rule has it."""
+DDP = ("parallel=ddp", ONE_BUCKET)
+# name -> overlapkit-train overrides of the layout (the model, batch and micro-batches are
+# the run's, ``run_config``).
 LAYOUTS = {
     "gpt_tiny": {
-        "ddp": ({"dp": 4}, PlanConfig(), functools.partial(ok.ddp, bucket_mb=25)),
-        "fsdp": ({"dp": 4, "sharding": "fsdp"}, PlanConfig(), FSDP),
-        "hsdp": ({"dp": 4, "sharding": "hsdp", "dp_shard": 2}, PlanConfig(dp_shard=2), FSDP),
-        "tp2": ({"dp": 2, "tp": 2}, PlanConfig(tp=2), BUCKETER),
+        "ddp": DDP,
+        "fsdp": ("parallel=fsdp",),
+        "hsdp": ("parallel=hsdp",),
+        "tp2": ("parallel=tp_dp",),
+        "pp2": ("parallel=pp_dp", ONE_BUCKET),
+        "cp2": ("parallel=cp_dp", ONE_BUCKET),
+        "zero1": ("parallel=zero1",),
+        "zero2": ("parallel=zero2",),
+        "full": (*DDP, "train.recompute=full"),
+        "selective": (*DDP, "train.recompute=selective"),
     },
     "moe_tiny": {
-        "ddp": ({"dp": 4}, PlanConfig(), BUCKETER),
-        "fsdp": ({"dp": 4, "sharding": "fsdp"}, PlanConfig(), FSDP),
-        "hsdp": ({"dp": 4, "sharding": "hsdp", "dp_shard": 2}, PlanConfig(dp_shard=2), FSDP),
-        "ep2": ({"dp": 2, "ep": 2}, PlanConfig(ep=2), BUCKETER),
+        "ddp": ("parallel=bucketer",),
+        "fsdp": ("parallel=fsdp",),
+        "hsdp": ("parallel=hsdp",),
+        "ep2": ("parallel=ep_dp",),
     },
 }
 
 
 CONFIGS = {"gpt_tiny": GPTConfig(**SHAPE), "moe_tiny": MoEConfig(**SHAPE, **MOE)}
+
+
+def run_config(name: str, layout_name: str, args: argparse.Namespace) -> DictConfig:
+    """overlapkit-train's config of ``layout_name`` on model ``name`` (``CONFIGS``' shape)."""
+    shape = SHAPE | (MOE if name == "moe_tiny" else {})
+    overrides = [
+        f"model={name}",
+        *(f"model.config.{key}={value}" for key, value in shape.items()),
+        f"train.batch_size={args.batch}",
+        f"train.grad_accum={args.micro_batches}",
+        "train.clip_grad_norm=null",
+        "train.device=cpu",
+        *LAYOUTS[name][layout_name],
+    ]
+    return compose_run(overrides)
 
 
 def planner_spec(name: str) -> ModelSpec:
@@ -116,28 +152,11 @@ def make_model(name: str) -> torch.nn.Module:
 
 
 def batch(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch of random tokens, for the host calibration."""
     generator = torch.Generator().manual_seed(100 + rank)
     shape = (args.batch, SHAPE["block_size"] + 1)
     idx = torch.randint(SHAPE["vocab_size"], shape, generator=generator)
     return idx[:, :-1], idx[:, 1:]
-
-
-PHASES = ("forward", "backward", "finish_backward", "optimizer")
-
-
-def step(par, optimizer, inputs, targets) -> list[float]:
-    """One training step; seconds of its ``PHASES`` on this rank."""
-    marks = [time.perf_counter()]
-    optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
-    logits = par.model(inputs)
-    marks.append(time.perf_counter())
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    marks.append(time.perf_counter())
-    par.finish_backward()
-    marks.append(time.perf_counter())
-    optimizer.step()
-    marks.append(time.perf_counter())
-    return [b - a for a, b in itertools.pairwise(marks)]
 
 
 def calibrate(name: str, alone: dist.ProcessGroup, args: argparse.Namespace) -> dict:
@@ -165,7 +184,11 @@ def calibrate(name: str, alone: dist.ProcessGroup, args: argparse.Namespace) -> 
 
 
 def predictions(
-    name: str, predictor: ok.Topology, overhead_s: float, measured: dict, args
+    name: str,
+    layouts: dict[str, TrainingLayout],
+    predictor: ok.Topology,
+    overhead_s: float,
+    measured: dict,
 ) -> dict[str, dict]:
     """The planner's predicted step of every layout (``StepTime.to_dict``: seconds), as
     overlapkit-train runs it, with the host terms ``measured`` here (``calibrate``)."""
@@ -186,41 +209,30 @@ def predictions(
         optimizer_param_s=measured["optimizer_param_s"],
     )
     costs = AxisCosts(topology)
-    out = {}
-    for layout_name, (fields, _, _) in LAYOUTS[name].items():
-        layout = TrainingLayout(micro_batch=args.batch, num_micro_batches=1, **fields)
-        out[layout_name] = predict_step(spec, layout, options, costs).to_dict()
-    return out
+    refused = {n: OVERLAPKIT_TRAIN.refusal(lay, layers=spec.layers) for n, lay in layouts.items()}
+    refused = {n: why for n, why in refused.items() if why is not None}
+    if refused:  # the layouts are overlapkit-train's own: the framework must run every one
+        raise ValueError(f"{OVERLAPKIT_TRAIN.name} refuses {refused}")
+    return {n: predict_step(spec, lay, options, costs).to_dict() for n, lay in layouts.items()}
 
 
 def measure_model(
-    name: str, topology: ok.Topology, args: argparse.Namespace
+    runs: dict[str, LayoutRun], args: argparse.Namespace
 ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Each layout's step times (slowest rank, per round) and its phases' medians (ms, the
     slowest rank's)."""
-    rank = dist.get_rank()
-    runs = {}
-    for layout_name, (_, plan_config, factory) in LAYOUTS[name].items():
-        layout = build_layout(plan_config, topology, torch.device("cpu"))
-        model = make_model(name)
-        par = apply_parallel(model, factory, layout)
-        optimizer = torch.optim.AdamW(par.model.parameters(), lr=1e-4)
-        index, _ = layout.data_shard(rank, dist.get_world_size())
-        runs[layout_name] = (par, optimizer, batch(index, args))
     names = list(runs)
     for layout_name in names:  # warm-up: first steps allocate and connect
         for _ in range(args.warmup):
-            par, optimizer, (x, y) = runs[layout_name]
-            step(par, optimizer, x, y)
+            runs[layout_name].step()
     times: dict[str, list[float]] = {n: [] for n in names}
     phases: dict[str, list[list[float]]] = {n: [] for n in names}
     for round_index in range(args.rounds):
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for layout_name in order:
-            par, optimizer, (x, y) = runs[layout_name]
             dist.barrier()
             start = time.perf_counter()
-            phases[layout_name].append(step(par, optimizer, x, y))
+            phases[layout_name].append(runs[layout_name].step())
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[layout_name].append(elapsed.item())
@@ -245,16 +257,19 @@ def worker(args: argparse.Namespace) -> None:
         "collective_overhead_us": {tier: s * 1e6 for tier, s in overhead.items()},
     }
     for name in args.models:
+        configs = {n: run_config(name, n, args) for n in LAYOUTS[name]}
+        layouts = {n: planned_layout(c, dist.get_world_size()) for n, c in configs.items()}
         measured = calibrate(name, alone, args)
-        predicted = predictions(name, predictor, max(overhead.values()), measured, args)
+        predicted = predictions(name, layouts, predictor, max(overhead.values()), measured)
+        runs = {n: layout_run(c, topology) for n, c in configs.items()}
         report[name] = {
             "measured_terms": measured,
+            "planned_layouts": {n: lay.describe() for n, lay in layouts.items()},
             "predicted_s": {layout: step["step_s"] for layout, step in predicted.items()},
             "predicted_parts": predicted,
+            "descriptions": {n: run.description for n, run in runs.items()},
         }
-        report[name]["measured_s"], report[name]["measured_phases_ms"] = measure_model(
-            name, topology, args
-        )
+        report[name]["measured_s"], report[name]["measured_phases_ms"] = measure_model(runs, args)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(report, indent=2))
     dist.barrier()
@@ -290,6 +305,7 @@ def compare(measured: dict[str, list[float]], predicted: dict[str, float]) -> di
     return {
         "pairs": pairs,
         "medians_s": medians,
+        "measured_over_predicted": {n: medians[n] / predicted[n] for n in medians},
         "measured_fastest": fastest,
         "planner_top": top,
         "top_within_noise": top_ok,
@@ -297,10 +313,22 @@ def compare(measured: dict[str, list[float]], predicted: dict[str, float]) -> di
     }
 
 
+def phase_text(phases_ms: dict[str, float]) -> str:
+    """``forward 57 backward 160 finish_backward 0 optimizer 7 ms``; a pipeline's forwards and
+    backwards as one ``schedule``."""
+    parts = dict(phases_ms)
+    if parts["forward"] == 0:  # the schedule calls the stages, not the model
+        parts = {"schedule": parts.pop("backward")} | {
+            k: v for k, v in parts.items() if k != "forward"
+        }
+    return " ".join(f"{p} {ms:.0f}" for p, ms in parts.items()) + " ms"
+
+
 def render(report: dict, args: argparse.Namespace) -> str:
     lines = [
-        f"planner ranking: 2 emulated nodes x 2 gloo ranks, link {args.rate}, batch {args.batch} "
-        f"x {SHAPE['block_size']} tokens per rank, {args.rounds} rounds; load {report['load']}",
+        f"planner ranking: 2 emulated nodes x 2 gloo ranks, link {args.rate}, "
+        f"{args.micro_batches} micro-batches of {args.batch} x {SHAPE['block_size']} tokens per "
+        f"replica and step, {args.rounds} rounds; load {report['load']}",
     ]
     for tier, fit in report["calibration"].items():
         lines.append(
@@ -329,23 +357,24 @@ def render(report: dict, args: argparse.Namespace) -> str:
             f"{terms['optimizer_param_s'] * 1e9:.3g} ns per parameter; overlap efficiency "
             f"{overlap['overlap_efficiency']:.2f} (all-reduces {overlap['comm_s'] * 1e3:.0f} ms, "
             f"compute {overlap['window_s'] * 1e3:.0f} ms, both {overlap['both_s'] * 1e3:.0f} ms)",
-            f"  {'layout':<6} {'measured (median)':>18} {'predicted':>10}",
+            f"  {'layout':<9} {'measured (median)':>18} {'predicted':>10} {'meas/pred':>9}  "
+            "as the planner prices it",
         ]
         for layout_name, median in verdict["medians_s"].items():
-            phases = " ".join(
-                f"{p} {ms:.0f}" for p, ms in result["measured_phases_ms"][layout_name].items()
-            )
             lines.append(
-                f"  {layout_name:<6} {median * 1e3:>15.1f} ms "
-                f"{result['predicted_s'][layout_name] * 1e3:>7.1f} ms  ({phases} ms)"
+                f"  {layout_name:<9} {median * 1e3:>15.1f} ms "
+                f"{result['predicted_s'][layout_name] * 1e3:>7.1f} ms "
+                f"{verdict['measured_over_predicted'][layout_name]:>9.2f}  "
+                f"{result['planned_layouts'][layout_name]}"
             )
-        lines.append(f"  {'pair':<12} {'measured':>9} {'noise':>7} {'predicted':>9}  order")
+            lines.append(f"  {'':<9} {phase_text(result['measured_phases_ms'][layout_name])}")
+        lines.append(f"  {'pair':<19} {'measured':>9} {'noise':>7} {'predicted':>9}  order")
         for p in verdict["pairs"]:
             mark = "same" if p["same_order"] else "REVERSED"
             if not p["significant"]:
                 mark += " (within noise)"
             lines.append(
-                f"  {p['pair'][0] + '/' + p['pair'][1]:<12} {p['measured_ratio']:>9.3f} "
+                f"  {p['pair'][0] + '/' + p['pair'][1]:<19} {p['measured_ratio']:>9.3f} "
                 f"{p['noise']:>7.3f} {p['predicted_ratio']:>9.3f}  {mark}"
             )
         lines.append(
@@ -362,6 +391,7 @@ def launch(args: argparse.Namespace) -> dict:
     """Run the workers on two emulated nodes; rank 0's report."""
     forwarded = [
         "--batch", str(args.batch),
+        "--micro-batches", str(args.micro_batches),
         "--rounds", str(args.rounds),
         "--warmup", str(args.warmup),
         "--models", *args.models,
@@ -379,7 +409,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # At 200 Mbit/s the link carries a gradient all-reduce in about as long as a step computes
     # here, as a NIC does for a large model; at 1 Gbit/s this CPU's per-call costs dominate.
     parser.add_argument("--rate", default="200mbit", help="link rate per direction (200mbit)")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per rank (16)")
+    parser.add_argument(
+        "--batch", type=int, default=8, help="sequences per micro-batch and replica (8)"
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=2,
+        help="micro-batches per step (train.grad_accum), >= 2: pp2's stages (2)",
+    )
     parser.add_argument("--rounds", type=int, default=7, help="paired rounds, >= 5 (7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per layout (2)")
     parser.add_argument(
@@ -392,6 +430,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizer-steps", type=int, default=31, help=argparse.SUPPRESS)
     add_two_node_arguments(parser, timeout_s=900)
     args = parser.parse_args(argv)
+    if args.micro_batches < 2:
+        parser.error(
+            f"--micro-batches must be >= 2 (pp2's 1F1B keeps 2 in flight), got {args.micro_batches}"
+        )
     if args.rounds < 5:
         parser.error(f"--rounds must be >= 5 (medians of paired rounds), got {args.rounds}")
     return args

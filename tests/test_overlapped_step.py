@@ -255,7 +255,7 @@ def _refusals(rank, world_size):
 
 
 def _train_loop(rank, world_size):
-    """overlapkit-train's step (``_train_step``) with parallel=bucketer and =bucketer_overlap."""
+    """overlapkit-train's step (``train_step``) with parallel=bucketer and =bucketer_overlap."""
     runs = [(o, "null") for o in ("bucketer", "bucketer_overlap", "fsdp", "fsdp_overlap")]
     runs += [(o, "0.06") for o in ("bucketer", "bucketer_overlap")]  # clipping active
     return {

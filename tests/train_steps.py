@@ -1,4 +1,4 @@
-"""overlapkit-train's step (``overlapkit.train.loop._train_step``) driven in-process on a rank.
+"""overlapkit-train's step (``overlapkit.train.loop.train_step``) driven in-process on a rank.
 
 The tests that compare two ``parallel`` options run the trainer's own step with the real Hydra
 config, a few steps each, inside a ``run_on_ranks`` child (no launcher, no checkpoints).
@@ -31,7 +31,7 @@ def compose_config(*overrides: str):
 
 
 def train_steps(rank: int, *overrides: str) -> dict:
-    """``train.steps`` steps of ``_train_step`` with the config ``overrides``, on this rank.
+    """``train.steps`` steps of ``train_step`` with the config ``overrides``, on this rank.
 
     Returns:
         dict: per step ``losses`` and ``grad_norms`` (as the trainer logs them), the final
@@ -40,7 +40,7 @@ def train_steps(rank: int, *overrides: str) -> dict:
     from hydra.utils import instantiate
 
     from overlapkit.train.data import BatchStream
-    from overlapkit.train.loop import _train_step
+    from overlapkit.train.loop import train_step
     from overlapkit.train.mesh import split_parallel
     from overlapkit.train.parallel import apply_parallel, check_run_optimizer
 
@@ -64,9 +64,7 @@ def train_steps(rank: int, *overrides: str) -> dict:
     stream = BatchStream(source, rank=rank, batch_size=train_cfg.batch_size)
     losses, grad_norms = [], []
     for _ in range(train_cfg.steps):
-        loss, grad_norm = _train_step(
-            par, optimizer, stream, source, train_cfg, torch.device("cpu")
-        )
+        loss, grad_norm = train_step(par, optimizer, stream, source, train_cfg, torch.device("cpu"))
         losses.append(loss)
         grad_norms.append(grad_norm)
         scheduler.step()

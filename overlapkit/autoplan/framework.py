@@ -30,8 +30,9 @@ prices each layout as that framework splits the model. The registry ``FRAMEWORKS
     ``ok.fsdp`` under a pipeline reduce-scatters after the schedule (torch's ``PipelineStage``
     runs FSDP2's post-backward itself), exposed.
   - **cp**: K and V all-gathered before each layer's attention and their gradients
-    reduce-scattered in backward (``flex_cp_allgather`` on gloo), the attention waiting for
-    both; torch's ``context_parallel`` on CUDA gathers K and V again in backward.
+    reduce-scattered in backward (``flex_cp_allgather`` on gloo: a call each for K and for V),
+    the attention waiting for both; torch's ``context_parallel`` on CUDA gathers K and V (in
+    one buffer) again in backward.
   - **zero1 / zero2**: ``ok.fsdp(zero=1|2)``, FSDP2 with the parameters kept gathered for the
     step: per block one all-gather per step, one reduce-scatter per step (ZeRO-1) or per
     micro-batch (ZeRO-2); its parameters are DTensors. Its FSDP (ZeRO-3) reduce-scatters once

@@ -21,7 +21,8 @@ the output layer on the last stage):
   all-gathers K and V before the attention instead (``Framework.cp_all_gather``,
   overlapkit-train): the gather in forward (again in a recomputed one, and in backward on a
   non-gloo library, where torch's ``context_parallel`` gathers again) and the gradients'
-  reduce-scatter in backward, all on the critical path.
+  reduce-scatter in backward, all on the critical path; on gloo (``flex_cp_allgather``) K and V
+  are gathered, and their gradients scattered, by a call each, on CUDA in one buffer.
 - **ep**: all-to-all dispatch and combine of each token's ``topk`` copies, forward and backward,
   per MoE layer: exposed (``ep_overlap`` hides a share, as DeepSeek's DualPipe does).
 - **pp**: the activation sent forward and its gradient sent back, per model chunk; where the
@@ -274,9 +275,16 @@ def predict_step(
     # before it (and their gradients scattered after its backward) on the critical path.
     kv_bytes = tokens * (model.kv_dim + model.v_dim) * act / tp
     kv_gather, kv_scatter = (cost(c, kv_bytes, "cp") for c in ("all_gather", "reduce_scatter"))
-    if fw.cp_all_gather:
-        gathers = 1 + recomputed + (str(costs.topology.library) != "gloo")
-        cp_total = n_layers * (gathers * kv_gather + kv_scatter)
+    if fw.cp_all_gather and str(costs.topology.library) == "gloo":
+        # cplib::flex_cp_allgather gathers K and V with a call each, and reduce-scatters their
+        # gradients with a call each.
+        k_v = [tokens * dim * act / tp for dim in (model.kv_dim, model.v_dim)]
+        gather = sum(cost("all_gather", nbytes, "cp") for nbytes in k_v)
+        scatter = sum(cost("reduce_scatter", nbytes, "cp") for nbytes in k_v)
+        cp_total = n_layers * ((1 + recomputed) * gather + scatter)
+        cp_exposed = cp_total
+    elif fw.cp_all_gather:  # torch's context_parallel: K and V in one buffer, again in backward
+        cp_total = n_layers * ((2 + recomputed) * kv_gather + kv_scatter)
         cp_exposed = cp_total
     else:
         cp_layer = 2 * kv_gather + kv_scatter

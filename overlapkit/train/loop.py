@@ -1,11 +1,11 @@
 """The training loop every ``overlapkit-train`` worker runs (one process per rank).
 
-Per step: ``grad_accum`` micro-batches (gradient reduction skipped on all but the last; under
-context parallelism each rank's chunks of the sequences), the wrapper's end-of-backward (the
-bucketer's ``wait``), gradient clipping, AdamW, the warm-up/cosine schedule. Around it:
-automatic resume from the newest checkpoint in the run directory, ``ok.profile`` when the
-``profiler`` group is chosen, rank 0's progress bar and TensorBoard scalars, checkpoints every
-``checkpoint_every`` steps and at the end, and a summary.
+Per step (``overlapkit.train.step``): ``grad_accum`` micro-batches (gradient reduction skipped
+on all but the last; under context parallelism each rank's chunks of the sequences), the
+wrapper's end-of-backward (the bucketer's ``wait``), gradient clipping, AdamW, the warm-up/cosine
+schedule. Around it: automatic resume from the newest checkpoint in the run directory,
+``ok.profile`` when the ``profiler`` group is chosen, rank 0's progress bar and TensorBoard
+scalars, checkpoints every ``checkpoint_every`` steps and at the end, and a summary.
 """
 
 from __future__ import annotations
@@ -27,27 +27,16 @@ from omegaconf import DictConfig
 from overlapkit.profiling import analyze_run
 from overlapkit.profiling.report import format_report
 from overlapkit.train.checkpoint import TrainingState, committed_checkpoints, remove_pending
-from overlapkit.train.context_parallel import (
-    WHOLE_SEQUENCES,
-    SequenceSplit,
-    WholeSequences,
-    split_sequences,
-)
-from overlapkit.train.data import BatchStream, DataSource, check_compatible
+from overlapkit.train.data import BatchStream, check_compatible
 from overlapkit.train.mesh import Layout, build_layout, split_parallel
 from overlapkit.train.models.moe import MoE
 from overlapkit.train.monitor import Monitor, RunSummary, scaling_efficiency
-from overlapkit.train.parallel import (
-    Parallelized,
-    apply_parallel,
-    check_run_optimizer,
-    clip_grad_norm,
-)
-from overlapkit.train.pipeline import apply_pipeline
+from overlapkit.train.parallel import Parallelized
 from overlapkit.train.planned import predict_job
-from overlapkit.train.recompute import NONE, apply_recompute, check_recompute_mode
+from overlapkit.train.recompute import NONE, check_recompute_mode
 from overlapkit.train.resume import resume_from_newest_usable
-from overlapkit.train.stages import check_pipeline, pipeline_record, stage_blocks
+from overlapkit.train.stages import pipeline_record
+from overlapkit.train.step import train_step, wrap_model
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -208,54 +197,6 @@ def _topology(job: DictConfig, world_size: int, rank: int, paths: RunPaths):
     return topology
 
 
-def _grad_norm(par: Parallelized, max_norm: float | None) -> float | None:
-    if max_norm is None:
-        return None
-    return clip_grad_norm(par.model.parameters(), max_norm)
-
-
-def _train_step(
-    par: Parallelized,
-    optimizer: torch.optim.Optimizer,
-    stream: BatchStream,
-    source: DataSource,
-    cfg: TrainConfig,
-    device: torch.device,
-    split: WholeSequences | SequenceSplit = WHOLE_SEQUENCES,
-) -> tuple[float, float | None]:
-    """One optimizer step; returns (mean micro-batch loss, gradient norm before clipping).
-
-    ``split`` gives each micro-batch's model inputs and targets (this rank's chunks under
-    context parallelism) and averages the loss over the ranks that split the sequences."""
-    optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
-    if par.forward_backward is not None:  # a pipeline schedule runs the micro-batches
-        batches = [tuple(t.to(device) for t in stream.next()) for _ in range(cfg.grad_accum)]
-        loss_sum = par.forward_backward(batches)
-    else:
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum):
-            inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
-            last = micro == cfg.grad_accum - 1
-            with (
-                contextlib.nullcontext() if last else par.no_sync(),
-                split.shard(inputs, targets) as (model_inputs, targets),
-            ):
-                loss = source.loss(par.model(*model_inputs), targets) / cfg.grad_accum
-                loss.backward()
-            loss_sum += loss.detach()
-        loss_sum = split.average_loss(loss_sum)
-    par.finish_backward()
-    if par.optimizer is not None:  # the wrapper clips and applies the optimizer per bucket
-        # Reading the norm waits for every bucket's all-reduce (not for the updates).
-        return loss_sum.item(), par.grad_norm()
-    if par.optimizer_step is not None:  # clips and steps (fsdp_overlap: step_by_block)
-        norm = par.optimizer_step(optimizer, cfg.clip_grad_norm)
-        return loss_sum.item(), None if norm is None else norm.item()
-    grad_norm = _grad_norm(par, cfg.clip_grad_norm)
-    optimizer.step()
-    return loss_sum.item(), grad_norm
-
-
 def _exposed_share(profile_dir: Path) -> tuple[float | None, float | None, int, str | None]:
     """Over all profiled rank-steps: (exposed comm / step time, exposed send/recv / step time,
     their count, the report text)."""
@@ -327,32 +268,17 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     topology = _topology(job, world_size, rank, paths)
     plan, factory = split_parallel(job.parallel)
     layout = build_layout(plan, topology, device)
-    split = split_sequences(model, layout.cp_mesh, device)
-    recomputed = [  # each pipeline stage's first train.recompute_layers blocks
-        index
-        for blocks in stage_blocks(getattr(model, "blocks", ()), plan)
-        for index in apply_recompute(blocks, cfg.recompute, cfg.recompute_layers)
-    ]
-    check_run_optimizer(factory, plan=plan)
-    check_pipeline(plan, model_config=model.config, grad_accum=cfg.grad_accum, factory_cfg=factory)
     make_optimizer = instantiate(job.optim.optimizer)
-    if plan.pp > 1:
-        par = apply_pipeline(
-            model,
-            instantiate(factory),
-            layout,
-            loss_fn=source.loss,
-            micro_batches=cfg.grad_accum,
-            device=device,
-        )
-    else:
-        par = apply_parallel(
-            model,
-            instantiate(factory),
-            layout,
-            make_optimizer=make_optimizer,
-            clip_grad_norm=cfg.clip_grad_norm,
-        )
+    par, split, recomputed = wrap_model(
+        model,
+        plan,
+        factory,
+        layout,
+        cfg,
+        loss_fn=source.loss,
+        make_optimizer=make_optimizer,
+        device=device,
+    )
     optimizer = par.optimizer or make_optimizer(par.model.parameters())
     scheduler = instantiate(job.optim.scheduler)(optimizer, total_steps=cfg.steps)
     # Ranks of one tensor-parallel group read the same batches.
@@ -433,7 +359,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         for step in range(start_step + 1, end_step + 1):
             lr = scheduler.get_last_lr()[0]
             t0 = time.perf_counter()
-            loss, grad_norm = _train_step(par, optimizer, stream, source, cfg, device, split)
+            loss, grad_norm = train_step(par, optimizer, stream, source, cfg, device, split)
             scheduler.step()
             monitor.step(
                 step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0

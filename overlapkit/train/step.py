@@ -1,0 +1,154 @@
+"""One step of overlapkit-train: the model set up for its layout, and the optimizer step.
+
+``wrap_model`` applies, in the loop's order, every dimension of a run's layout to the model
+(context parallelism, recomputation, the pipeline or the ``parallel`` group's wrapper);
+``train_step`` runs one optimizer step of ``train.grad_accum`` micro-batches on it. The loop
+(``overlapkit.train.loop.train``) calls both; so does ``bench.planner_ranking``, which times the
+step of every layout exactly as a run takes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from hydra.utils import instantiate
+from torch import nn
+
+from overlapkit.train.context_parallel import (
+    WHOLE_SEQUENCES,
+    SequenceSplit,
+    WholeSequences,
+    split_sequences,
+)
+from overlapkit.train.data import BatchStream, DataSource
+from overlapkit.train.mesh import Layout, PlanConfig
+from overlapkit.train.parallel import (
+    Parallelized,
+    apply_parallel,
+    check_run_optimizer,
+    clip_grad_norm,
+)
+from overlapkit.train.pipeline import apply_pipeline
+from overlapkit.train.recompute import apply_recompute
+from overlapkit.train.stages import check_pipeline, stage_blocks
+
+if TYPE_CHECKING:  # the loop's config lives beside the loop, which imports this module
+    from overlapkit.train.loop import TrainConfig
+
+
+def _grad_norm(par: Parallelized, max_norm: float | None) -> float | None:
+    if max_norm is None:
+        return None
+    return clip_grad_norm(par.model.parameters(), max_norm)
+
+
+def wrap_model(
+    model: nn.Module,
+    plan: PlanConfig,
+    factory_cfg: Mapping[str, Any],
+    layout: Layout,
+    cfg: TrainConfig,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    device: torch.device,
+) -> tuple[Parallelized, WholeSequences | SequenceSplit, list[int]]:
+    """``model`` set up, in place, as overlapkit-train runs ``layout``; a collective.
+
+    In this order: the sequences split over ``cp`` (``split_sequences``), each pipeline stage's
+    blocks recomputed as ``cfg.recompute`` says (``apply_recompute``), the combination checked,
+    then the stages and their schedule (``apply_pipeline``, with ``pp > 1``) or the ``parallel``
+    group's wrapper (``apply_parallel``).
+
+    Args:
+        model (nn.Module): the full model on ``device``, the same weights on every rank.
+        plan (PlanConfig): ``parallel.plan``; ``layout`` was built from it.
+        factory_cfg (Mapping): the ``parallel`` group without ``plan`` (instantiated here).
+        layout (Layout): the run's groups (``build_layout``).
+        cfg (TrainConfig): the ``train`` group (``grad_accum``, ``recompute``, clipping).
+        loss_fn (Callable): the data source's ``(output, targets) -> mean loss``.
+        make_optimizer (Callable): the ``optim.optimizer`` partial.
+        device (torch.device): this rank's device.
+
+    Returns:
+        tuple: the model as the step drives it, how each micro-batch's sequences are split,
+        and the indices of the recomputed blocks.
+
+    Raises:
+        ValueError: a combination the loop refuses (``check_run_optimizer``,
+            ``check_pipeline``), named by its config keys.
+    """
+    split = split_sequences(model, layout.cp_mesh, device)
+    recomputed = [  # each pipeline stage's first train.recompute_layers blocks
+        index
+        for blocks in stage_blocks(getattr(model, "blocks", ()), plan)
+        for index in apply_recompute(blocks, cfg.recompute, cfg.recompute_layers)
+    ]
+    check_run_optimizer(factory_cfg, plan=plan)
+    check_pipeline(
+        plan, model_config=model.config, grad_accum=cfg.grad_accum, factory_cfg=factory_cfg
+    )
+    if plan.pp > 1:
+        par = apply_pipeline(
+            model,
+            instantiate(factory_cfg),
+            layout,
+            loss_fn=loss_fn,
+            micro_batches=cfg.grad_accum,
+            device=device,
+        )
+    else:
+        par = apply_parallel(
+            model,
+            instantiate(factory_cfg),
+            layout,
+            make_optimizer=make_optimizer,
+            clip_grad_norm=cfg.clip_grad_norm,
+        )
+    return par, split, recomputed
+
+
+def train_step(
+    par: Parallelized,
+    optimizer: torch.optim.Optimizer,
+    stream: BatchStream,
+    source: DataSource,
+    cfg: TrainConfig,
+    device: torch.device,
+    split: WholeSequences | SequenceSplit = WHOLE_SEQUENCES,
+) -> tuple[float, float | None]:
+    """One optimizer step of overlapkit-train; returns (mean micro-batch loss, gradient norm
+    before clipping).
+
+    ``split`` gives each micro-batch's model inputs and targets (this rank's chunks under
+    context parallelism) and averages the loss over the ranks that split the sequences."""
+    optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
+    if par.forward_backward is not None:  # a pipeline schedule runs the micro-batches
+        batches = [tuple(t.to(device) for t in stream.next()) for _ in range(cfg.grad_accum)]
+        loss_sum = par.forward_backward(batches)
+    else:
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
+            last = micro == cfg.grad_accum - 1
+            with (
+                contextlib.nullcontext() if last else par.no_sync(),
+                split.shard(inputs, targets) as (model_inputs, targets),
+            ):
+                loss = source.loss(par.model(*model_inputs), targets) / cfg.grad_accum
+                loss.backward()
+            loss_sum += loss.detach()
+        loss_sum = split.average_loss(loss_sum)
+    par.finish_backward()
+    if par.optimizer is not None:  # the wrapper clips and applies the optimizer per bucket
+        # Reading the norm waits for every bucket's all-reduce (not for the updates).
+        return loss_sum.item(), par.grad_norm()
+    if par.optimizer_step is not None:  # clips and steps (fsdp_overlap: step_by_block)
+        norm = par.optimizer_step(optimizer, cfg.clip_grad_norm)
+        return loss_sum.item(), None if norm is None else norm.item()
+    grad_norm = _grad_norm(par, cfg.clip_grad_norm)
+    optimizer.step()
+    return loss_sum.item(), grad_norm
