@@ -38,13 +38,13 @@ import dataclasses
 import difflib
 import math
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from overlapkit.topology import yaml_values as values
 from overlapkit.topology.accelerator import Accelerator, HostCosts
 from overlapkit.topology.model import (
     DeviceKind,
@@ -57,7 +57,6 @@ from overlapkit.topology.model import (
     Transport,
     uniform_topology,
 )
-from overlapkit.topology.units import parse_bandwidth, parse_duration, parse_size
 
 PRESET_DIR = Path(__file__).parent / "presets"
 MAX_RANKS = 2**18
@@ -193,48 +192,50 @@ def parse_topology_yaml(
 ) -> Topology:
     """Build a topology from YAML ``text``; errors name ``source``, the line and the key."""
     reader = _Reader.from_text(text, source)
-    nodes = reader.value("nodes", _integer(1), default=1) * node_multiplier
+    nodes = reader.value("nodes", values.integer(1), default=1) * node_multiplier
     scale_up = reader.section("scale_up")
     reader.section("scale_out")
-    links = reader.value("scale_up.links", _integer(0), default=1)
+    links = reader.value("scale_up.links", values.integer(0), default=1)
     domain = ScaleUpDomain(
-        kind=reader.value("scale_up.kind", _choice(DomainKind)),
+        kind=reader.value("scale_up.kind", values.choice(DomainKind)),
         ranks=(0,),
         bandwidth_GBps=_domain_bandwidth(reader, scale_up, links),
-        latency_us=reader.value("scale_up.latency", _microseconds),
+        latency_us=reader.value("scale_up.latency", values.microseconds),
         links=links,
-        in_network_reduction=reader.value("scale_up.in_network_reduction", _boolean, default=False),
-        efficiency=reader.value("scale_up.efficiency", _fraction, default=1.0),
-        torus=reader.value("scale_up.torus", _int_tuple, default=None),
-        wraparound=reader.value("scale_up.wraparound", _bool_tuple, default=None),
+        in_network_reduction=reader.value(
+            "scale_up.in_network_reduction", values.boolean, default=False
+        ),
+        efficiency=reader.value("scale_up.efficiency", values.fraction, default=1.0),
+        torus=reader.value("scale_up.torus", values.int_tuple, default=None),
+        wraparound=reader.value("scale_up.wraparound", values.bool_tuple, default=None),
     )
-    fabric_kind = reader.value("scale_out.kind", _choice(FabricKind))
+    fabric_kind = reader.value("scale_out.kind", values.choice(FabricKind))
     if fabric is not None:
         fabric_kind = FabricKind.parse(fabric, what="--fabric")
-    nodes_per_leaf = reader.value("scale_out.nodes_per_leaf", _integer(1), default=None)
+    nodes_per_leaf = reader.value("scale_out.nodes_per_leaf", values.integer(1), default=None)
     out = ScaleOutFabric(
         kind=fabric_kind,
-        transport=reader.value("scale_out.transport", _choice(Transport)),
-        nics_per_node=reader.value("scale_out.nics_per_node", _integer(0)),
-        nic_GBps=reader.value("scale_out.nic_bandwidth", _bandwidth),
-        latency_us=reader.value("scale_out.latency", _microseconds),
-        efficiency=reader.value("scale_out.efficiency", _fraction, default=1.0),
-        oversubscription=reader.value("scale_out.oversubscription", _real(1.0), default=1.0),
+        transport=reader.value("scale_out.transport", values.choice(Transport)),
+        nics_per_node=reader.value("scale_out.nics_per_node", values.integer(0)),
+        nic_GBps=reader.value("scale_out.nic_bandwidth", values.bandwidth),
+        latency_us=reader.value("scale_out.latency", values.microseconds),
+        efficiency=reader.value("scale_out.efficiency", values.fraction, default=1.0),
+        oversubscription=reader.value("scale_out.oversubscription", values.real(1.0), default=1.0),
         nodes_per_leaf=nodes_per_leaf,
         # A preset switched to dragonfly by --fabric groups nodes like its leaves.
         nodes_per_group=reader.value(
-            "scale_out.nodes_per_group", _integer(1), default=nodes_per_leaf
+            "scale_out.nodes_per_group", values.integer(1), default=nodes_per_leaf
         ),
-        global_taper=reader.value("scale_out.global_taper", _fraction, default=1.0),
+        global_taper=reader.value("scale_out.global_taper", values.fraction, default=1.0),
         in_network_reduction=reader.value(
-            "scale_out.in_network_reduction", _boolean, default=False
+            "scale_out.in_network_reduction", values.boolean, default=False
         ),
     )
-    nodes_per_domain = reader.value("scale_up.nodes_per_domain", _integer(1), default=1)
-    base_name = reader.value("name", _string, default=source)
+    nodes_per_domain = reader.value("scale_up.nodes_per_domain", values.integer(1), default=1)
+    base_name = reader.value("name", values.string, default=source)
     if name is None:
         name = base_name if node_multiplier == 1 else f"{base_name}x{node_multiplier}"
-    devices_per_node = reader.value("devices_per_node", _integer(1))
+    devices_per_node = reader.value("devices_per_node", values.integer(1))
     if nodes * devices_per_node > MAX_RANKS:
         raise ValueError(
             f"{reader.where('nodes')}: {nodes} nodes x {devices_per_node} devices_per_node = "
@@ -244,11 +245,11 @@ def parse_topology_yaml(
         name=name,
         nodes=nodes,
         devices_per_node=devices_per_node,
-        device_kind=reader.value("device_kind", _choice(DeviceKind), default=DeviceKind.GPU),
+        device_kind=reader.value("device_kind", values.choice(DeviceKind), default=DeviceKind.GPU),
         domain=domain,
         nodes_per_domain=nodes_per_domain,
         fabric=out,
-        library=reader.value("library", _choice(Library), default=Library.NCCL),
+        library=reader.value("library", values.choice(Library), default=Library.NCCL),
         source=source,
         accelerator=_accelerator(reader),
     )
@@ -260,14 +261,14 @@ def _accelerator(reader: _Reader) -> Accelerator | None:
     reader.section("accelerator")
     # Each value's error names its own line; what Accelerator refuses names the section's.
     fields = dict(
-        name=reader.value("accelerator.name", _string),
-        memory_GB=reader.value("accelerator.memory", _gigabytes),
-        peak_bf16_tflops=reader.value("accelerator.peak_bf16_tflops", _real(0.0)),
-        peak_fp8_tflops=reader.value("accelerator.peak_fp8_tflops", _real(0.0), default=None),
+        name=reader.value("accelerator.name", values.string),
+        memory_GB=reader.value("accelerator.memory", values.gigabytes),
+        peak_bf16_tflops=reader.value("accelerator.peak_bf16_tflops", values.real(0.0)),
+        peak_fp8_tflops=reader.value("accelerator.peak_fp8_tflops", values.real(0.0), default=None),
         memory_bandwidth_GBps=reader.value(
-            "accelerator.memory_bandwidth", _bandwidth, default=None
+            "accelerator.memory_bandwidth", values.bandwidth, default=None
         ),
-        sms=reader.value("accelerator.sms", _integer(1), default=None),
+        sms=reader.value("accelerator.sms", values.integer(1), default=None),
         host=_host(reader),
     )
     try:
@@ -280,13 +281,13 @@ def _host(reader: _Reader) -> HostCosts | None:
     if reader.data["accelerator"].get("host") is None:
         return None
     reader.section("accelerator.host")
-    values = {}
+    costs = {}
     for field in dataclasses.fields(HostCosts):
         # 0 is a measurement: on a host where nothing overlaps, nothing hides.
-        convert = _share if field.name == "overlap_efficiency" else _seconds
+        convert = values.share if field.name == "overlap_efficiency" else values.seconds
         key = f"accelerator.host.{field.name.removesuffix('_s')}"
-        values[field.name] = reader.value(key, convert, default=field.default)
-    return HostCosts(**values)
+        costs[field.name] = reader.value(key, convert, default=field.default)
+    return HostCosts(**costs)
 
 
 def _domain_bandwidth(reader: _Reader, scale_up: dict, links: int) -> float:
@@ -298,7 +299,7 @@ def _domain_bandwidth(reader: _Reader, scale_up: dict, links: int) -> float:
     if "link_bandwidth" in scale_up:
         if links < 1:
             raise ValueError(f"{reader.where('scale_up.links')}: link_bandwidth needs links >= 1")
-        per_link = reader.value("scale_up.link_bandwidth", _bandwidth)
+        per_link = reader.value("scale_up.link_bandwidth", values.bandwidth)
         total = float(links) * per_link if links <= 2**53 else math.inf
         if not math.isfinite(total):
             raise ValueError(
@@ -306,7 +307,7 @@ def _domain_bandwidth(reader: _Reader, scale_up: dict, links: int) -> float:
                 "finite bandwidth"
             )
         return total
-    return reader.value("scale_up.bandwidth", _bandwidth)
+    return reader.value("scale_up.bandwidth", values.bandwidth)
 
 
 class _Reader:
@@ -451,101 +452,3 @@ def _record_lines(
                 )
             seen.add(key)
             _record_lines(value_node, child, lines, source, seen_nodes)
-
-
-_MAX_COUNT = 2**31 - 1  # no count in a machine description comes near it
-
-
-def _integer(minimum: int) -> Callable[[Any], int]:
-    def convert(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected an integer, got {value!r}")
-        if value < minimum:
-            raise ValueError(f"must be >= {minimum}, got {value}")
-        if value > _MAX_COUNT:
-            raise ValueError(f"must be <= {_MAX_COUNT}, got {value}")
-        return value
-
-    return convert
-
-
-def _real(minimum: float) -> Callable[[Any], float]:
-    def convert(value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"expected a number, got {value!r}")
-        if not value >= minimum:
-            raise ValueError(f"must be >= {minimum:g}, got {value}")
-        if value == math.inf:
-            raise ValueError(f"must be a finite number, got {value}")
-        if value > sys.float_info.max:  # an int: YAML allows any number of digits
-            raise ValueError(f"must be a finite number, got an integer of {len(str(value))} digits")
-        return float(value)
-
-    return convert
-
-
-def _fraction(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"expected a fraction in (0, 1], got {value!r}")
-    return float(value)
-
-
-def _share(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"expected a share in [0, 1], got {value!r}")
-    return float(value)
-
-
-def _boolean(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
-
-
-def _string(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"expected a non-empty string, got {value!r}")
-    return value
-
-
-def _choice(enum: type) -> Callable[[Any], Any]:
-    def convert(value: Any) -> Any:
-        return enum.parse(value)
-
-    return convert
-
-
-def _bandwidth(value: Any) -> float:
-    return parse_bandwidth(value, what="")
-
-
-def _gigabytes(value: Any) -> float:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a size with a unit like 80GB or 141GB, got {value!r}")
-    return parse_size(value, what="") / 1e9
-
-
-def _microseconds(value: Any) -> float:
-    if not isinstance(value, str):
-        # A bare number is ambiguous here (seconds? microseconds?), so a unit is required.
-        raise ValueError(f"expected a duration with a unit like 3.4us or 0.5ms, got {value!r}")
-    microseconds = parse_duration(value, what="") * 1e6
-    if not math.isfinite(microseconds):
-        raise ValueError(f"expected a finite duration, got {value!r}")
-    return round(microseconds, 9)
-
-
-def _seconds(value: Any) -> float:
-    return _microseconds(value) / 1e6
-
-
-def _int_tuple(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"expected a list of integers like [4, 4, 4], got {value!r}")
-    return tuple(_integer(1)(v) for v in value)
-
-
-def _bool_tuple(value: Any) -> tuple[bool, ...]:
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"expected a list of true/false, got {value!r}")
-    return tuple(_boolean(v) for v in value)
