@@ -271,28 +271,24 @@ def test_parallel_auto_plans_records_and_reuses_the_layout_and_refuses_a_changed
     assert record["request"]["global_batch"] == 8 * 4 and record["request"]["seq_len"] == 64
     # The job is the winner's: what ok.plan(..., auto=True) chooses for the same request.
     spec = train_model_spec(GPTConfig(**(SHAPE | {"n_embd": 32})), name="gpt_tiny")
-    best = ok.plan(
-        load_topology(host),
-        model=spec,
-        global_batch=32,
-        seq_len=64,
-        auto=True,
-        framework="overlapkit-train",
-        precision="fp32",
-    ).training
+
+    def winner():
+        return ok.plan(
+            load_topology(host),
+            model=spec,
+            global_batch=32,
+            seq_len=64,
+            auto=True,
+            framework="overlapkit-train",
+            precision="fp32",
+        ).training
+
+    best = winner()
     assert _layout_of(OmegaConf.create(job), 4) == best
     assert job["name"] == "gpt_tiny-auto" and job["train"]["steps"] == 3
     # Another host file now makes the planner choose otherwise; the rerun keeps the record.
     host_yaml(host, nodes=1, per_node=4, optimizer_tensor="100ms")
-    moved = ok.plan(
-        load_topology(host),
-        model=spec,
-        global_batch=32,
-        seq_len=64,
-        auto=True,
-        framework="overlapkit-train",
-        precision="fp32",
-    ).training
+    moved = winner()
     assert moved != best
     again, _ = _captured_auto_job(tmp_path, monkeypatch, argv)
     assert _layout_of(OmegaConf.create(again), 4) == best
