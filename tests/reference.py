@@ -53,6 +53,32 @@ def reference_grads(model: nn.Module, batches, lr: float = 0.1) -> list[dict[str
     return out
 
 
+def batch_grads(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    world_size: int,
+) -> dict[str, torch.Tensor]:
+    """The gradients of the mean MSE over ``batch`` at ``params``, in one process (``model`` is
+    overwritten).
+
+    The forward runs shard by shard, as the ranks run it: a matmul over 8 rows and one over 16
+    can round a pre-activation differently, and one that sits at ReLU's kink then takes the other
+    branch, a difference in the gradient no reduction made.
+    """
+    model.load_state_dict(params)
+    model.zero_grad(set_to_none=True)
+    losses = [nn.functional.mse_loss(model(x), y) for x, y in
+              (shard(batch, rank, world_size) for rank in range(world_size))]  # fmt: skip
+    (sum(losses) / world_size).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Name → a copy of each parameter, without DDP's ``module.`` prefix."""
+    return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}
+
+
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Name → a copy of each gradient (None stays None), without DDP's ``module.`` prefix."""
     return {
