@@ -5,20 +5,21 @@ limited to ``--rate``) run two gloo ranks each, as ``bench.placement`` does
 (``bench.harness.two_node_bench``). Every rank detects the topology (2 nodes x 2 ranks), fits
 the cost model to this machine (``two_node_bench.calibrated_topology``: the link, and the
 in-node path while both nodes use theirs) and measures the host terms the planner's
-``StepOptions`` take (``overlapkit.train.host_calibration``): the model's own compute rate (the
-planner's "achievable TFLOP/s" here), the tensor-parallel plan's dispatch per layer pass
+``StepOptions`` take (``overlapkit.train.planning.host_calibration``): the model's own compute rate
+(the planner's "achievable TFLOP/s" here), the tensor-parallel plan's dispatch per layer pass
 (``tp_layer_dispatch_s``), what one collective call costs between busy ranks
 (``collective_overhead_s``: milliseconds here, where four ranks share two cores), the AdamW
 step per plain and per DTensor parameter tensor and per parameter (``optimizer_tensor_s``,
 ``optimizer_dtensor_s``, ``optimizer_param_s``) and the share of the compute that all-reduces
 over the link hide behind (``overlap_efficiency``). The planner prices each layout as
 overlapkit-train runs it (``autoplan.framework.OVERLAPKIT_TRAIN``; the layout is the one a run
-of that config prices itself with, ``overlapkit.train.planned.run_layout``). Then, for each
+of that config prices itself with, ``overlapkit.train.planning.planned.run_layout``). Then, for each
 model (``gpt_tiny``, ``moe_tiny``), it trains every layout below exactly as overlapkit-train
 runs it: the config composed from overlapkit-train's own groups (``overlapkit/conf``), its mesh
-(``overlapkit.train.mesh.build_layout``), its wrapping (``overlapkit.train.step.wrap_model``:
+(``overlapkit.train.parallel.mesh.build_layout``), its wrapping
+(``overlapkit.train.run.step.wrap_model``:
 context parallelism, recomputation, the pipeline or the ``parallel`` group's wrapper) and its
-step (``overlapkit.train.step.train_step``, ``train.grad_accum`` micro-batches of
+step (``overlapkit.train.run.step.train_step``, ``train.grad_accum`` micro-batches of
 ``train.batch_size`` sequences from ``data=synthetic``; no clipping, which the planner does not
 price). Every ok.ddp / ok.GradBucketer reduces in one 25 MiB bucket, as the planner's
 Megatron-LM bucket rule gives for these models.
@@ -82,7 +83,8 @@ from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.models import train_model_spec
 from overlapkit.autoplan.step_time import StepOptions, predict_step
 from overlapkit.planner.layout import TrainingLayout
-from overlapkit.train.host_calibration import (
+from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
+from overlapkit.train.planning.host_calibration import (
     collective_overhead,
     compute_calibration,
     one_rank_group,
@@ -90,7 +92,6 @@ from overlapkit.train.host_calibration import (
     overlap_calibration,
     slowest_medians,
 )
-from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 
 TENSOR_PARALLEL = ("gpt_tiny",)
 """The models with a tensor-parallel layout (moe_tiny's experts go over ep instead)."""
@@ -160,7 +161,7 @@ def batch(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tens
 
 
 def calibrate(name: str, alone: dist.ProcessGroup, args: argparse.Namespace) -> dict:
-    """``name``'s host terms for the planner (``overlapkit.train.host_calibration``)."""
+    """``name``'s host terms for the planner (``overlapkit.train.planning.host_calibration``)."""
     inputs, targets = batch(dist.get_rank(), args)
     spec = planner_spec(name)
     flops = spec.model_flops_per_token(SHAPE["block_size"]) * args.batch * SHAPE["block_size"]

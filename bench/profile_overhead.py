@@ -36,8 +36,8 @@ import torch
 import overlapkit as ok
 from bench.harness.cpu_priority import prioritize
 from bench.harness.json_report import write_json_report
+from bench.harness.synthetic_traces import TraceBuilder
 from overlapkit.profiling.analysis import analyze_run
-from overlapkit.profiling.synthetic import TraceBuilder
 
 PHASES = ("off", "wait", "warmup", "active", "done", "plain")
 

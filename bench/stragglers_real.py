@@ -3,7 +3,7 @@
 1. ``overlapkit-train recipe=demo`` (with the small model of ``tests/test_train_e2e.py``) on 4
    gloo ranks, profiled, nothing slowed: the step jitter, measured as the median over the
    profiled steps of the spread (max - min) of the ranks' step times.
-2. The same run with ``OVERLAPKIT_TEST_SLOW=RANK:MS`` (``overlapkit.train.faults``: the rank
+2. The same run with ``OVERLAPKIT_TEST_SLOW=RANK:MS`` (``bench.harness.slow_rank``: the rank
    sleeps MS in the forward of every step), MS = ``--multiple`` x the jitter (at least 50 ms).
 3. ``overlapkit report --stragglers`` on its traces (the text, as a user sees it), and HTA's
    ``TraceAnalysis(...).get_potential_stragglers()`` on the same directory: its answer or its
@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness.json_report import write_json_report
+from bench.harness.slow_rank import SLOW_ENV, WORKER_INIT
 from bench.trace_scale import run_hta
 
 RUN = [
@@ -39,6 +40,7 @@ RUN = [
     "train.batch_size=4",
     "train.progress=false",
     "train.resume=false",
+    f"launcher.worker_init=[{WORKER_INIT}]",
 ]
 
 
@@ -48,7 +50,7 @@ def train(directory: Path, steps: int, env: dict[str, str]) -> Path:
         [
             sys.executable,
             "-m",
-            "overlapkit.train.cli",
+            "overlapkit.train.launch.cli",
             *RUN,
             f"train.steps={steps}",
             f"hydra.run.dir={directory}",
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         spec = f"{args.rank}:{slow_ms:g}"
-        slowed = train(Path(tmp) / "slowed", args.steps, {"OVERLAPKIT_TEST_SLOW": spec})
+        slowed = train(Path(tmp) / "slowed", args.steps, {SLOW_ENV: spec})
         start = time.perf_counter()
         report = subprocess.run(
             [
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         took = time.perf_counter() - start
         print(
-            f"\n$ OVERLAPKIT_TEST_SLOW={spec} overlapkit-train {' '.join(RUN)} "
+            f"\n$ {SLOW_ENV}={spec} overlapkit-train {' '.join(RUN)} "
             f"train.steps={args.steps}\n$ overlapkit report <profile> --stragglers --step-rows 0 "
             f"({took:.1f} s)\n{report.stdout}{report.stderr[-1000:]}",
             flush=True,

@@ -12,11 +12,11 @@ the same files; and a thousand ranks with stragglers.
    end to end (CPU time of all its processes, peak memory of the largest), and HTA's
    ``TraceAnalysis`` + ``get_potential_stragglers`` on the same directory in its own process
    (its result or its failure, wall time, CPU time, peak memory; ``--hta-timeout``).
-2. ``--thousand``: 1,024 ranks x 400 steps of synthetic NCCL traces (``profiling.synthetic_run``,
-   ``lean``: about 1 MB per rank, 8 ranks per host, clocks off by up to 2 s, three injected
-   stragglers)
-   summarised by ``overlapkit report --stragglers --json --step-rows 0 --collective-rows 0``:
-   wall and CPU time, and the stragglers it names against the injected ones.
+2. ``--thousand``: 1,024 ranks x 400 steps of synthetic NCCL traces
+   (``bench.harness.synthetic_run``, ``lean``: about 1 MB per rank, 8 ranks per host, clocks off
+   by up to 2 s, three injected stragglers) summarised by ``overlapkit report --stragglers --json
+   --step-rows 0 --collective-rows 0``: wall and CPU time, and the stragglers it names against
+   the injected ones.
 
 The machine's load average is printed before and after: on a shared machine CPU time per MB is
 the number that transfers; wall-time scaling needs as many idle cores as workers (the benchmark
@@ -275,14 +275,14 @@ def files_part(args: argparse.Namespace) -> dict:
 
 
 def _write_ranks(args: tuple) -> None:
-    from overlapkit.profiling.synthetic_run import write_run
+    from bench.harness.synthetic_run import write_run
 
     spec, directory, ranks = args
     write_run(spec, directory, ranks=range(*ranks))
 
 
 def thousand_part(args: argparse.Namespace) -> dict:
-    from overlapkit.profiling.synthetic_run import Injection, RunSpec, truth
+    from bench.harness.synthetic_run import Injection, RunSpec, truth
 
     injections = (
         Injection(rank=17, step=50, position=0, cause="compute", delay_ms=3.0),

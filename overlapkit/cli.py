@@ -21,7 +21,7 @@ COMMANDS = {
     "topo": "overlapkit.topology.cli",
     "plan": "overlapkit.autoplan.cli",
     "estimate": "overlapkit.planner.cli",
-    "calibrate": "overlapkit.train.calibrate_cli",
+    "calibrate": "overlapkit.train.planning.calibrate_cli",
     "report": "overlapkit.profiling.cli",
     "doctor": "overlapkit.doctor.cli",
 }

@@ -11,8 +11,6 @@ package root, a leaf importing nothing of overlapkit, because sub-packages of an
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,19 +39,3 @@ def lazy_exports(
         return sorted({*vars(importlib.import_module(package)), *exports})
 
     return __getattr__, __dir__
-
-
-def keep_public_names(package: str, exports: Mapping[str, str]) -> None:
-    """Keep the public names of ``package`` that are also its sub-modules' names naming the
-    public objects: importing a sub-module binds it on its package, where a lazy name would
-    then never be looked up again (``overlapkit.profiling.profile``, the function and the
-    module). Such a binding is dropped; ``sys.modules`` still holds the sub-module.
-    """
-
-    class _Package(types.ModuleType):
-        def __setattr__(self, name: str, value: Any) -> None:
-            if name in exports and isinstance(value, types.ModuleType):
-                return
-            super().__setattr__(name, value)
-
-    sys.modules[package].__class__ = _Package

@@ -9,7 +9,8 @@ The rules (``tests/test_import_layers.py``):
 
 - **direction**, by unit: a unit is a sub-package of the root (``overlapkit.ddp``) or a module
   at the root (``overlapkit.cli``); every unit has a layer, and no edge may run from a unit to one
-  of a higher layer;
+  of a higher layer. Inside a package the same holds among its own sub-packages and root
+  modules (``within`` the package, ``unit_of`` relative to it);
 - **no circle**: neither among modules (an import circle, even through function-level imports)
   nor among the units of one layer (two packages leaning on each other sideways).
 
@@ -111,19 +112,43 @@ def import_edges(root: Path, package: str) -> list[Edge]:
 
 
 def unit_of(module: str, package: str) -> str:
-    """``overlapkit.ddp.hooks`` -> ``overlapkit.ddp``; ``overlapkit.cli`` stays itself."""
-    parts = module.split(".")
-    return package if len(parts) == 1 else ".".join(parts[:2])
+    """The unit of ``module`` among ``package``'s: ``overlapkit.ddp.hooks`` -> ``overlapkit.ddp``
+    (package ``overlapkit``); ``overlapkit.train.run.loop`` -> ``overlapkit.train.run`` (package
+    ``overlapkit.train``); a module at the package's root is its own unit, the package itself too.
+    """
+    if module == package:
+        return package
+    return f"{package}.{module[len(package) + 1 :].split('.')[0]}"
+
+
+def within(edges: Iterable[Edge], package: str) -> list[Edge]:
+    """The edges between two modules of ``package`` (itself or below it)."""
+
+    def inside(module: str) -> bool:
+        return module == package or module.startswith(f"{package}.")
+
+    return [e for e in edges if inside(e.source) and inside(e.target)]
+
+
+def layer_of(unit: str, layers: Mapping[str, int], package: str) -> int | None:
+    """``unit``'s layer: its own entry, else the package's default for root modules
+    (``"<package>.*"``), else None."""
+    if unit in layers:
+        return layers[unit]
+    if unit != package and "." not in unit[len(package) + 1 :]:
+        return layers.get(f"{package}.*")
+    return None
 
 
 def unlayered(modules: Iterable[str], layers: Mapping[str, int], package: str) -> list[str]:
     """Units that have no layer (a new package or root module must be given one)."""
-    return sorted({unit_of(m, package) for m in modules} - set(layers))
+    units = {unit_of(m, package) for m in modules}
+    return sorted(u for u in units if layer_of(u, layers, package) is None)
 
 
 def stale_layers(modules: Iterable[str], layers: Mapping[str, int], package: str) -> list[str]:
     """Units that have a layer but no longer exist (a package was moved or removed)."""
-    return sorted(set(layers) - {unit_of(m, package) for m in modules})
+    return sorted(set(layers) - {unit_of(m, package) for m in modules} - {f"{package}.*"})
 
 
 def upward_imports(edges: Iterable[Edge], layers: Mapping[str, int], package: str) -> list[str]:
@@ -131,10 +156,11 @@ def upward_imports(edges: Iterable[Edge], layers: Mapping[str, int], package: st
     found = []
     for e in edges:
         low, high = unit_of(e.source, package), unit_of(e.target, package)
-        if layers[high] > layers[low]:
+        low_layer, high_layer = layer_of(low, layers, package), layer_of(high, layers, package)
+        if high_layer > low_layer:
             found.append(
-                f"{e.where()}: {e.source} (layer {layers[low]}, {low}) imports {e.target} "
-                f"(layer {layers[high]}, {high}): an import runs upward"
+                f"{e.where()}: {e.source} (layer {low_layer}, {low}) imports {e.target} "
+                f"(layer {high_layer}, {high}): an import runs upward"
             )
     return found
 

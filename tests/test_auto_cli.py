@@ -10,19 +10,19 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
 import overlapkit as ok
-from overlapkit.autoplan.auto import auto_plan
 from overlapkit.autoplan.auto_cli import render_auto, run_instructions
 from overlapkit.autoplan.compute import measured_accelerator
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
+from overlapkit.autoplan.handoff.run_config import train_overrides
 from overlapkit.autoplan.layout_warnings import place_inside
-from overlapkit.autoplan.run_config import train_overrides
+from overlapkit.autoplan.ok_plan import auto_plan
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.cli import main
 from overlapkit.planner.placement import plan as place
 from overlapkit.planner.traffic import Workload
 from overlapkit.topology import load_topology
-from overlapkit.train.cli import check_job
-from overlapkit.train.launch import LauncherConfig
+from overlapkit.train.launch.cli import check_job
+from overlapkit.train.launch.elastic import LauncherConfig
 from tests.multiproc import run_on_ranks
 from tests.test_memory_validation import tiny_spec
 

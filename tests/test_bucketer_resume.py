@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import overlapkit as ok
-from overlapkit.train.checkpoint import TrainingState
-from overlapkit.train.data import BatchStream, SyntheticRegression
-from overlapkit.train.parallel import apply_parallel
-from overlapkit.train.schedule import warmup_cosine
+from overlapkit.train.parallel.wrappers import apply_parallel
+from overlapkit.train.run.checkpoint import TrainingState
+from overlapkit.train.run.data import BatchStream, SyntheticRegression
+from overlapkit.train.run.lr_schedule import warmup_cosine
 from tests.multiproc import run_on_ranks
 
 BUCKET_MB = 0.0005  # about one layer per bucket

@@ -25,16 +25,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from overlapkit.train.checkpoint import (
+from overlapkit.train.run.checkpoint import (
     TrainingState,
     committed_checkpoints,
     latest_checkpoint,
     remove_pending,
     step_dir,
 )
-from overlapkit.train.data import BatchStream, SyntheticRegression
-from overlapkit.train.resume import NoUsableCheckpoint, resume_from_newest_usable
-from overlapkit.train.schedule import warmup_cosine
+from overlapkit.train.run.data import BatchStream, SyntheticRegression
+from overlapkit.train.run.lr_schedule import warmup_cosine
+from overlapkit.train.run.resume import NoUsableCheckpoint, resume_from_newest_usable
 
 WIDTH = 1024  # 4 layers of 1024 x 1024: 16 MB of parameters, 48 MB per checkpoint with AdamW
 SMALL_WIDTH = 64  # where the size of a checkpoint does not matter

@@ -10,10 +10,10 @@ device lookup answers ``cuda:0``.
 import pytest
 import torch
 
-from overlapkit.train import checkpoint
-from overlapkit.train.checkpoint import TrainingState, step_dir
-from overlapkit.train.data import BatchStream, SyntheticRegression
-from overlapkit.train.schedule import warmup_cosine
+from overlapkit.train.run import checkpoint
+from overlapkit.train.run.checkpoint import TrainingState, step_dir
+from overlapkit.train.run.data import BatchStream, SyntheticRegression
+from overlapkit.train.run.lr_schedule import warmup_cosine
 from tests.cuda import requires_cuda
 
 WIDTH = 8

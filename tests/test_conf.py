@@ -23,13 +23,18 @@ import overlapkit as ok
 from overlapkit.conf.run_name import path_safe_name
 from overlapkit.profiling import Profile
 from overlapkit.topology import detect_topology, load_topology
-from overlapkit.train.auto import AutoConfig
-from overlapkit.train.cli import check_fresh_start, check_job, check_missing, node_rank_from_argv
-from overlapkit.train.data import SyntheticRegression, SyntheticTokens, TextCorpus
-from overlapkit.train.launch import LauncherConfig
-from overlapkit.train.loop import TrainConfig
-from overlapkit.train.mesh import PlanConfig, split_parallel
+from overlapkit.train.launch.cli import (
+    check_fresh_start,
+    check_job,
+    check_missing,
+    node_rank_from_argv,
+)
+from overlapkit.train.launch.elastic import LauncherConfig
 from overlapkit.train.models import MoEGPT
+from overlapkit.train.parallel.mesh import PlanConfig, split_parallel
+from overlapkit.train.planning.parallel_auto import AutoConfig
+from overlapkit.train.run.data import SyntheticRegression, SyntheticTokens, TextCorpus
+from overlapkit.train.run.loop import TrainConfig
 from tests.test_slurm_env import ONE_NODE_TWO_TASKS
 
 CONF = Path(ok.__file__).parent / "conf"

@@ -13,16 +13,16 @@ from torch.distributed.tensor import DTensor
 
 import overlapkit as ok
 from overlapkit.group.process_group import group_timeout
-from overlapkit.train.context_parallel import (
+from overlapkit.train.models import GPT, GPTConfig, MLPConfig, MoEConfig
+from overlapkit.train.parallel.context_parallel import (
     WholeSequences,
     check_sequence_split,
     chunk_positions,
     split_sequences,
 )
-from overlapkit.train.mesh import PlanConfig, build_layout, check_plan, data_shard
-from overlapkit.train.models import GPT, GPTConfig, MLPConfig, MoEConfig
-from overlapkit.train.parallel import apply_parallel
-from overlapkit.train.recompute import apply_recompute
+from overlapkit.train.parallel.mesh import PlanConfig, build_layout, check_plan, data_shard
+from overlapkit.train.parallel.recompute import apply_recompute
+from overlapkit.train.parallel.wrappers import apply_parallel
 from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from overlapkit.cost import estimate, group_shape, pipeline
+from overlapkit.cost import estimate, group_shape, nccl_chunking
 from overlapkit.cost.algorithms import tree_network_volume
 from overlapkit.cost.libraries import NCCL
 from overlapkit.cost.nvls import (
@@ -110,10 +110,10 @@ def test_in_switch_reduction_beats_ring_inside_an_nvswitch_node():
     # 24 channels of S/24: two full loops of 8 x 2 MiB and a short third one; one step of fill.
     channel_Bps = achieved * GB / 24
     last = (S / 24 - 2 * 8 * 2**21) / 8
-    half = pipeline.HALF_BYTES["simple"]
+    half = nccl_chunking.HALF_BYTES["simple"]
     extra = 14 * (
         _hockney_step_s(last, half, 2**21, channel_Bps) - last / channel_Bps
-    ) + pipeline.RING_FILL_STEPS * _hockney_step_s(2**21, half, 2**21, channel_Bps)
+    ) + nccl_chunking.RING_FILL_STEPS * _hockney_step_s(2**21, half, 2**21, channel_Bps)
     assert ring.time_s == pytest.approx(8.4e-6 + 14 * 3.4e-6 + 14 / 8 * S / (achieved * GB) + extra)
 
 

@@ -1,4 +1,4 @@
-"""NCCL's chunking, loops and pipeline fill (cost.pipeline) against its source and formulas."""
+"""NCCL's chunking, loops and pipeline fill (cost.nccl_chunking) against its source and formulas."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from overlapkit.cost import estimate, group_shape, pipeline
+from overlapkit.cost import estimate, group_shape, nccl_chunking
 from overlapkit.cost.estimate import estimate_shape
 from overlapkit.cost.libraries import GLOO, IDEAL
 from overlapkit.topology import bare_link, load_topology
@@ -18,9 +18,11 @@ NCCL_PRESETS = ("dgx-a100", "dgx-h100", "hgx-b200", "gb200-nvl72", "dgx-h100x2",
 
 def test_chunk_sizes_are_nccls_buffer_steps():
     # init.cc: 4 MiB Simple buffer, LL128 120 x 640 x 8 x 8 B, LL 8 x 512 x 8 x 16 B; 8 steps.
-    assert pipeline.CHUNK_BYTES[pipeline.SIMPLE] == 4 * 512 * KiB  # ALLREDUCE_CHUNKSTEPS = 4
-    assert pipeline.CHUNK_BYTES[pipeline.LL128] == 614400 * 15 // 16 == 576000
-    assert pipeline.CHUNK_BYTES[pipeline.LL] == 64 * KiB // 2
+    assert (
+        nccl_chunking.CHUNK_BYTES[nccl_chunking.SIMPLE] == 4 * 512 * KiB
+    )  # ALLREDUCE_CHUNKSTEPS = 4
+    assert nccl_chunking.CHUNK_BYTES[nccl_chunking.LL128] == 614400 * 15 // 16 == 576000
+    assert nccl_chunking.CHUNK_BYTES[nccl_chunking.LL] == 64 * KiB // 2
 
 
 @pytest.mark.parametrize(
@@ -35,7 +37,7 @@ def test_ring_channels_follow_nccls_ring_search(preset, channels):
 
 def test_an_h800s_eight_nvlinks_run_fewer_rings():
     # 8 x 20.6 = 164.8 GB/s: 4 rings of 40 (more than 2 of 60 or 3 of 50), duplicated twice.
-    assert pipeline.ring_channels(8 * 20.6, 8) == 16
+    assert nccl_chunking.ring_channels(8 * 20.6, 8) == 16
 
 
 def test_groups_across_nodes_run_two_channels_per_nic():
@@ -59,37 +61,37 @@ def test_groups_across_nodes_run_two_channels_per_nic():
     ],
 )
 def test_nvls_chunks_shrink_at_nccls_thresholds(nbytes, chunk):
-    assert pipeline.nvls_chunk_bytes(nbytes, 16, 8) == chunk
+    assert nccl_chunking.nvls_chunk_bytes(nbytes, 16, 8) == chunk
 
 
 def test_nvls_tree_chunks_are_64_kib_from_four_nodes_on():
-    assert pipeline.nvls_tree_chunk_bytes(2**33, 16, 8, 2) == 128 * KiB
-    assert pipeline.nvls_tree_chunk_bytes(2**33, 16, 8, 4) == 64 * KiB
-    assert pipeline.nvls_tree_chunk_bytes(2**20, 16, 8, 2) == 32 * KiB
+    assert nccl_chunking.nvls_tree_chunk_bytes(2**33, 16, 8, 2) == 128 * KiB
+    assert nccl_chunking.nvls_tree_chunk_bytes(2**33, 16, 8, 4) == 64 * KiB
+    assert nccl_chunking.nvls_tree_chunk_bytes(2**20, 16, 8, 2) == 32 * KiB
 
 
 def test_full_loops_pay_only_the_fill():
     # 24 channels, 8 ranks: 3 loops of 8 x 2 MiB per channel; only the one fill step is extra.
     channel_Bps = 240 * GB / 24
     S = 24 * 3 * 8 * 2 * MiB
-    extra = pipeline.ring_overhead_s(
+    extra = nccl_chunking.ring_overhead_s(
         nbytes=S, channels=24, protocol="simple", steps_per_loop=14, chunks_per_loop=8, bus_GBps=240
     )
-    assert extra == pytest.approx(pipeline.RING_FILL_STEPS * 2 * MiB / channel_Bps)
+    assert extra == pytest.approx(nccl_chunking.RING_FILL_STEPS * 2 * MiB / channel_Bps)
 
 
 def test_a_short_loop_pays_the_half_performance_length_on_every_step():
     # One loop of chunks c = S / (24 x 8): each of the 14 steps costs (c + h) / r instead of c / b,
     # with r = b (full + h) / full.
-    S, half, full = 64 * MiB, pipeline.HALF_BYTES["simple"], 2 * MiB
+    S, half, full = 64 * MiB, nccl_chunking.HALF_BYTES["simple"], 2 * MiB
     channel_Bps = 240 * GB / 24
     c = S / 24 / 8
     raw_Bps = channel_Bps * (full + half) / full
     expected = (
         14 * ((c + half) / raw_Bps - c / channel_Bps)
-        + pipeline.RING_FILL_STEPS * (c + half) / raw_Bps
+        + nccl_chunking.RING_FILL_STEPS * (c + half) / raw_Bps
     )
-    extra = pipeline.ring_overhead_s(
+    extra = nccl_chunking.ring_overhead_s(
         nbytes=S, channels=24, protocol="simple", steps_per_loop=14, chunks_per_loop=8, bus_GBps=240
     )
     assert extra == pytest.approx(expected)
@@ -104,7 +106,7 @@ def test_a_broadcast_fills_its_pipeline_through_every_hop():
     # which crosses 6 more hops after the first before the last rank has it.
     channel_Bps = 240 * GB / 24
     c = S / 24
-    half, full = pipeline.HALF_BYTES["simple"], 512 * KiB
+    half, full = nccl_chunking.HALF_BYTES["simple"], 512 * KiB
     raw_Bps = channel_Bps * (full + half) / full
     extra = (c + half) / raw_Bps - c / channel_Bps + 6 * (c + half) / raw_Bps
     assert simple == pytest.approx(8.4e-6 + 7 * 3.4e-6 + S / (240 * GB) + extra)
@@ -114,11 +116,11 @@ def test_a_small_nvls_all_reduce_leaves_heads_idle():
     # 1 MiB on 8 H100: 64 KiB per channel, 8 KiB per head, rounded up to a 16 KiB granule: the
     # loop takes as long as 8 x 16 KiB, and 3 fill loops of the same.
     algbw = 18 * 20.6 * 0.85 * 8 / 9
-    half, full = pipeline.HALF_BYTES["nvls"], 128 * KiB
+    half, full = nccl_chunking.HALF_BYTES["nvls"], 128 * KiB
     raw_Bps = algbw * GB / 16 * (full + half) / full
     loop_s = 8 * (16 * KiB + half) / raw_Bps
-    expected = (1 + pipeline.NVLS_FILL_LOOPS) * loop_s - 64 * KiB / (algbw * GB / 16)
-    extra = pipeline.nvls_overhead_s(nbytes=MiB, heads=8, channels=16, algbw_GBps=algbw)
+    expected = (1 + nccl_chunking.NVLS_FILL_LOOPS) * loop_s - 64 * KiB / (algbw * GB / 16)
+    extra = nccl_chunking.nvls_overhead_s(nbytes=MiB, heads=8, channels=16, algbw_GBps=algbw)
     assert extra == pytest.approx(expected)
     est = estimate("all_reduce", nbytes=MiB, topology=load_topology("dgx-h100"), algorithm="switch")
     assert est.time_s == pytest.approx(MiB / (algbw * GB) + expected)
@@ -127,8 +129,8 @@ def test_a_small_nvls_all_reduce_leaves_heads_idle():
 def test_nvls_fill_at_1_mib_is_about_nccls_nvls_latency():
     # tuning.cc charges NVLS 23 us (2.20) / 25 us (2.30) of latency; the fill it stands for is
     # 3 loops of 8 heads x 16 KiB at 17.5 GB/s per channel, 29.5 us.
-    fill = pipeline.nvls_overhead_s(nbytes=MiB, heads=8, channels=16, algbw_GBps=280.2)
-    fill -= pipeline.nvls_overhead_s(
+    fill = nccl_chunking.nvls_overhead_s(nbytes=MiB, heads=8, channels=16, algbw_GBps=280.2)
+    fill -= nccl_chunking.nvls_overhead_s(
         nbytes=MiB, heads=8, channels=16, algbw_GBps=280.2, fill_loops=0
     )
     assert fill == pytest.approx(29.5e-6, rel=0.01)
@@ -182,7 +184,7 @@ def test_gloo_and_an_ideal_link_add_no_pipeline_terms():
     protocol=st.sampled_from(["ll", "ll128", "simple"]),
 )
 def test_the_pipeline_never_makes_a_collective_faster(nbytes, ranks, channels, protocol):
-    ring = pipeline.ring_overhead_s(
+    ring = nccl_chunking.ring_overhead_s(
         nbytes=nbytes,
         channels=channels,
         protocol=protocol,
@@ -190,7 +192,9 @@ def test_the_pipeline_never_makes_a_collective_faster(nbytes, ranks, channels, p
         chunks_per_loop=ranks,
         bus_GBps=100.0,
     )
-    nvls = pipeline.nvls_overhead_s(nbytes=nbytes, heads=ranks, channels=channels, algbw_GBps=100)
+    nvls = nccl_chunking.nvls_overhead_s(
+        nbytes=nbytes, heads=ranks, channels=channels, algbw_GBps=100
+    )
     assert ring >= 0 and nvls >= 0
     if protocol == "simple":  # LL128 has no half-performance length and no fill
         assert (ring == 0) == (nbytes == 0)
@@ -209,7 +213,7 @@ def test_no_size_beats_the_large_message_bus_bandwidth(preset, collective, expon
 
 def test_ring_overhead_is_zero_for_nothing_to_move():
     assert (
-        pipeline.ring_overhead_s(
+        nccl_chunking.ring_overhead_s(
             nbytes=0,
             channels=24,
             protocol="simple",

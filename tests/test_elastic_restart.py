@@ -2,8 +2,9 @@
 it resumes from the newest checkpoint every rank can use and ends with the parameters of an
 uninterrupted run; a run none of whose checkpoints can be used stops with one line.
 
-The kill comes from the test-only hook ``overlapkit.train.faults`` (``OVERLAPKIT_TEST_KILL``), and
-so does the damage to the newest checkpoint (``OVERLAPKIT_TEST_DAMAGE_NEWEST``).
+The kill comes from the tests' worker start-up hook ``tests.faults`` (``OVERLAPKIT_TEST_KILL``,
+armed through ``launcher.worker_init``), and so does the damage to the newest checkpoint
+(``OVERLAPKIT_TEST_DAMAGE_NEWEST``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from overlapkit.train.faults import (
+from tests.faults import (
     DAMAGE_ENV,
     KILL_ENV,
     RAN_MARKER,
+    WORKER_INIT,
     damage_newest_checkpoint,
     install_kill_from_env,
     parse_kill_spec,
@@ -57,6 +59,7 @@ COMMON = [
     "train.keep_checkpoints=0",
     "train.grad_accum=2",
     "launcher.max_restarts=1",
+    f"launcher.worker_init=[{WORKER_INIT}]",
 ]
 """Checkpoints at steps 2 and 4; rank 1 dies in step 5's forward, so step 5 is lost and redone."""
 
@@ -122,7 +125,7 @@ def test_restart_meeting_a_damaged_newest_checkpoint_resumes_from_the_previous_o
     # stopped), then rank 0's warning naming both.
     for rank in (0, 1):
         refusals = re.findall(
-            rf"^\[rank{rank}\] ERROR overlapkit\.train\.resume: checkpoint refused: "
+            rf"^\[rank{rank}\] ERROR overlapkit\.train\.run\.resume: checkpoint refused: "
             rf"{re.escape(str(newest))}/\.metadata: not a readable DCP checkpoint metadata file: "
             r"checkpoint metadata refers to (io|builtins)\.open, .*$",
             output,
@@ -178,7 +181,7 @@ def test_a_run_whose_every_checkpoint_is_damaged_stops_with_one_line_and_no_trac
     assert f"{checkpoints / 'step_00000002'}: RuntimeError: PytorchStreamReader failed" in line
     assert line.endswith("Move them away (or repair them), or start another run (name=...)")
     # Each rank said why for each checkpoint, once; no restart (the workers did not fail).
-    refusal = r"^\[rank[01]\] ERROR overlapkit\.train\.resume: checkpoint refused: "
+    refusal = r"^\[rank[01]\] ERROR overlapkit\.train\.run\.resume: checkpoint refused: "
     assert len(re.findall(refusal, output, re.MULTILINE)) == 6, output[-5000:]
     assert not (run / RAN_MARKER).exists()
 
@@ -198,9 +201,7 @@ def test_kill_is_armed_only_for_its_rank_on_the_first_attempt(monkeypatch):
     # Arming installs process-wide hooks, so only the cases that must not arm run here; the
     # armed case runs in the workers of the end-to-end test above.
     monkeypatch.delenv(KILL_ENV, raising=False)
-    assert install_kill_from_env(1) is False
+    assert install_kill_from_env(1, attempt=0) is False
     monkeypatch.setenv(KILL_ENV, "1:5")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert install_kill_from_env(0) is False
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert install_kill_from_env(1) is False
+    assert install_kill_from_env(0, attempt=0) is False
+    assert install_kill_from_env(1, attempt=1) is False

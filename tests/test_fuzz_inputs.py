@@ -23,10 +23,10 @@ import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from bench.harness.synthetic_traces import TraceBuilder
 from overlapkit.cli import main as overlapkit_main
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.rank_trace import RankTrace, load_rank_trace
-from overlapkit.profiling.synthetic import TraceBuilder
 from overlapkit.profiling.trace_loader import MAX_DEPTH, TraceFormatError, read_trace
 from overlapkit.topology import Topology
 from overlapkit.topology.loading import PRESET_DIR, load_topology, parse_topology_yaml

@@ -18,13 +18,16 @@ import pytest
 
 import overlapkit
 from tests.import_graph import (
+    Edge,
     import_edges,
     module_circles,
     module_files,
     stale_layers,
     unit_circles,
+    unit_of,
     unlayered,
     upward_imports,
+    within,
 )
 
 LAYERS: dict[str, int] = {
@@ -59,6 +62,28 @@ LAYERS: dict[str, int] = {
     "overlapkit": 5,
 }
 
+INNER_LAYERS: dict[str, dict[str, int]] = {
+    # The training entry point by concept: the model zoo, the parallel layouts built on it, the
+    # planner's adapters for a run, the run itself, and launching it.
+    "overlapkit.train": {
+        "overlapkit.train.models": 0,
+        "overlapkit.train.parallel": 1,
+        "overlapkit.train.planning": 2,
+        "overlapkit.train.run": 3,
+        "overlapkit.train.launch": 4,
+        "overlapkit.train": 5,
+    },
+    # The search and its models, then the hand-offs of a winner, then the command.
+    "overlapkit.autoplan": {
+        "overlapkit.autoplan.*": 0,
+        "overlapkit.autoplan.handoff": 1,
+        "overlapkit.autoplan.auto_cli": 2,
+        "overlapkit.autoplan.cli": 2,
+        "overlapkit.autoplan": 2,
+    },
+}
+"""Layers inside the packages that have sub-packages (``"<package>.*"``: its other root modules)."""
+
 ROOT = Path(overlapkit.__file__).parent
 PACKAGE = "overlapkit"
 
@@ -77,6 +102,24 @@ def test_every_unit_has_a_layer_and_every_layer_names_a_unit():
 def test_no_import_runs_upward(edges):
     assert len(edges) > 100
     found = upward_imports(edges, LAYERS, PACKAGE)
+    assert not found, "\n" + "\n".join(found)
+
+
+def test_every_package_with_sub_packages_has_inner_layers():
+    modules = module_files(ROOT, PACKAGE)
+    nested = {m.rsplit(".", 1)[0] for m, path in modules.items() if m.count(".") >= 3}
+    nested |= {m for m, path in modules.items() if path.name == "__init__.py" and m.count(".") == 2}
+    parents = {".".join(m.split(".")[:2]) for m in nested}
+    assert parents == set(INNER_LAYERS), "give each package with sub-packages INNER_LAYERS"
+
+
+@pytest.mark.parametrize("package", sorted(INNER_LAYERS))
+def test_no_import_runs_upward_inside_a_package(edges, package):
+    layers = INNER_LAYERS[package]
+    inside = [m for m in module_files(ROOT, PACKAGE) if m == package or m.startswith(package + ".")]
+    assert unlayered(inside, layers, package) == [], f"give each unit of {package} a layer"
+    assert stale_layers(inside, layers, package) == [], f"drop {package}'s gone units"
+    found = upward_imports(within(edges, package), layers, package)
     assert not found, "\n" + "\n".join(found)
 
 
@@ -176,3 +219,18 @@ def test_a_unit_without_a_layer_and_a_layer_without_a_unit_are_reported(broken):
         "pkg.side",
     ]
     assert stale_layers(modules, {"pkg": 1, "pkg.low": 0, "pkg.gone": 0}, "pkg") == ["pkg.gone"]
+
+
+def test_inside_a_package_an_upward_import_among_its_sub_packages_is_reported():
+    edges = [
+        Edge("pkg.high.run.loop", "pkg.high.models.gpt", "pkg/high/run/loop.py", 1),
+        Edge("pkg.high.models.gpt", "pkg.high.run.step", "pkg/high/models/gpt.py", 3),
+        Edge("pkg.high.models.gpt", "pkg.low.a", "pkg/high/models/gpt.py", 4),
+    ]
+    inner = within(edges, "pkg.high")
+    assert len(inner) == 2  # the edge leaving pkg.high is the top-level check's
+    layers = {"pkg.high.models": 0, "pkg.high.run": 1, "pkg.high": 2}
+    [found] = upward_imports(inner, layers, "pkg.high")
+    assert found.startswith("pkg/high/models/gpt.py:3: pkg.high.models.gpt (layer 0, ")
+    assert unit_of("pkg.high.run.loop", "pkg.high") == "pkg.high.run"
+    assert unit_of("pkg.high", "pkg.high") == "pkg.high"

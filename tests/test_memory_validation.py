@@ -31,8 +31,8 @@ from overlapkit.autoplan.step_time import parameter_tensors
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 from overlapkit.train.models.moe import shard_experts
-from overlapkit.train.parallel import apply_tensor_parallel
-from overlapkit.train.recompute import apply_recompute
+from overlapkit.train.parallel.recompute import apply_recompute
+from overlapkit.train.parallel.wrappers import apply_tensor_parallel
 from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 

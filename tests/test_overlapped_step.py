@@ -499,7 +499,7 @@ def test_train_option_bucketer_overlap_follows_parallel_bucketer_bitwise(scenari
 def test_train_runs_bucketer_overlap_with_the_default_clip_grad_norm():
     from hydra.utils import instantiate
 
-    from overlapkit.train.cli import check_job
+    from overlapkit.train.launch.cli import check_job
 
     cfg = compose_config("parallel=bucketer_overlap")
     assert cfg.train.clip_grad_norm == 1.0

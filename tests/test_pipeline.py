@@ -16,15 +16,16 @@ from torch.distributed.tensor import DTensor
 import overlapkit as ok
 from overlapkit.profiling import analyze_run
 from overlapkit.profiling.report import format_report
-from overlapkit.train.checkpoint import TrainingState, step_dir
-from overlapkit.train.data import BatchStream, SyntheticRegression
-from overlapkit.train.mesh import PlanConfig, build_layout, check_plan, data_shard, split_parallel
 from overlapkit.train.models import GPT, GPTConfig, MLPConfig
-from overlapkit.train.monitor import RunSummary
-from overlapkit.train.pipeline import apply_pipeline
-from overlapkit.train.recompute import apply_recompute
-from overlapkit.train.schedule import warmup_cosine
-from overlapkit.train.stages import (
+from overlapkit.train.parallel.mesh import (
+    PlanConfig,
+    build_layout,
+    check_plan,
+    data_shard,
+    split_parallel,
+)
+from overlapkit.train.parallel.pipeline_parallel import apply_pipeline
+from overlapkit.train.parallel.pipeline_stages import (
     bubble_share,
     check_pipeline,
     local_stages,
@@ -32,6 +33,11 @@ from overlapkit.train.stages import (
     stage_blocks,
     stage_layers,
 )
+from overlapkit.train.parallel.recompute import apply_recompute
+from overlapkit.train.run.checkpoint import TrainingState, step_dir
+from overlapkit.train.run.data import BatchStream, SyntheticRegression
+from overlapkit.train.run.lr_schedule import warmup_cosine
+from overlapkit.train.run.progress import RunSummary
 from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 

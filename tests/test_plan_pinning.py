@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 import overlapkit as ok
-from overlapkit.autoplan.auto import auto_plan
 from overlapkit.autoplan.framework import FRAMEWORKS, MEGATRON, OVERLAPKIT_TRAIN
+from overlapkit.autoplan.handoff.run_config import train_overrides
 from overlapkit.autoplan.models import gpt_spec, load_model
+from overlapkit.autoplan.ok_plan import auto_plan
 from overlapkit.autoplan.published_runs import check_run, published_runs
-from overlapkit.autoplan.run_config import train_overrides
 from overlapkit.autoplan.search import price, search
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.cli import main
@@ -176,7 +176,7 @@ def test_overlapkit_train_never_proposes_what_it_refuses_and_megatron_does():
 
 
 def test_the_framework_refusal_names_each_thing_it_lacks():
-    # What overlapkit-train refuses before launch (train/mesh.py, stages.py), one by one.
+    # What overlapkit-train refuses before launch (train/parallel/mesh.py, stages.py), one by one.
     lacks = {
         TrainingLayout(tp=2, ep=2): "tensor and expert parallelism together",
         TrainingLayout(tp=2, dp=2, sharding="fsdp"): "tensor parallelism under FSDP",

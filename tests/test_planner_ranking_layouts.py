@@ -1,5 +1,5 @@
 """bench.planner_ranking's layouts: each composed from overlapkit-train's own groups and priced
-as the layout a run of that config prices itself with (``overlapkit.train.planned``)."""
+as the layout a run of that config prices itself with (``overlapkit.train.planning.planned``)."""
 
 import copy
 
@@ -7,7 +7,7 @@ import pytest
 
 from bench.planner_ranking import LAYOUTS, parse_args, planned_layout, run_config
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
-from overlapkit.train.mesh import split_parallel
+from overlapkit.train.parallel.mesh import split_parallel
 
 # The layouts issue 30 added (each composition costs about a second): the planner's fields
 # that differ from ddp over dp = 4, and the wrapper.

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from overlapkit.cli import main
-from overlapkit.cost import estimate, libraries, nvls, pipeline
+from overlapkit.cost import estimate, libraries, nccl_chunking, nvls
 from overlapkit.cost.nvls import RACK_EXPONENT, TREE_WARP_FACTOR
 from overlapkit.cost.published import (
     TOLERANCE,
@@ -121,19 +121,19 @@ def _worst_error(sweeps, monkeypatch=None):
     ("set_to", "values", "sweeps"),
     [
         (lambda mp, v: mp.setattr(libraries, "LL128_EFFICIENCY", v), (0.55, 0.65), RING_SWEEPS_FIT),
-        (lambda mp, v: mp.setattr(pipeline, "RING_FILL_STEPS", v), (0, 2), RING_SWEEPS_FIT),
+        (lambda mp, v: mp.setattr(nccl_chunking, "RING_FILL_STEPS", v), (0, 2), RING_SWEEPS_FIT),
         (
-            lambda mp, v: mp.setitem(pipeline.HALF_BYTES, "simple", v),
+            lambda mp, v: mp.setitem(nccl_chunking.HALF_BYTES, "simple", v),
             (64 << 10, 96 << 10),
             RING_SWEEPS_FIT,
         ),
-        (lambda mp, v: mp.setitem(pipeline.HALF_BYTES, "ll", v), (512, 2048), RING_SWEEPS_FIT),
+        (lambda mp, v: mp.setitem(nccl_chunking.HALF_BYTES, "ll", v), (512, 2048), RING_SWEEPS_FIT),
         (
-            lambda mp, v: mp.setitem(pipeline.HALF_BYTES, "nvls", v),
+            lambda mp, v: mp.setitem(nccl_chunking.HALF_BYTES, "nvls", v),
             (4 << 10, 8 << 10),
             NVLS_SWEEPS_FIT,
         ),
-        (lambda mp, v: mp.setattr(pipeline, "NVLS_FILL_LOOPS", v), (2, 4), NVLS_SWEEPS_FIT),
+        (lambda mp, v: mp.setattr(nccl_chunking, "NVLS_FILL_LOOPS", v), (2, 4), NVLS_SWEEPS_FIT),
     ],
     ids=["ll128-efficiency", "ring-fill", "simple-half", "ll-half", "nvls-half", "nvls-fill"],
 )

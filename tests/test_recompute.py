@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from overlapkit.train.loop import TrainConfig
 from overlapkit.train.models import GPT, GPTConfig
-from overlapkit.train.recompute import (
+from overlapkit.train.parallel.recompute import (
     ATTENTION_OPS,
     apply_recompute,
     check_recompute_fits,
 )
+from overlapkit.train.run.loop import TrainConfig
 from tests.cuda import requires_cuda
 
 CONFIG = dict(n_layer=3, n_head=2, n_embd=16, block_size=16)

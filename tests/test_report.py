@@ -12,11 +12,11 @@ import sys
 import matplotlib.image
 import pytest
 
+from bench.harness.synthetic_traces import TraceBuilder
 from overlapkit import cli as overlapkit_cli
 from overlapkit.profiling import cli
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.counters import write_counter_copy
-from overlapkit.profiling.synthetic import TraceBuilder
 
 STEP_KEYS = {"rank", "step", "compute_ms", "comm_ms", "exposed_comm_ms", "tail_ms", "overlap_ratio"}
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from bench.harness import netns, two_nodes
-from overlapkit.train.slurm import expand_hostlist
+from overlapkit.train.launch.slurm import expand_hostlist
+from tests.faults import KILL_ENV, WORKER_INIT
 from tests.slurm_cluster import SlurmCluster, unavailable_reason
 
 REPO = Path(__file__).resolve().parent.parent
@@ -142,7 +143,8 @@ def test_failed_job_requeued_resumes_from_its_newest_checkpoint(cluster, tmp_pat
     # process, does not strike again.
     args = ["--nodes=1", "--ntasks-per-node=2", "--job-name=requeue", *NO_GPUS, str(RECIPE)]
     overrides = [*SMALL, "train.steps=6", "train.checkpoint_every=3"]
-    env = {**job_env, "OVERLAPKIT_TEST_KILL": "1:5"}
+    overrides.append(f"launcher.worker_init=[{WORKER_INIT}]")
+    env = {**job_env, KILL_ENV: "1:5", "PYTHONPATH": str(REPO)}
     job, state = _run_job(cluster, [*args, *overrides], tmp_path, env)
     output = _output(tmp_path, job)
     assert state == "FAILED", f"{output[-5000:]}\n{cluster.logs()}"

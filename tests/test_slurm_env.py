@@ -10,9 +10,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from overlapkit.train.cli import process_index
-from overlapkit.train.launch import LauncherConfig
-from overlapkit.train.slurm import (
+from overlapkit.train.launch.cli import process_index
+from overlapkit.train.launch.elastic import LauncherConfig
+from overlapkit.train.launch.slurm import (
     SlurmStep,
     expand_hostlist,
     expand_tasks_per_node,

@@ -1,5 +1,5 @@
-"""overlapkit.train.host_calibration: the host terms ``overlapkit calibrate --host`` measures (and
-bench.planner_ranking with it), on 2 ranks.
+"""overlapkit.train.planning.host_calibration: the host terms ``overlapkit calibrate --host``
+measures (and bench.planner_ranking with it), on 2 ranks.
 
 What they measure is timing (checked side by side by the benchmark, not here); these tests
 check that each runs on real process groups, that every rank gets the slowest rank's figures,
@@ -11,7 +11,7 @@ import pytest
 
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.topology import parse_topology_yaml
-from overlapkit.train.host_calibration import HostEffort, host_calibration, host_workload
+from overlapkit.train.planning.host_calibration import HostEffort, host_calibration, host_workload
 from tests.multiproc import run_on_ranks
 
 OVERRIDES = [

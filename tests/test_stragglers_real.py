@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from bench.harness.slow_rank import SLOW_ENV
 from overlapkit.profiling import cli
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.stragglers import find_stragglers
 from overlapkit.profiling.tensorboard import WAIT_TAGS
-from overlapkit.train.faults import SLOW_ENV
+from tests.faults import WORKER_INIT
 from tests.test_train_e2e import _finish, _start
 
 pytestmark = pytest.mark.slow
@@ -41,6 +42,7 @@ def slowed_run(tmp_path_factory):
                 "train.steps=6",
                 "train.checkpoint_every=0",
                 f"hydra.run.dir={root / 'run'}",
+                f"launcher.worker_init=[{WORKER_INIT}]",
             ],
             root,
             env={SLOW_ENV: f"{SLOW_RANK}:{SLOW_MS:g}"},

@@ -1,6 +1,6 @@
 """Stragglers injected into synthetic runs are named with their cause and their true cost.
 
-Each case is a random run of ``profiling.synthetic_run`` (NCCL GPU-shaped or gloo CPU-shaped
+Each case is a random run of ``bench.harness.synthetic_run`` (NCCL GPU-shaped or gloo CPU-shaped
 traces, 2 to 12 ranks, blocking or DDP-like collectives, clocks off by up to 3 s, hosts of 1, 2
 or 4 ranks) with one to three injected stragglers (a slower op, a host gap, data loading, a slow
 transfer; 0.5 to 5 ms; several in one step or collective). The truth is the simulator's: a
@@ -25,9 +25,9 @@ import random
 import numpy as np
 import pytest
 
+from bench.harness.synthetic_run import CAUSES, Injection, RunSpec, write_run
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.stragglers import FLOOR_US, find_stragglers
-from overlapkit.profiling.synthetic_run import CAUSES, Injection, RunSpec, write_run
 from tests.conftest import PROFILE_ENV
 
 EXPLORING = os.environ.get(PROFILE_ENV, "ci") != "ci"

@@ -1,4 +1,4 @@
-"""The hand-off to torchtitan (``autoplan.torchtitan``) and ``--framework torchtitan``.
+"""The hand-off to torchtitan (``autoplan.handoff.torchtitan``) and ``--framework torchtitan``.
 
 Without torchtitan: the degrees, the stage split, the warnings and the framework's pricing.
 With torchtitan 0.3.0 installed (``make test`` installs it on Python >= 3.11): torchtitan's own
@@ -28,17 +28,17 @@ import pytest
 
 from overlapkit import cli
 from overlapkit.autoplan.framework import MEGATRON, TORCHTITAN
-from overlapkit.autoplan.models import from_hf_config, load_model
-from overlapkit.autoplan.search import price
-from overlapkit.autoplan.selective import TORCHTITAN_OP_SAC, marked_matmuls
-from overlapkit.autoplan.settings import SearchSettings
-from overlapkit.autoplan.torchtitan import (
+from overlapkit.autoplan.handoff.torchtitan import (
     REGISTERED,
     TORCHTITAN_VERSION,
     degrees,
     torchtitan_run,
     torchtitan_stage_split,
 )
+from overlapkit.autoplan.models import from_hf_config, load_model
+from overlapkit.autoplan.search import price
+from overlapkit.autoplan.selective import TORCHTITAN_OP_SAC, marked_matmuls
+from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology import load_topology
 

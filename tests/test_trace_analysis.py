@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
+from bench.harness.synthetic_traces import TraceBuilder
 from overlapkit.profiling.analysis import analyze_files, analyze_run, cross_rank
-from overlapkit.profiling.synthetic import TraceBuilder
 
 NCCL_AR = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)"
 GEMM = "void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4>(Params)"

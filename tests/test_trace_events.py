@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.harness.synthetic_traces import TraceBuilder
 from overlapkit.profiling import trace_loader
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.rank_trace import load_rank_trace
-from overlapkit.profiling.synthetic import TraceBuilder
 from overlapkit.profiling.trace_events import KEPT_CATEGORIES, TraceEvent, event_from_dict
 from overlapkit.profiling.trace_loader import (
     MAX_DEPTH,

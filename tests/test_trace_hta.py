@@ -15,8 +15,8 @@ import random
 
 import pytest
 
+from bench.harness.synthetic_traces import TraceBuilder
 from overlapkit.profiling.analysis import analyze_run, rank_totals
-from overlapkit.profiling.synthetic import TraceBuilder
 
 hta_trace_analysis = pytest.importorskip(
     "hta.trace_analysis", reason="HolisticTraceAnalysis is not installed (optional extra)"

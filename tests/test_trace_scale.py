@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
+from bench.harness.synthetic_run import Injection, RunSpec, write_run
 from overlapkit.profiling import cli, record_store
 from overlapkit.profiling.analysis import analyze_file, analyze_files, analyze_run
 from overlapkit.profiling.stragglers import find_stragglers
-from overlapkit.profiling.synthetic_run import Injection, RunSpec, write_run
 
 SLOW = (Injection(rank=5, step=3, position=0, cause="compute", delay_ms=4.0),)
 

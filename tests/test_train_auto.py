@@ -6,7 +6,7 @@ moe_tiny): one layout per combination of parallel dimensions above 1, sharding a
 interleaving, the smallest, with the recomputation modes (none, selective, full, full:1) dealt
 round them. Each gets its ``run it:`` line (``train_overrides``), composed by Hydra from the
 real config groups and put through overlapkit-train's pre-launch checks (``check_job``), and
-read back into the same layout (``train.planned.run_layout``). A scaled-down copy of each
+read back into the same layout (``train.planning.planned.run_layout``). A scaled-down copy of each
 (a 16-wide gpt_tiny, one step) then trains on 4 gloo ranks, all in one launch, together with
 the job ``overlapkit-train parallel=auto`` hands to its launcher.
 """
@@ -28,19 +28,19 @@ from omegaconf import DictConfig, OmegaConf
 
 import overlapkit as ok
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
+from overlapkit.autoplan.handoff.run_config import train_overrides
 from overlapkit.autoplan.models import train_model_spec
-from overlapkit.autoplan.run_config import train_overrides
 from overlapkit.autoplan.search import searched_layouts
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology import load_topology
-from overlapkit.train import cli
-from overlapkit.train.auto import RECORD_NAME
-from overlapkit.train.cli import check_job
-from overlapkit.train.launch import LauncherConfig
-from overlapkit.train.mesh import split_parallel
+from overlapkit.train.launch import cli
+from overlapkit.train.launch.cli import check_job
+from overlapkit.train.launch.elastic import LauncherConfig
 from overlapkit.train.models import GPTConfig, MoEConfig
-from overlapkit.train.planned import run_layout
+from overlapkit.train.parallel.mesh import split_parallel
+from overlapkit.train.planning.parallel_auto import RECORD_NAME
+from overlapkit.train.planning.planned import run_layout
 from tests.multiproc import run_on_ranks
 
 SHAPE = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)  # conf/model
@@ -222,7 +222,7 @@ def scaled_copy(cfg: DictConfig, topology_file: Path, name: str) -> dict:
 
 
 def _train_each(rank: int, world_size: int, jobs: list[dict], root: str) -> list[dict | None]:
-    from overlapkit.train.loop import RunPaths, train
+    from overlapkit.train.run.loop import RunPaths, train
 
     summaries = []
     for index, job in enumerate(jobs):

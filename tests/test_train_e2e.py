@@ -1,6 +1,6 @@
 """``overlapkit-train`` end to end: the real Hydra app, torch elastic, 2 gloo ranks, small gpt_tiny.
 
-Each test starts ``python -m overlapkit.train.cli`` (what the console script runs) in a
+Each test starts ``python -m overlapkit.train.launch.cli`` (what the console script runs) in a
 temporary directory and reads what the run left: ``summary.json``, the TensorBoard event files,
 the profiler traces and the DCP checkpoints.
 """
@@ -37,6 +37,7 @@ SMALL = [
     "launcher.rdzv_timeout_s=60",
     "train.device=cpu",  # gloo ranks on GPU hosts too; bench/gpu/check.py trains on NCCL
 ]
+REPO = Path(__file__).resolve().parent.parent
 PARALLEL = ["ddp", "ddp_bf16", "bucketer", "fsdp", "fsdp_prefetch2", "zero1"]
 
 
@@ -60,18 +61,29 @@ def _scratch(cwd: Path) -> Path:
     return scratch
 
 
+def _pythonpath() -> str:
+    """This checkout's root first, then whatever the environment had."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def _start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     # Hydra's flags (-m) go before the overrides: its parser takes the overrides as one list.
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
     return subprocess.Popen(
-        [sys.executable, "-m", "overlapkit.train.cli", *flags, *SMALL, *overrides],
+        [sys.executable, "-m", "overlapkit.train.launch.cli", *flags, *SMALL, *overrides],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # torch's own scratch files (elastic logs, caches) stay inside the test's directory.
-        env={**os.environ, "TMPDIR": str(_scratch(cwd)), **(env or {})},
+        # torch's own scratch files (elastic logs, caches) stay inside the test's directory;
+        # the workers import launcher.worker_init hooks from tests/ (tests.faults).
+        env={
+            **os.environ,
+            "TMPDIR": str(_scratch(cwd)),
+            "PYTHONPATH": _pythonpath(),
+            **(env or {}),
+        },
     )
 
 

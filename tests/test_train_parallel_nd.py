@@ -11,16 +11,16 @@ import torch.distributed as dist
 
 import overlapkit as ok
 from overlapkit.group.process_group import group_timeout
-from overlapkit.train.mesh import (
+from overlapkit.train.models import GPT, GPTConfig, MLPConfig, MoEConfig, MoEGPT
+from overlapkit.train.parallel.mesh import (
     PlanConfig,
     build_layout,
     check_plan,
     data_shard,
     split_parallel,
 )
-from overlapkit.train.models import GPT, GPTConfig, MLPConfig, MoEConfig, MoEGPT
-from overlapkit.train.monitor import RunSummary, scaling_efficiency
-from overlapkit.train.parallel import apply_parallel, clip_grad_norm
+from overlapkit.train.parallel.wrappers import apply_parallel, clip_grad_norm
+from overlapkit.train.run.progress import RunSummary, scaling_efficiency
 from tests.multiproc import run_on_ranks
 
 GPT_SMALL = dict(n_layer=2, n_head=2, n_embd=16, block_size=8)

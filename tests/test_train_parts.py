@@ -17,25 +17,25 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 import overlapkit as ok
-from overlapkit.train.checkpoint import (
+from overlapkit.train.models import GPT, GPTConfig, MLPConfig
+from overlapkit.train.parallel.wrappers import apply_parallel
+from overlapkit.train.run.checkpoint import (
     TrainingState,
     committed_checkpoints,
     latest_checkpoint,
     remove_pending,
     step_dir,
 )
-from overlapkit.train.data import (
+from overlapkit.train.run.data import (
     BatchStream,
     SyntheticRegression,
     SyntheticTokens,
     TextCorpus,
     check_compatible,
 )
-from overlapkit.train.loop import TrainConfig, resolve_device
-from overlapkit.train.models import GPT, GPTConfig, MLPConfig
-from overlapkit.train.monitor import Monitor, RunSummary
-from overlapkit.train.parallel import apply_parallel
-from overlapkit.train.schedule import warmup_cosine, warmup_cosine_factor
+from overlapkit.train.run.loop import TrainConfig, resolve_device
+from overlapkit.train.run.lr_schedule import warmup_cosine, warmup_cosine_factor
+from overlapkit.train.run.progress import Monitor, RunSummary
 from tests.multiproc import run_on_ranks
 
 
@@ -244,7 +244,7 @@ def test_progress_bar_labels_exposed_comm_as_the_profiled_steps_median(tmp_path,
                 time.sleep(0.15)  # past tqdm's mininterval: the bar is drawn at step 5
             monitor.step(step, loss=1.0, lr=0.1, grad_norm=None, step_s=0.01)
             if step == 6:  # what the loop does when the profiler has saved steps 4-6
-                logging.getLogger("overlapkit.profiling.profile").warning("wrote rank0.json")
+                logging.getLogger("overlapkit.profiling.profiler").warning("wrote rank0.json")
                 monitor.set_exposed_comm(7.04, range(4, 7))
     finally:
         monitor.close()

@@ -1,4 +1,4 @@
-"""overlapkit-train's step (``overlapkit.train.loop.train_step``) driven in-process on a rank.
+"""overlapkit-train's step (``overlapkit.train.run.loop.train_step``) driven in-process on a rank.
 
 The tests that compare two ``parallel`` options run the trainer's own step with the real Hydra
 config, a few steps each, inside a ``run_on_ranks`` child (no launcher, no checkpoints).
@@ -39,10 +39,10 @@ def train_steps(rank: int, *overrides: str) -> dict:
     """
     from hydra.utils import instantiate
 
-    from overlapkit.train.data import BatchStream
-    from overlapkit.train.loop import train_step
-    from overlapkit.train.mesh import split_parallel
-    from overlapkit.train.parallel import apply_parallel, check_run_optimizer
+    from overlapkit.train.parallel.mesh import split_parallel
+    from overlapkit.train.parallel.wrappers import apply_parallel, check_run_optimizer
+    from overlapkit.train.run.data import BatchStream
+    from overlapkit.train.run.loop import train_step
 
     cfg = compose_config(*overrides)
     train_cfg = instantiate(cfg.train)

@@ -1,6 +1,6 @@
 """Large GPU-format traces laid out as Kineto writes them, fast enough for gigabytes.
 
-``TraceBuilder`` (``overlapkit.profiling.synthetic``) builds every event as a dict and writes
+``TraceBuilder`` (``bench.harness.synthetic_traces``) builds every event as a dict and writes
 ``json.dumps`` of the whole trace: right for tests, slow for 128 MB files. This writer formats
 the events with string templates in Kineto's own layout (one key block per line, indented; see
 ``libkineto``'s ``output_json.cpp``) a step at a time: per step a ``ProfilerStep#N`` range, then

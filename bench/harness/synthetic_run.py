@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from overlapkit.profiling.synthetic import GLOO_TID, TraceBuilder
+from bench.harness.synthetic_traces import GLOO_TID, TraceBuilder
 
 CAUSES = ("compute", "host_gap", "data_loading", "comm")
 OP_NAMES = ("aten::mm", "aten::add_", "aten::gelu", "aten::softmax", "aten::layer_norm")

@@ -2,8 +2,8 @@
 
 ``bench.planner_ranking`` composes each layout's config from overlapkit-train's own groups
 (``compose_run``), prices it as the run prices itself (``planned_layout``:
-``overlapkit.train.planned.run_layout``) and steps it with the loop's own wrapping and step
-(``layout_run``: ``overlapkit.train.step.wrap_model`` and ``train_step``), timing the
+``overlapkit.train.planning.planned.run_layout``) and steps it with the loop's own wrapping and step
+(``layout_run``: ``overlapkit.train.run.step.wrap_model`` and ``train_step``), timing the
 ``PHASES`` of each step on this rank (``PhaseClock``).
 """
 
@@ -20,11 +20,11 @@ from omegaconf import DictConfig
 
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology import Topology
-from overlapkit.train.data import BatchStream
-from overlapkit.train.mesh import build_layout, split_parallel
-from overlapkit.train.parallel import Parallelized
-from overlapkit.train.planned import run_layout
-from overlapkit.train.step import train_step, wrap_model
+from overlapkit.train.parallel.mesh import build_layout, split_parallel
+from overlapkit.train.parallel.wrappers import Parallelized
+from overlapkit.train.planning.planned import run_layout
+from overlapkit.train.run.data import BatchStream
+from overlapkit.train.run.step import train_step, wrap_model
 
 CPU = torch.device("cpu")
 
@@ -36,7 +36,7 @@ def compose_run(overrides: list[str]) -> DictConfig:
 
 
 def planned_layout(config: DictConfig, world_size: int) -> TrainingLayout:
-    """The layout a run of ``config`` prices itself with (``overlapkit.train.planned``)."""
+    """The layout a run of ``config`` prices itself with (``overlapkit.train.planning.planned``)."""
     plan, factory_cfg = split_parallel(config.parallel)
     train_cfg = instantiate(config.train)
     layout = run_layout(
@@ -119,7 +119,7 @@ class LayoutRun:
 
 
 def layout_run(config: DictConfig, topology: Topology) -> LayoutRun:
-    """The model, wrapping, optimizer and data of ``config``, as ``overlapkit.train.loop.train``
+    """The model, wrapping, optimizer and data of ``config``, as ``overlapkit.train.run.loop.train``
     builds them (a collective)."""
     train_cfg = instantiate(config.train)
     torch.manual_seed(train_cfg.seed)  # the same initial weights on every rank

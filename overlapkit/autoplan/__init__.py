@@ -10,9 +10,9 @@ against published training runs (``published_runs``) and the hand-off of the win
 (``overlapkit.cost``).
 """
 
-from overlapkit.autoplan.auto import AutoPlan, auto_plan, plan
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.models import load_model
+from overlapkit.autoplan.ok_plan import AutoPlan, auto_plan, plan
 from overlapkit.autoplan.settings import PlanSearchError, SearchSettings
 
 __all__ = [

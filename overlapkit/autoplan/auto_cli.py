@@ -18,7 +18,6 @@ import argparse
 import json
 import time
 
-from overlapkit.autoplan.auto import AutoPlan, auto_plan
 from overlapkit.autoplan.candidate import Candidate, memory_text
 from overlapkit.autoplan.framework import (
     FRAMEWORKS,
@@ -26,9 +25,12 @@ from overlapkit.autoplan.framework import (
     TORCHTITAN,
     framework_named,
 )
+from overlapkit.autoplan.handoff.run_config import TRAIN_MODELS, priced_as, train_overrides
+from overlapkit.autoplan.handoff.torchtitan import torchtitan_run
 from overlapkit.autoplan.layout_warnings import layout_warnings
 from overlapkit.autoplan.memory import PRECISIONS
 from overlapkit.autoplan.models import GPT_SPEC
+from overlapkit.autoplan.ok_plan import AutoPlan, auto_plan
 from overlapkit.autoplan.pins import (
     RECOMPUTE_SPELLING,
     plan_call,
@@ -36,10 +38,8 @@ from overlapkit.autoplan.pins import (
     recompute_text,
 )
 from overlapkit.autoplan.published_runs import render_run_checks, validate
-from overlapkit.autoplan.run_config import TRAIN_MODELS, priced_as, train_overrides
 from overlapkit.autoplan.search import TIE
 from overlapkit.autoplan.settings import ATTENTION, SearchSettings, flash_attention_of
-from overlapkit.autoplan.torchtitan import torchtitan_run
 from overlapkit.planner.explain import where
 from overlapkit.planner.layout import SHARDING, TrainingLayout
 from overlapkit.topology.model import Topology
@@ -265,7 +265,7 @@ def run_instructions(
     ``plan_call`` / ``plan_command``: the ``ok.plan(..., auto=True)`` call and the ``overlapkit
     plan --auto`` command with every choice of the best pinned (``topology``: what
     ``load_topology`` was given, its name by default); its mesh; the ``torchtitan.train``
-    arguments (``autoplan.torchtitan``) and, under another framework, the layout priced as
+    arguments (``autoplan.handoff.torchtitan``) and, under another framework, the layout priced as
     torchtitan runs it; overlapkit-train overrides where overlapkit-train runs it.
     """
     layout = answer.best.layout

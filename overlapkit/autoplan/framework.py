@@ -12,8 +12,8 @@ prices each layout as that framework splits the model. The registry ``FRAMEWORKS
   layer split over the vocabulary; the parameters plain tensors (FSDP2's excepted, which are
   always DTensors).
 - ``OVERLAPKIT_TRAIN``: overlapkit-train (``overlapkit/train``), priced as it runs each
-  dimension, and searched only where it runs it (``lacks``: what ``overlapkit/train/mesh.py``,
-  ``stages.py`` and ``context_parallel.py`` refuse before launch):
+  dimension, and searched only where it runs it (``lacks``: what ``overlapkit/train/parallel``'s
+  ``mesh.py``, ``pipeline_stages.py`` and ``context_parallel.py`` refuse before launch):
 
   - **tp**: torch's ``parallelize_module`` on every block (``apply_tensor_parallel``): ``q``,
     ``k``, ``v`` and the MLP's first layer column-wise, ``proj`` and the MLP's second layer
@@ -46,7 +46,7 @@ prices each layout as that framework splits the model. The registry ``FRAMEWORKS
     handle, and expert shards are reduced over another group than the dense parameters, which
     one FSDP mesh cannot express; both are kept out of its search.
 
-- ``TORCHTITAN``: torchtitan 0.3.0 (``autoplan.torchtitan`` hands a layout over to it). Its
+- ``TORCHTITAN``: torchtitan 0.3.0 (``autoplan.handoff.torchtitan`` hands a layout over to it). Its
   tensor parallelism is Megatron-style with sequence parallelism (``enable_sequence_parallel``,
   on by default) and a vocabulary-parallel embedding and head (loss parallel); the split
   parameters are DTensors. Data parallelism is always FSDP2 (``apply_fsdp_to_decoder``): ddp

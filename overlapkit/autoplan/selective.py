@@ -14,7 +14,8 @@ keeps and what rebuilding the rest costs. Three policies are described:
   attention never stores the core (its backward recomputes it anyway), so there the policy
   saves the activation outputs only, and costs their memory traffic only.
 - ``SDPA_KERNEL`` (overlapkit-train's ``train.recompute=selective``,
-  ``overlapkit/train/recompute.py``): every block runs under ``torch.utils.checkpoint`` with a
+  ``overlapkit/train/parallel/recompute.py``): every block runs under
+  ``torch.utils.checkpoint`` with a
   policy that reruns the SDPA kernels in backward and saves every other op's output. What that
   keeps, measured on gpt_tiny's block (the profiler's allocations retained by a forward, in
   ``b x s x h`` fp32 tensors: none 16.03, selective 18.02, tp = 2 on 2 gloo ranks 10.02 and

@@ -21,7 +21,7 @@ bandwidth:
 
 Bandwidths are the topology's *achieved* figures (spec x efficiency); the library model
 (``cost.libraries``) adds what NCCL's tuning model says each algorithm and protocol lose, and for
-NCCL what its chunking and pipeline fill cost below about 1 GiB (``cost.pipeline``: ring, tree
+NCCL what its chunking and pipeline fill cost below about 1 GiB (``cost.nccl_chunking``: ring, tree
 and NVLS / NVLS-tree; not hierarchical, all-to-all or send/recv).
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from overlapkit.cost import pipeline
+from overlapkit.cost import nccl_chunking
 from overlapkit.cost.libraries import (
     HIERARCHICAL,
     P2P,
@@ -92,9 +92,9 @@ def _ring(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> flo
 def _ring_chunking_s(c: str, S: float, g: GroupShape, proto: str, bw: float) -> float:
     n = g.size
     if c == "broadcast":  # one chunk per loop, pipelined through n-1 hops
-        return pipeline.ring_overhead_s(S, g.ring_channels, proto, 1, 1, bw, 1, n - 2)
+        return nccl_chunking.ring_overhead_s(S, g.ring_channels, proto, 1, 1, bw, 1, n - 2)
     steps = 2 * (n - 1) if c == "all_reduce" else n - 1
-    return pipeline.ring_overhead_s(S, g.ring_channels, proto, steps, n, bw)
+    return nccl_chunking.ring_overhead_s(S, g.ring_channels, proto, steps, n, bw)
 
 
 def tree_network_volume(domains: int) -> float:
@@ -125,7 +125,7 @@ def _tree(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> flo
     inter = tree_network_volume(k) * S / g.inter_ring.GBps if k > 1 else 0.0
     bandwidth_s = max(intra, inter) / (factor * 1e9)
     if lib.chunked and S > 0:
-        bandwidth_s += pipeline.tree_overhead_s(
+        bandwidth_s += nccl_chunking.tree_overhead_s(
             S, g.ring_channels, proto, intra_depth + inter_depth, bandwidth_s / S, k, g.size / k
         )
     return latency * 1e-6 + bandwidth_s
@@ -162,7 +162,7 @@ def _switch(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> f
     if k == 1:
         time = _seconds(latency, volume, in_domain)
         if lib.chunked and c == "all_reduce" and g.intra is not None:
-            time += pipeline.nvls_overhead_s(S, n, g.nvls_channels, in_domain)
+            time += nccl_chunking.nvls_overhead_s(S, n, g.nvls_channels, in_domain)
         return time
     if g.fabric_reduces:
         # The switches of both tiers reduce: one pass through each (NVLS + SHARP); a domain's
@@ -176,7 +176,7 @@ def _switch(c: str, S: float, g: GroupShape, lib: LibraryModel, proto: str) -> f
     algbw = min(in_domain, g.inter_ring.GBps / tree_network_volume(k))
     time = _seconds(latency, S, algbw)
     if lib.chunked:
-        time += pipeline.nvls_overhead_s(S, g.per_domain, g.nvls_channels, algbw, k)
+        time += nccl_chunking.nvls_overhead_s(S, g.per_domain, g.nvls_channels, algbw, k)
     return time
 
 

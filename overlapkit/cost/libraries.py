@@ -17,7 +17,7 @@ NCCL's own tuning model does (``src/graph/tuning.cc``, NVIDIA/nccl at b6475625, 
 - "ideal" is a bare link at line rate: the arithmetic of docs/cost-model.md.
 
 NCCL's tuning model is ``latency + bytes / bandwidth``: it has no term for how much less than a
-full chunk a medium message moves per step, nor for the pipeline fill. ``cost.pipeline`` adds
+full chunk a medium message moves per step, nor for the pipeline fill. ``cost.nccl_chunking`` adds
 them for a ``chunked`` library (NCCL); gloo and "ideal" add nothing.
 
 Left out of the NCCL model: per-channel bandwidth caps (``perChMax*Bws``, ``llMaxBws``), the
@@ -135,7 +135,7 @@ _NCCL_STEP_SCALE = {
 }
 LL128_EFFICIENCY = 0.6
 """Fitted: the share of tuning.cc's LL128 bandwidth (0.92 of the link) LL128 reaches at the
-sizes it runs at, fitted with ``cost.pipeline.HALF_BYTES`` to the 8 x A100 and 4 x GB200
+sizes it runs at, fitted with ``cost.nccl_chunking.HALF_BYTES`` to the 8 x A100 and 4 x GB200
 ring sweeps (where it runs 2-16 MiB): 0.55 of the link. With 0.92, LL128 would beat Simple up
 to 128 MiB on A100, where the sweep has Simple's shape from 32 MiB on."""
 
@@ -157,7 +157,7 @@ class LibraryModel:
     without it, every byte passes once each way at the link rate (ideal)."""
     chunked: bool = False
     """Below about 1 GiB the library pays for its chunking and pipeline fill
-    (``cost.pipeline``, NCCL's); without it, a collective costs latency plus bytes over
+    (``cost.nccl_chunking``, NCCL's); without it, a collective costs latency plus bytes over
     bandwidth at every size."""
 
     def protocols(self, algorithm: str, *, intra_class: str | None) -> tuple[str, ...]:

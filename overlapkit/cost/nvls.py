@@ -22,7 +22,7 @@ links carry ``S`` (its shards read by the n heads) plus ``S/n`` (its own reduced
   **fitted** to one published measurement (GB200 NVL72, 72 GPUs, 4 GiB: 839.16 GB/s busbw,
   ``cost/data/published_busbw.tsv`` row ``gb200-nvl72-72-4g``).
 - These are large-message rates. Below about 1 GiB NVLS pays for its chunking and pipeline
-  fill (``cost.pipeline.nvls_overhead_s``).
+  fill (``cost.nccl_chunking.nvls_overhead_s``).
 - Across domains (NVLS-tree: reduce in each domain's switch, a tree between domains over the
   NICs), NCCL gives the switch part fewer warps per channel (``all_reduce.h``: 3 reduce + 2
   broadcast warps when there is a network peer, 5 reduce warps inside one node), so each channel
@@ -49,11 +49,11 @@ GPUs over two trays are predicted within 3 %)."""
 RACK_EXPONENT = 0.0418
 """Fitted: rack_factor(n) = (8/n) ** RACK_EXPONENT for n > 8; 0.912 at n = 72 makes the
 GB200 NVL72 72-GPU prediction equal 839.16 GB/s (CoreWeave nccl-tests README, NCCL 2.26.2),
-``cost.pipeline``'s fill and chunk terms included (0.0972 without them)."""
+``cost.nccl_chunking``'s fill and chunk terms included (0.0972 without them)."""
 TREE_WARP_FACTOR = 0.8443
 """Fitted: an NVLS-tree channel's in-domain rate over a one-domain NVLS channel's; makes
 2 x 8 H100 (NDR InfiniBand) equal 440.58 GB/s (coreweave/nccl-tests PR #92, 8 GiB),
-``cost.pipeline``'s terms included (0.8387 without them)."""
+``cost.nccl_chunking``'s terms included (0.8387 without them)."""
 NVLS_CHANNELS = {4: (16, 16), 5: (24, 32)}
 """NVLS channels (one NVLink domain, several nodes) by NVLink generation: nvls.cc
 ``NVLS_NCHANNELS_SM90`` 16; ``NVLS_NCHANNELS_SM100_NVL`` 24, ``NVLS_NCHANNELS_SM100`` 32."""

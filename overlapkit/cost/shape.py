@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from overlapkit.cost.nccl_chunking import ring_channels
 from overlapkit.cost.nvls import (
     NVLS_CHANNELS,
     nvlink_generation,
@@ -22,7 +23,6 @@ from overlapkit.cost.nvls import (
     nvls_collective_GBps,
     nvls_tree_domain_GBps,
 )
-from overlapkit.cost.pipeline import ring_channels
 from overlapkit.topology.model import (
     DomainKind,
     FabricKind,
@@ -66,7 +66,7 @@ class GroupShape:
     nvls_tree_GBps: float | None = None
     """NCCL NVLS-tree's in-domain all-reduce algbw in the slowest shared domain."""
     ring_channels: int = 2
-    """Channels (CTAs) a ring over the group runs in NCCL (``cost.pipeline``)."""
+    """Channels (CTAs) a ring over the group runs in NCCL (``cost.nccl_chunking``)."""
     nvls_channels: int = 16
     """Channels NCCL's NVLS (one domain) or NVLS-tree (several) runs."""
 

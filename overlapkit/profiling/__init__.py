@@ -10,7 +10,7 @@ Public names load on first use (``overlapkit.lazy``), so the trace analysis, and
 processes ``overlapkit report`` starts, import neither torch nor the profiler.
 """
 
-from overlapkit.lazy import keep_public_names, lazy_exports
+from overlapkit.lazy import lazy_exports
 
 _EXPORTS = {
     "CrossRankStep": "overlapkit.profiling.rank_summary",
@@ -19,11 +19,9 @@ _EXPORTS = {
     "StepMetrics": "overlapkit.profiling.analysis",
     "analyze_run": "overlapkit.profiling.analysis",
     "cross_rank": "overlapkit.profiling.rank_summary",
-    "Profile": "overlapkit.profiling.profile",
-    "profile": "overlapkit.profiling.profile",
+    "Profile": "overlapkit.profiling.profiler",
+    "profile": "overlapkit.profiling.profiler",
     "TraceFormatError": "overlapkit.profiling.trace_loader",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-# ``profile`` is the function, also the name of the module that defines it.
-keep_public_names(__name__, _EXPORTS)

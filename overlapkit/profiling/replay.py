@@ -1,16 +1,15 @@
 """Replaying a run's collectives with some work changed: the time a what-if run would take.
 
 The model, built from the ranks' programs (``programs``) on the aligned clock (``collectives``):
-each rank runs its segments in order; a segment's work (``busy + gap``, before and after its
-wait) follows the previous arrival, and where the rank waited for one of its collectives, the
-work after the wait also follows that collective's end; a collective starts on a rank once it
-is enqueued and, if
-its comm lane is a queue, the previous one there has ended, plus the rank's observed latency;
-it ends on every rank its own transfer after the last rank started it (``X``, observed); the
-last step ends after the tail work. With the observed work and transfers the replay gives back
-the observed timeline (``Plan.check``: to float precision); with some work or transfers changed
-it gives the run that would have been, as far as this dependency graph goes (the what-if of
-Lin et al., OSDI '25).
+each rank runs its segments in order; a segment's work (``busy + gap``, before and after its wait)
+follows the previous arrival, and where the rank waited for one of its collectives, the work after
+the wait also follows that collective's end; a collective starts on a rank once it is enqueued and,
+if its comm lane is a queue, the previous one there has ended, plus the rank's observed latency; it
+ends on every rank its own transfer after the last rank started it (``X``, observed); the last step
+ends after the tail work. With the observed work and transfers the replay gives back the observed
+timeline (``ReplayGraph.check``: to float precision); with some work or transfers changed it gives
+the run that would have been, as far as this dependency graph goes (the what-if of Lin et al., OSDI
+'25).
 
 Waits are part of the program, the same on every rank: a rank's wait (confirmed by
 ``programs`` or not: the lane may have gone on late, a wait and then a host gap) is kept where
@@ -18,9 +17,9 @@ at least half of the collective's other ranks (of the cycle's other programs, fo
 have one on the same collective there and one of them is confirmed; elsewhere (an idle stretch
 that merely held an end) it is folded into the segment's work before it.
 
-``Plan.run`` replays everything; ``Plan.delta`` replays from one collective on and stops once
-every later dependency is shifted by the same amount (the usual case a collective or two later),
-which makes the cost of one straggler cheap on a thousand ranks.
+``ReplayGraph.run`` replays everything; ``ReplayGraph.delta`` replays from one collective on and
+stops once every later dependency is shifted by the same amount (the usual case a collective or two
+later), which makes the cost of one straggler cheap on a thousand ranks.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ VALUES = (*WORK, "transfer")
 
 
 @dataclass(slots=True)
-class Plan:
+class ReplayGraph:
     """The dependency graph of a run and its observed values (global rows of ``Matching``)."""
 
     order: list[np.ndarray]
@@ -159,7 +158,7 @@ class Plan:
         return self.total(ends) - self.total(self._ends(a, e, self.tail))
 
 
-def build_plan(m: Matching) -> Plan:
+def build_replay_graph(m: Matching) -> ReplayGraph:
     """The dependency graph of the matched programs (see the module docstring)."""
     programs = m.programs
     first = m.first_row
@@ -210,7 +209,7 @@ def build_plan(m: Matching) -> Plan:
     ends = np.array([prog.cycle_end - offsets[p] for p, prog in enumerate(programs)])
     cycle_ids = {}
     cycle = np.array([cycle_ids.setdefault(tuple(prog.steps), len(cycle_ids)) for prog in programs])
-    plan = Plan(
+    graph = ReplayGraph(
         order=groups,
         synced=synced,
         prev=prev,
@@ -229,8 +228,8 @@ def build_plan(m: Matching) -> Plan:
         full=np.zeros(len(groups), bool),
         crossing={},
     )
-    _barriers(plan, m)
-    return plan
+    _barriers(graph, m)
+    return graph
 
 
 def _fold(values: dict[str, np.ndarray], at: np.ndarray, wait: np.ndarray) -> None:
@@ -331,28 +330,28 @@ def _global(local: np.ndarray, row_program: np.ndarray, first: np.ndarray) -> np
     return np.where(local >= 0, first[row_program] + local, -1).astype(np.int64)
 
 
-def _barriers(plan: Plan, m: Matching) -> None:
+def _barriers(graph: ReplayGraph, m: Matching) -> None:
     """Mark the groups every program of their cycle takes part in, and the earlier rows still
-    read after each (``Plan.delta`` stops at such a group once all of them shift alike)."""
-    programs_of_cycle = {c: int((plan.cycle == c).sum()) for c in np.unique(plan.cycle)}
-    for g, rows in enumerate(plan.order):
-        if plan.synced[g]:
+    read after each (``ReplayGraph.delta`` stops at such a group once all of them shift alike)."""
+    programs_of_cycle = {c: int((graph.cycle == c).sum()) for c in np.unique(graph.cycle)}
+    for g, rows in enumerate(graph.order):
+        if graph.synced[g]:
             progs = m.row_program[rows]
-            cycle = plan.cycle[progs[0]]
-            plan.full[g] = len(np.unique(progs)) == programs_of_cycle[cycle]
+            cycle = graph.cycle[progs[0]]
+            graph.full[g] = len(np.unique(progs)) == programs_of_cycle[cycle]
     src, dst = [], []
-    for refs in (plan.wait_on, plan.fifo):
+    for refs in (graph.wait_on, graph.fifo):
         users = np.flatnonzero(refs >= 0)
         src.append(refs[users])
-        dst.append(plan.position[users])
-    src.append(plan.tail_wait[plan.tail_wait >= 0])
-    dst.append(np.full(int((plan.tail_wait >= 0).sum()), len(plan.order)))
+        dst.append(graph.position[users])
+    src.append(graph.tail_wait[graph.tail_wait >= 0])
+    dst.append(np.full(int((graph.tail_wait >= 0).sum()), len(graph.order)))
     src, dst = np.concatenate(src), np.concatenate(dst)
-    at = plan.position[src] if len(src) else np.zeros(0, np.int64)
-    full = np.flatnonzero(plan.full)
+    at = graph.position[src] if len(src) else np.zeros(0, np.int64)
+    full = np.flatnonzero(graph.full)
     lo = np.searchsorted(full, at, side="left")
     hi = np.searchsorted(full, dst, side="left")
     for k in np.flatnonzero(hi > lo).tolist():
         for g in full[lo[k] : hi[k]].tolist():
-            plan.crossing.setdefault(g, []).append(int(src[k]))
-    plan.crossing = {g: np.array(v, np.int64) for g, v in plan.crossing.items()}
+            graph.crossing.setdefault(g, []).append(int(src[k]))
+    graph.crossing = {g: np.array(v, np.int64) for g, v in graph.crossing.items()}

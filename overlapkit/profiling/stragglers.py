@@ -45,7 +45,7 @@ import numpy as np
 from overlapkit.profiling.collectives import Matching, group_median, match, view
 from overlapkit.profiling.programs import RankProgram
 from overlapkit.profiling.rank_trace import COLLECTIVE_KINDS
-from overlapkit.profiling.replay import VALUES, WORK, Plan, build_plan
+from overlapkit.profiling.replay import VALUES, WORK, ReplayGraph, build_replay_graph
 
 FLOOR_US = 10.0
 NOISE_FACTOR = 6.0
@@ -232,16 +232,16 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     """Match, align, attribute and cost the stragglers of a run (see the module docstring)."""
     m = match(programs)
     v = view(m)
-    plan = build_plan(m)
+    graph = build_replay_graph(m)
     inst = m.instance
     ok = inst >= 0
     n_inst = max(m.instances, 1)
-    values = plan.values
+    values = graph.values
     busy = values["busy_pre"] + values["busy_post"]
     gap = values["gap_pre"] + values["gap_post"]
     transfer = values["transfer"]
     loader = m.column("loader")
-    _, s, _, _ = plan.observed
+    _, s, _, _ = graph.observed
     rows = np.flatnonzero(ok)
     segment = float(np.median(busy[rows] + gap[rows])) if len(rows) else 0.0
     typical = {"compute": segment, "host_gap": segment}
@@ -275,7 +275,7 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     # Where a long transfer makes the others wait: at the rank's next collective held back by
     # it (its queue successor, or the collective its compute waited on it for).
     user = np.full(len(busy), -1, np.int64)
-    for refs in (plan.wait_on, plan.fifo):
+    for refs in (graph.wait_on, graph.fifo):
         later = np.flatnonzero(refs >= 0)
         user[refs[later]] = later
     index = _index_in_step(m)
@@ -284,7 +284,7 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     found = []
 
     def named(row: int, at: int, cause: str, excess: float, changes: dict, changed: list) -> None:
-        cost = plan.delta(np.array(changed), changes)
+        cost = graph.delta(np.array(changed), changes)
         members = m.members[int(inst[at])]
         prog = m.programs[int(m.row_program[at])]
         local = int(at - m.first_row[m.row_program[at]])
@@ -336,7 +336,7 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     report = StragglerReport(
         stragglers=found,
         matching=m,
-        what_if=_what_if(plan, m, index, found) if what_if and m.instances else None,
+        what_if=_what_if(graph, m, index, found) if what_if and m.instances else None,
         waits=_waits(m, v.wait_us, steps, found),
         collectives=_collective_rows(m, v, index, kinds, steps),
         thresholds_us=tau,
@@ -385,32 +385,32 @@ def _collective_rows(m: Matching, v, index, kinds, steps) -> list[dict[str, Any]
     return out
 
 
-def _what_if(plan: Plan, m: Matching, index: np.ndarray, found: list[Straggler]) -> WhatIf:
+def _what_if(graph: ReplayGraph, m: Matching, index: np.ndarray, found: list[Straggler]) -> WhatIf:
     """S for the run, per rank and per kind, and M_W (see the module docstring)."""
     kind_of = index.astype(np.int64)
     types = int(kind_of.max()) + 1 if len(kind_of) else 1
     counts = np.maximum(np.bincount(kind_of, minlength=types), 1)
     ideal = {
-        name: (np.bincount(kind_of, weights=plan.values[name], minlength=types) / counts)[kind_of]
+        name: (np.bincount(kind_of, weights=graph.values[name], minlength=types) / counts)[kind_of]
         for name in WORK
     }
-    ideal["transfer"] = group_median(plan.values["transfer"], kind_of, types)[kind_of]
-    ideal = {name: np.minimum(x, plan.values[name]) for name, x in ideal.items()}
+    ideal["transfer"] = group_median(graph.values["transfer"], kind_of, types)[kind_of]
+    ideal = {name: np.minimum(x, graph.values[name]) for name, x in ideal.items()}
     tail_ideal = {
-        name: np.minimum(x, float(x.mean()) if len(x) else 0.0) for name, x in plan.tail.items()
+        name: np.minimum(x, float(x.mean()) if len(x) else 0.0) for name, x in graph.tail.items()
     }
-    t = plan.run()
-    t_ideal = plan.run(ideal, tail_ideal)
+    t = graph.run()
+    t_ideal = graph.run(ideal, tail_ideal)
 
     def fixed(rows: np.ndarray, programs: np.ndarray | None = None, what=VALUES) -> float:
-        changes = {name: plan.values[name].copy() for name in what}
+        changes = {name: graph.values[name].copy() for name in what}
         for name in what:
             changes[name][rows] = ideal[name][rows]
-        tail = {name: plan.tail[name].copy() for name in WORK}
+        tail = {name: graph.tail[name].copy() for name in WORK}
         if programs is not None:
             for name in WORK:
                 tail[name][programs] = tail_ideal[name][programs]
-        return plan.run(changes, tail)
+        return graph.run(changes, tail)
 
     all_rows = np.arange(len(kind_of))
     per_kind = {
@@ -443,5 +443,5 @@ def _what_if(plan: Plan, m: Matching, index: np.ndarray, found: list[Straggler])
         per_kind=per_kind,
         worst_ranks=worst,
         m_w=m_w,
-        replay_error_us=plan.check(),
+        replay_error_us=graph.check(),
     )

@@ -5,6 +5,6 @@ never hangs (tests, benchmarks, ``overlapkit doctor``, ``overlapkit calibrate``)
 ``RankFailure`` carrying every failing rank's traceback. ``forkserver`` is how both it and
 ``overlapkit-train`` start workers: forked from a server that imported torch once.
 
-A leaf: it imports no other overlapkit package (the server preloads ``overlapkit.train.launch``
-by name, so that ``overlapkit-train``'s workers start warm too).
+A leaf: it imports no other overlapkit package (the server preloads
+``overlapkit.train.launch.elastic`` by name, so that ``overlapkit-train``'s workers start warm too).
 """

@@ -2,7 +2,8 @@
 
 A spawned worker starts a fresh interpreter and imports torch, torch.distributed and overlapkit
 again: about 3 s of CPU per worker on a 2-core machine
-(``time python -c 'import overlapkit.train.launch'``), more than a test or a small job trains.
+(``time python -c 'import overlapkit.train.launch.elastic'``), more than a test or a small job
+trains.
 ``multiprocessing``'s *forkserver* start method pays for that import once per parent process: one
 server process imports ``PRELOAD``, then every worker is a ``fork()`` of that server. The server
 has started no threads and touched no CUDA device (importing torch initialises neither), so
@@ -23,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from multiprocessing.context import ForkServerContext
 
-PRELOAD = ["overlapkit.workers.local_ranks", "overlapkit.train.launch"]
+PRELOAD = ["overlapkit.workers.local_ranks", "overlapkit.train.launch.elastic"]
 """Imported by the server before it forks any worker: the entry points of both kinds of worker
 (``run_on_ranks``'s and ``overlapkit-train``'s) and, through them, torch and overlapkit."""
 

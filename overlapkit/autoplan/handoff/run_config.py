@@ -1,5 +1,5 @@
 """How to run a chosen layout: ``overlapkit-train`` overrides (torchtitan's arguments are
-``autoplan.torchtitan``'s), and the layout priced as another framework runs it.
+``autoplan.handoff.torchtitan``'s), and the layout priced as another framework runs it.
 
 overlapkit-train runs what ``autoplan.framework.OVERLAPKIT_TRAIN`` does not refuse
 (``lacks`` / ``refusal``). ``train_overrides`` spells a layout with its config groups:
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from overlapkit.autoplan.auto import AutoPlan
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN, Framework
+from overlapkit.autoplan.ok_plan import AutoPlan
 from overlapkit.autoplan.search import price
 from overlapkit.planner.layout import TrainingLayout
 

@@ -38,18 +38,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from overlapkit.fsdp.zero import resolve_reshard_after_forward
 from overlapkit.planner import plan as place
-from overlapkit.train.auto import is_auto, resolve_auto
-from overlapkit.train.checkpoint import latest_checkpoint
-from overlapkit.train.context_parallel import check_sequence_split
-from overlapkit.train.data import check_compatible
-from overlapkit.train.launch import LauncherConfig, launch
-from overlapkit.train.loop import RunPaths
-from overlapkit.train.mesh import check_plan, split_parallel
-from overlapkit.train.parallel import check_run_optimizer
-from overlapkit.train.recompute import check_recompute_fits
-from overlapkit.train.resume import NoUsableCheckpoint
-from overlapkit.train.slurm import task_index
-from overlapkit.train.stages import check_pipeline
+from overlapkit.train.launch.elastic import LauncherConfig, launch
+from overlapkit.train.launch.slurm import task_index
+from overlapkit.train.launch.worker_init import resolve_worker_init
+from overlapkit.train.parallel.context_parallel import check_sequence_split
+from overlapkit.train.parallel.mesh import check_plan, split_parallel
+from overlapkit.train.parallel.pipeline_stages import check_pipeline
+from overlapkit.train.parallel.recompute import check_recompute_fits
+from overlapkit.train.parallel.wrappers import check_run_optimizer
+from overlapkit.train.planning.parallel_auto import is_auto, resolve_auto
+from overlapkit.train.run.checkpoint import latest_checkpoint
+from overlapkit.train.run.data import check_compatible
+from overlapkit.train.run.loop import RunPaths
+from overlapkit.train.run.resume import NoUsableCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,10 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
     if is_auto(cfg.parallel):
         raise ValueError(
             "parallel=auto: the planner chooses the layout before the checks (overlapkit-train "
-            "does it; from Python, overlapkit.train.auto.resolve_auto)"
+            "does it; from Python, overlapkit.train.planning.parallel_auto.resolve_auto)"
         )
+    for spec in launcher.worker_init:
+        resolve_worker_init(spec)
     train = instantiate(cfg.train)
     model_config = instantiate(cfg.model.config)
     source = instantiate(cfg.data)

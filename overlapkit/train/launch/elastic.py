@@ -21,8 +21,8 @@ import os
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -34,9 +34,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from overlapkit.train.faults import install_kill_from_env, install_slow_from_env
-from overlapkit.train.loop import RunPaths, resolve_device, train
-from overlapkit.train.resume import NoUsableCheckpoint
+from overlapkit.train.launch.worker_init import WorkerContext, run_worker_init
+from overlapkit.train.run.loop import RunPaths, resolve_device, train
+from overlapkit.train.run.resume import NoUsableCheckpoint
 from overlapkit.validation import check_int, is_finite_number
 from overlapkit.workers.forkserver import ParentState, context
 
@@ -73,8 +73,12 @@ class LauncherConfig:
     several tasks per node): this process is the worker with this local rank and joins the
     group itself, as rank ``node_rank * nproc_per_node + local_rank``; torch elastic is not
     used. None: torch elastic starts the ``nproc_per_node`` workers."""
+    worker_init: list[str] = field(default_factory=list)
+    """Functions (``module:function``) every worker calls with a ``WorkerContext`` before it
+    joins the process group (``overlapkit.train.launch.worker_init``)."""
 
     def __post_init__(self) -> None:
+        self.worker_init = [str(spec) for spec in self.worker_init]
         check_int("launcher.nproc_per_node", self.nproc_per_node, 1)
         check_int("launcher.nnodes", self.nnodes, 1)
         check_int("launcher.node_rank", self.node_rank, 0)
@@ -171,6 +175,7 @@ def worker_main(
     run_dir: str,
     threads: int,
     collective_timeout_s: float,
+    worker_init: Sequence[str] = (),
     parent: ParentState | None = None,
 ) -> dict[str, Any] | NoUsableCheckpoint | None:
     """One rank: join the process group, agree on rank 0's run directory, train.
@@ -191,9 +196,14 @@ def worker_main(
     # also hides its ERROR lines (a rank that saved no trace is still reported by ok.profile).
     # A level the user set wins.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    # Test-only, and only when OVERLAPKIT_TEST_KILL is set (single node: run_dir is the run's).
-    install_kill_from_env(rank, RunPaths(Path(run_dir), "").checkpoints)
-    install_slow_from_env(rank)  # test-only, and only when OVERLAPKIT_TEST_SLOW is set
+    context = WorkerContext(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        run_dir=Path(run_dir),
+    )
+    run_worker_init(worker_init, context)
     torch.set_num_threads(threads)
     device = resolve_device(job["train"]["device"], local_rank)
     if device.type == "cuda":
@@ -319,7 +329,11 @@ def _run_here(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> d
         launcher.rdzv_endpoint,
     )
     summary = worker_main(
-        job, str(run_dir), launcher.threads(), float(launcher.collective_timeout_s)
+        job,
+        str(run_dir),
+        launcher.threads(),
+        float(launcher.collective_timeout_s),
+        launcher.worker_init,
     )
     if isinstance(summary, NoUsableCheckpoint):
         raise summary
@@ -367,6 +381,7 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
                 str(run_dir),
                 launcher.threads(),
                 float(launcher.collective_timeout_s),
+                launcher.worker_init,
                 ParentState.capture(),
             )
     for result in results.values():

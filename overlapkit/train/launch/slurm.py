@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from overlapkit.train.launch import LauncherConfig
+from overlapkit.train.launch.elastic import LauncherConfig
 
 _MAX_HOSTS = 1_000_000
 """Bigger expansions are refused: no allocation has that many nodes, a typo might."""
@@ -279,6 +279,7 @@ def slurm_launcher(
     max_restarts: int = 0,
     collective_timeout_s: float = 300.0,
     threads_per_rank: int | None = None,
+    worker_init: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> LauncherConfig:
     """The ``LauncherConfig`` of this Slurm task (the ``launcher=slurm`` group's target).
@@ -340,6 +341,7 @@ def slurm_launcher(
         collective_timeout_s=collective_timeout_s,
         threads_per_rank=threads_per_rank,
         local_rank=local_rank,
+        worker_init=list(worker_init),
     )
 
 

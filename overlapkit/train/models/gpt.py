@@ -55,7 +55,7 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(config.n_embd, config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         # The attention core (q, k, v) -> y; context parallelism replaces it
-        # (overlapkit.train.context_parallel).
+        # (overlapkit.train.parallel.context_parallel).
         self.attend = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,9 +122,10 @@ class GPT(nn.Module):
         """Logits (B, T, vocab_size) of ``idx`` (B, T) long; ``pos`` (T,) long, the tokens'
         positions in their sequence (None: ``0 .. T-1``; a context-parallel shard passes its own).
 
-        A pipeline stage (``overlapkit.train.pipeline``) is a GPT without the parts other stages
-        run: without ``wte`` its input is the previous stage's activations (B, T, n_embd), without
-        ``lm_head`` its output is (B, T, n_embd); the blocks of other stages are ``nn.Identity``.
+        A pipeline stage (``overlapkit.train.parallel.pipeline_parallel``) is a GPT without the
+        parts other stages run: without ``wte`` its input is the previous stage's activations (B, T,
+        n_embd), without ``lm_head`` its output is (B, T, n_embd); the blocks of other stages are
+        ``nn.Identity``.
         """
         x = idx if self.wte is None else self.embed(idx, pos)
         for block in self.blocks:

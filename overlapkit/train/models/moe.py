@@ -12,7 +12,7 @@ routing counts, exchanged first), runs the local experts, and returns the output
 all-to-all; backward runs the two all-to-alls in reverse. With ``ep = 1`` the same code runs
 locally. The gradient an expert receives is the sum over the tokens of every rank of its ``ep``
 group (each rank's loss counts once); the data-parallel reduction divides it accordingly
-(``overlapkit.train.parallel``).
+(``overlapkit.train.parallel.wrappers``).
 """
 
 from __future__ import annotations

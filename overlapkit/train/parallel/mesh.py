@@ -15,7 +15,7 @@ from it (``Layout``):
 ``cp_mesh``               context parallel: each sequence split over its ranks
 ``ep_mesh``               MoE layers: experts sharded, tokens dispatched with all-to-all
 ``dense_group``           parameters outside the experts: averaged over ``dp x ep``
-``pp_mesh``               ``overlapkit.train.pipeline``: the stages' send/recv and loss broadcast
+``pp_mesh``               ``pipeline_parallel``: the stages' send/recv and loss broadcast
 ========================  =====================================================================
 
 Ranks of one ``tp`` or ``cp`` group read the same batches, and so do the stages of one ``pp``
@@ -59,9 +59,9 @@ class PlanConfig:
     """Context-parallel size (each sequence split over cp ranks, ``overlapkit.train.
     context_parallel``); ``2 x cp`` must divide ``data.seq_len``."""
     pp: int = 1
-    """Pipeline-parallel size: the model's blocks split into stages (``train/pipeline.py``)."""
+    """Pipeline-parallel size: the model's blocks split into stages (``pipeline_parallel``)."""
     schedule: str = "1F1B"
-    """The ``torch.distributed.pipelining`` schedule with ``pp > 1`` (``train/stages.py``)."""
+    """The ``torch.distributed.pipelining`` schedule with ``pp > 1`` (``pipeline_stages``)."""
     virtual_stages: int = 1
     """Stages per pipeline rank (interleaved schedules); 1: one stage per rank."""
     dp: int = -1

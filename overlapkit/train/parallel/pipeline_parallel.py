@@ -1,7 +1,7 @@
 """Pipeline parallelism for the training loop: stages, torch's schedule, the tied weight, clipping.
 
-``apply_pipeline`` splits the GPT into this rank's stages (``overlapkit.train.stages``), wraps
-each with the ``parallel`` group's factory over the ``dp`` group or mesh, and builds the
+``apply_pipeline`` splits the GPT into this rank's stages (``pipeline_stages``), wraps each with the
+``parallel`` group's factory over the ``dp`` group or mesh, and builds the
 ``torch.distributed.pipelining`` schedule over the ``pp`` group. Per step the schedule runs the
 ``train.grad_accum`` micro-batches; each micro-batch loss is divided by their count, as the loop
 divides it without a pipeline (``scale_grads=False``), so the gradients are the same sums.
@@ -52,21 +52,21 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.ddp import GradBucketer
 from overlapkit.fsdp import zero_stage
 from overlapkit.group.process_group import inherit_timeout
-from overlapkit.train.mesh import Layout
 from overlapkit.train.models.gpt import GPT
-from overlapkit.train.parallel import (
-    Parallelized,
-    apply_tensor_parallel,
-    grad_norm,
-    group_kwargs,
-    scale_grads,
-)
-from overlapkit.train.stages import (
+from overlapkit.train.parallel.mesh import Layout
+from overlapkit.train.parallel.pipeline_stages import (
     local_stages,
     resolve_schedule,
     schedule_class,
     split_stage,
     stage_layers,
+)
+from overlapkit.train.parallel.wrappers import (
+    Parallelized,
+    apply_tensor_parallel,
+    grad_norm,
+    group_kwargs,
+    scale_grads,
 )
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 The group's ``_target_`` is the public API itself (``overlapkit.ddp``, ``overlapkit.GradBucketer``,
 ``overlapkit.fsdp``) with ``_partial_: true``, so the YAML says exactly which call is made; the
-factory gets its group or mesh from the planner's layout (``overlapkit.train.mesh``): a
+factory gets its group or mesh from the planner's layout (``overlapkit.train.parallel.mesh``): a
 ``process_group`` keyword gets the ``dp`` group, a ``mesh`` keyword the ``dp`` mesh (2-D for HSDP).
 What the call returns differs (a DDP module, a bucketer beside the model, an FSDP2 module); the
 loop needs the same three things from each: the module to run, how to skip gradient reduction
@@ -41,8 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.ddp import GradBucketer
 from overlapkit.fsdp import no_sync as fsdp_no_sync
 from overlapkit.fsdp import step_by_block, zero_stage
-from overlapkit.train.mesh import Layout, PlanConfig
 from overlapkit.train.models.moe import MoE, shard_experts
+from overlapkit.train.parallel.mesh import Layout, PlanConfig
 
 logger = logging.getLogger(__name__)
 

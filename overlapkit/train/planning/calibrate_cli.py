@@ -1,5 +1,6 @@
 """``overlapkit calibrate``: the cost model's all-reduce fit (``cost.cli``); with ``--host``, also
-what the planner needs to price ranks that compute on this host (``train.host_calibration``).
+what the planner needs to price ranks that compute on this host
+(``train.planning.host_calibration``).
 
 ::
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from overlapkit.cost.calibrate import sizes_between
 from overlapkit.cost.cli import add_calibrate_parser, run_calibrate
 from overlapkit.topology.units import parse_size
-from overlapkit.train.host_calibration import calibrate_host
+from overlapkit.train.planning.host_calibration import calibrate_host
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -4,7 +4,7 @@ Before any worker starts, ``overlapkit-train parallel=auto`` asks ``ok.plan(topo
 model=..., global_batch=..., seq_len=..., auto=True, framework="overlapkit-train")`` for the
 run's model (``autoplan.models.train_model_spec``), global batch, sequence length and topology,
 turns the winner into the overrides ``overlapkit plan --auto`` prints for it
-(``autoplan.run_config.train_overrides``: a ``parallel`` group, its ``parallel.plan`` sizes,
+(``autoplan.handoff.run_config.train_overrides``: a ``parallel`` group, its ``parallel.plan`` sizes,
 ``train.batch_size``, ``train.grad_accum``, ``train.recompute``) and composes the run's config
 again with them in place of ``parallel=auto``: the run is exactly the one that ``run it:`` line
 starts, checked before launch like any other.
@@ -38,10 +38,10 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from overlapkit.autoplan.auto import plan as auto_plan
 from overlapkit.autoplan.candidate import layout_dict, layout_from_dict
+from overlapkit.autoplan.handoff.run_config import batch_overrides, parallel_group, plan_overrides
 from overlapkit.autoplan.models import train_model_spec
-from overlapkit.autoplan.run_config import batch_overrides, parallel_group, plan_overrides
+from overlapkit.autoplan.ok_plan import plan as auto_plan
 from overlapkit.autoplan.settings import PlanSearchError
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.validation import check_int

@@ -1,12 +1,12 @@
 """What the auto-planner predicts for a run: its layout in the planner's terms and its step time.
 
-Every ``overlapkit-train`` run whose topology has an accelerator section (a GPU preset, or a
-host measured by ``overlapkit calibrate --host``) is priced as overlapkit-train runs it
-(``autoplan.framework.OVERLAPKIT_TRAIN``, fp32 as the loop trains): ``run_layout`` turns the
-run's config into a ``TrainingLayout`` (the inverse of ``autoplan.run_config.train_overrides``),
-``predict_run`` prices it with the search's own step-time and memory models. Rank 0 logs the
-layout and the predicted step before step 1, and the summary ends with the measured median step
-beside it (``planned_layout``, ``predicted_step_s``, ``measured_step_s`` in ``summary.json``).
+Every ``overlapkit-train`` run whose topology has an accelerator section (a GPU preset, or a host
+measured by ``overlapkit calibrate --host``) is priced as overlapkit-train runs it
+(``autoplan.framework.OVERLAPKIT_TRAIN``, fp32 as the loop trains): ``run_layout`` turns the run's
+config into a ``TrainingLayout`` (the inverse of ``autoplan.handoff.run_config.train_overrides``),
+``predict_run`` prices it with the search's own step-time and memory models. Rank 0 logs the layout
+and the predicted step before step 1, and the summary ends with the measured median step beside it
+(``planned_layout``, ``predicted_step_s``, ``measured_step_s`` in ``summary.json``).
 
 What the planner does not price is priced as its nearest: ``ok.GradBucketer`` as ``ok.ddp``
 (both all-reduce buckets of the same bytes), per-bucket or per-block optimizer updates
@@ -30,7 +30,7 @@ from overlapkit.autoplan.search import price
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology.model import Topology
-from overlapkit.train.mesh import PlanConfig
+from overlapkit.train.parallel.mesh import PlanConfig
 
 RUN_SETTINGS = SearchSettings(framework=OVERLAPKIT_TRAIN, precision=FP32)
 """How the planner prices an overlapkit-train run: as it splits the model, in fp32 (the loop

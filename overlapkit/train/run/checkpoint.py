@@ -28,7 +28,7 @@ here therefore reads the metadata with an unpickler that accepts only DCP's own 
 and loads the non-tensor values with ``weights_only=True``. A checkpoint that some rank refuses,
 or cannot read, is refused on every rank alike (``CheckpointRefused``: the ranks agree before
 and after DCP's own load), so that they can move on to another one together
-(``overlapkit.train.resume``).
+(``overlapkit.train.run.resume``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from overlapkit.train.data import BatchStream
+from overlapkit.train.run.data import BatchStream
 
 if TYPE_CHECKING:
     from overlapkit.ddp import GradBucketer

@@ -23,7 +23,7 @@ from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
 
-SHIPPED_CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
+SHIPPED_CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.txt"
 
 
 def batch_generator(seed: int, rank: int, index: int) -> torch.Generator:

@@ -1,6 +1,6 @@
 """The training loop every ``overlapkit-train`` worker runs (one process per rank).
 
-Per step (``overlapkit.train.step``): ``grad_accum`` micro-batches (gradient reduction skipped
+Per step (``overlapkit.train.run.step``): ``grad_accum`` micro-batches (gradient reduction skipped
 on all but the last; under context parallelism each rank's chunks of the sequences), the
 wrapper's end-of-backward (the bucketer's ``wait``), gradient clipping, AdamW, the warm-up/cosine
 schedule. Around it: automatic resume from the newest checkpoint in the run directory,
@@ -26,17 +26,17 @@ from omegaconf import DictConfig
 
 from overlapkit.profiling import analyze_run
 from overlapkit.profiling.report import format_report
-from overlapkit.train.checkpoint import TrainingState, committed_checkpoints, remove_pending
-from overlapkit.train.data import BatchStream, check_compatible
-from overlapkit.train.mesh import Layout, build_layout, split_parallel
 from overlapkit.train.models.moe import MoE
-from overlapkit.train.monitor import Monitor, RunSummary, scaling_efficiency
-from overlapkit.train.parallel import Parallelized
-from overlapkit.train.planned import predict_job
-from overlapkit.train.recompute import NONE, check_recompute_mode
-from overlapkit.train.resume import resume_from_newest_usable
-from overlapkit.train.stages import pipeline_record
-from overlapkit.train.step import train_step, wrap_model
+from overlapkit.train.parallel.mesh import Layout, build_layout, split_parallel
+from overlapkit.train.parallel.pipeline_stages import pipeline_record
+from overlapkit.train.parallel.recompute import NONE, check_recompute_mode
+from overlapkit.train.parallel.wrappers import Parallelized
+from overlapkit.train.planning.planned import predict_job
+from overlapkit.train.run.checkpoint import TrainingState, committed_checkpoints, remove_pending
+from overlapkit.train.run.data import BatchStream, check_compatible
+from overlapkit.train.run.progress import Monitor, RunSummary, scaling_efficiency
+from overlapkit.train.run.resume import resume_from_newest_usable
+from overlapkit.train.run.step import train_step, wrap_model
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,8 @@ class TrainConfig:
     data=regression); the summary then reports scaling efficiency T(N) / (N x T(1)). None: not
     reported."""
     recompute: str = NONE
-    """Activation recomputation (``overlapkit.train.recompute``): ``none``, ``selective`` (the
-    attention core of every block) or ``full`` (whole blocks)."""
+    """Activation recomputation (``overlapkit.train.parallel.recompute``): ``none``,
+    ``selective`` (the attention core of every block) or ``full`` (whole blocks)."""
     recompute_layers: int | None = None
     """With ``recompute: full``: blocks of each pipeline stage recomputed, from its first; None
     means all of them (the planner's ``full:K`` / ``full:all``)."""

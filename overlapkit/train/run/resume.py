@@ -1,6 +1,6 @@
 """Which checkpoint a run resumes from: the newest one that every rank can load.
 
-A committed checkpoint (``overlapkit.train.checkpoint``) is complete, but it can still be
+A committed checkpoint (``overlapkit.train.run.checkpoint``) is complete, but it can still be
 unusable: a ``.metadata`` or a value holding a pickled callable (refused, so nothing in it runs),
 a truncated or corrupted file, the RNG state of another kind of run. Such a refusal used to end
 every worker with a traceback; torch elastic restarted them into the same refusal until
@@ -12,7 +12,7 @@ reason, so every rank's log says it) and the ranks go on, together, to the previ
 one loads on every rank, rank 0 warns naming it and the newer ones it passed over. When none
 can be used, ``NoUsableCheckpoint`` says so in one line naming each and why; the workers return
 it instead of failing (a restart would only meet it again) and ``overlapkit-train`` prints it as
-its one error line (``overlapkit.train.launch``, ``overlapkit.train.cli``).
+its one error line (``overlapkit.train.launch.elastic``, ``overlapkit.train.launch.cli``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from overlapkit.train.checkpoint import CheckpointRefused, TrainingState
+from overlapkit.train.run.checkpoint import CheckpointRefused, TrainingState
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 ``wrap_model`` applies, in the loop's order, every dimension of a run's layout to the model
 (context parallelism, recomputation, the pipeline or the ``parallel`` group's wrapper);
 ``train_step`` runs one optimizer step of ``train.grad_accum`` micro-batches on it. The loop
-(``overlapkit.train.loop.train``) calls both; so does ``bench.planner_ranking``, which times the
+(``overlapkit.train.run.loop.train``) calls both; so does ``bench.planner_ranking``, which times the
 step of every layout exactly as a run takes it.
 """
 
@@ -17,26 +17,26 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from overlapkit.train.context_parallel import (
+from overlapkit.train.parallel.context_parallel import (
     WHOLE_SEQUENCES,
     SequenceSplit,
     WholeSequences,
     split_sequences,
 )
-from overlapkit.train.data import BatchStream, DataSource
-from overlapkit.train.mesh import Layout, PlanConfig
-from overlapkit.train.parallel import (
+from overlapkit.train.parallel.mesh import Layout, PlanConfig
+from overlapkit.train.parallel.pipeline_parallel import apply_pipeline
+from overlapkit.train.parallel.pipeline_stages import check_pipeline, stage_blocks
+from overlapkit.train.parallel.recompute import apply_recompute
+from overlapkit.train.parallel.wrappers import (
     Parallelized,
     apply_parallel,
     check_run_optimizer,
     clip_grad_norm,
 )
-from overlapkit.train.pipeline import apply_pipeline
-from overlapkit.train.recompute import apply_recompute
-from overlapkit.train.stages import check_pipeline, stage_blocks
+from overlapkit.train.run.data import BatchStream, DataSource
 
 if TYPE_CHECKING:  # the loop's config lives beside the loop, which imports this module
-    from overlapkit.train.loop import TrainConfig
+    from overlapkit.train.run.loop import TrainConfig
 
 
 def _grad_norm(par: Parallelized, max_norm: float | None) -> float | None:

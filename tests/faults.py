@@ -1,0 +1,137 @@
+"""Fault injection for ``overlapkit-train``'s tests, armed through ``launcher.worker_init``.
+
+Pass ``launcher.worker_init=[tests.faults:arm]`` (``WORKER_INIT``; the workers must be able to
+import ``tests``: the repository root on ``PYTHONPATH``) and set, in the environment:
+
+- ``OVERLAPKIT_TEST_KILL=RANK:STEP`` (e.g. ``1:5``): the worker with global rank ``RANK`` kills
+  itself with SIGKILL in the forward pass of the ``STEP``-th optimizer step it runs (counted from 1
+  in this process), on torch elastic's first attempt only, so that a restarted worker trains on:
+  a worker dying the way a crashed host or an out-of-memory kill ends it, mid-step, without
+  cleanup (``tests/test_elastic_restart.py``).
+- ``OVERLAPKIT_TEST_DAMAGE_NEWEST=1`` as well: the killed worker first overwrites the newest
+  committed checkpoint's ``.metadata`` with a pickle that would run code when loaded (it opens
+  ``<run dir>/ran-code-from-a-checkpoint``), as a tampered checkpoint would, so that the restart
+  meets a refused newest checkpoint (``overlapkit.train.run.resume``).
+- ``OVERLAPKIT_TEST_SLOW=RANK:MS[:MODE]``: a slowed rank (``bench.harness.slow_rank``).
+
+Nothing here ships with overlapkit: a plain install has no module that can damage a checkpoint
+(``tests/test_faults.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from bench.harness.slow_rank import install_slow_from_env
+from overlapkit.train.launch.worker_init import WorkerContext
+from overlapkit.train.run.checkpoint import latest_checkpoint
+from overlapkit.train.run.loop import RunPaths
+
+logger = logging.getLogger(__name__)
+
+KILL_ENV = "OVERLAPKIT_TEST_KILL"
+"""The environment variable that asks for the kill, ``RANK:STEP``."""
+DAMAGE_ENV = "OVERLAPKIT_TEST_DAMAGE_NEWEST"
+"""``1``: the killed worker first damages the newest checkpoint (with ``KILL_ENV`` only)."""
+RAN_MARKER = "ran-code-from-a-checkpoint"
+"""The file the damaging pickle creates, in the run directory, if anything ever unpickles it."""
+WORKER_INIT = "tests.faults:arm"
+"""The ``launcher.worker_init`` entry that arms what the environment asks for."""
+
+
+def parse_kill_spec(spec: str) -> tuple[int, int]:
+    """``RANK:STEP`` as ``(rank, step)``.
+
+    Raises:
+        ValueError: not two ints ``RANK >= 0`` and ``STEP >= 1`` separated by a colon; the
+            message names the environment variable and the value.
+    """
+    rank, sep, step = spec.strip().partition(":")
+    if not (sep and rank.isdigit() and step.isdigit() and int(step) >= 1):
+        raise ValueError(
+            f"{KILL_ENV} must be RANK:STEP with RANK >= 0 and STEP >= 1 (e.g. 1:5), got {spec!r}"
+        )
+    return int(rank), int(step)
+
+
+class _OpensAFile:
+    """Unpickling this opens (creates) ``path``: the code a tampered checkpoint would run."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def damage_newest_checkpoint(checkpoints: Path) -> Path | None:
+    """Overwrite the newest committed checkpoint's ``.metadata`` with a pickled callable.
+
+    Returns:
+        Path | None: the damaged checkpoint; None when there is none.
+    """
+    newest = latest_checkpoint(checkpoints)
+    if newest is None:
+        return None
+    payload = pickle.dumps(_OpensAFile(checkpoints.parent / RAN_MARKER))
+    (newest[1] / ".metadata").write_bytes(payload)
+    return newest[1]
+
+
+def install_kill_from_env(rank: int, attempt: int, checkpoints: Path | None = None) -> bool:
+    """Arm the kill ``OVERLAPKIT_TEST_KILL`` asks for, if it names this rank on the first attempt.
+
+    Args:
+        rank (int): this worker's global rank.
+        attempt (int): torch elastic's restart count (the kill strikes on attempt 0 only).
+        checkpoints (Path | None): the run's checkpoint directory, which
+            ``OVERLAPKIT_TEST_DAMAGE_NEWEST=1`` damages; None damages nothing.
+
+    Returns:
+        bool: whether a kill was armed.
+    """
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return False
+    kill_rank, kill_step = parse_kill_spec(spec)
+    if rank != kill_rank or attempt != 0:
+        return False
+    damage = checkpoints is not None and os.environ.get(DAMAGE_ENV) == "1"
+    logger.error(
+        "%s=%s: rank %d will SIGKILL itself in step %d%s",
+        KILL_ENV,
+        spec,
+        rank,
+        kill_step,
+        ", after damaging the newest checkpoint" if damage else "",
+    )
+    steps_done = 0
+
+    def count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        nonlocal steps_done
+        steps_done += 1
+
+    def kill_in_forward(module: torch.nn.Module, args: Any) -> None:
+        if steps_done == kill_step - 1:
+            if damage:
+                damage_newest_checkpoint(checkpoints)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    register_optimizer_step_post_hook(count_step)
+    torch.nn.modules.module.register_module_forward_pre_hook(kill_in_forward)
+    return True
+
+
+def arm(context: WorkerContext) -> None:
+    """``launcher.worker_init`` entry: arm the kill and the slow rank the environment asks for."""
+    checkpoints = RunPaths(context.run_dir, "").checkpoints
+    install_kill_from_env(context.rank, context.attempt, checkpoints)
+    install_slow_from_env(context.rank)
