@@ -158,6 +158,13 @@ class _Record(TrainerCallback):
             self.snapshots["synchronized"] = _params(model)
 
 
+class _LogEveryStep(TrainerCallback):
+    """Added after the Trainer was built: logs every step, so the norm is read on every step."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_log = True
+
+
 def trainer_run(
     form: str,
     root: str,
@@ -165,8 +172,10 @@ def trainer_run(
     max_grad_norm: float = TRAINER_MAX_NORM,
     own_optimizer: bool = False,
     resume: str | None = None,
+    late_callback: bool = False,
 ) -> dict:
-    """``Trainer`` (plain) or ``OverlapTrainer`` (per-bucket); checkpoints in ``root``."""
+    """``Trainer`` (plain) or ``OverlapTrainer`` (per-bucket); checkpoints in ``root``;
+    ``late_callback``: a ``_LogEveryStep`` added with ``add_callback`` before ``train()``."""
     x, y = _tensors()
     data = [{"x": xi, "labels": yi} for xi, yi in zip(x, y, strict=True)]
     evaluation = [{"x": xi, "labels": yi} for xi, yi in zip(*_tensors(seed=7), strict=True)][:16]
@@ -214,6 +223,8 @@ def trainer_run(
             optimizers=optimizers,
         )
     record.trainer = trainer
+    if late_callback:
+        trainer.add_callback(_LogEveryStep())
     trainer.train(resume_from_checkpoint=resume)
     logs = trainer.state.log_history
     out = {
@@ -263,6 +274,10 @@ def scenarios(root: str) -> dict:
     # max_grad_norm=0: no clipping, the norm still logged.
     out["trainer"]["no_clip"] = {
         form: trainer_run(form, os.path.join(root, "noclip"), max_grad_norm=0.0)
+        for form in ("plain", "per_bucket")
+    }
+    out["trainer"]["late_callback"] = {
+        form: trainer_run(form, os.path.join(root, "late"), late_callback=True)
         for form in ("plain", "per_bucket")
     }
     out["trainer"]["own_optimizer"] = {

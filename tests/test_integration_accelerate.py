@@ -267,6 +267,15 @@ def test_overlap_trainer_per_bucket_trains_and_logs_bitwise_as_the_trainer(two_r
 
 
 @pytest.mark.slow
+def test_overlap_trainer_norm_is_final_when_a_callback_added_later_logs_every_step(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        runs = result["per_bucket"]["trainer"]["late_callback"]
+        plain, overlap = runs["plain"], runs["per_bucket"]
+        assert [step for step, _ in plain["grad_norms"]] == list(range(1, per_bucket.STEPS + 1))
+        assert_bitwise(_trained(overlap, "grad_norms"), _trained(plain, "grad_norms"), f"{rank}")
+
+
+@pytest.mark.slow
 def test_trainer_max_grad_norm_zero_measures_without_clipping(two_ranks):
     for rank, result in enumerate(two_ranks):
         runs = result["per_bucket"]["trainer"]
