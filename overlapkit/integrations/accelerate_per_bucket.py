@@ -125,9 +125,10 @@ class PerBucketPreparation:
             optimizer = PerBucketOptimizer(
                 optimizer, self, device_placement=device_placement, scaler=self.accelerator.scaler
             )
-            # Accelerate's marker of an optimizer it prepared already: its prepare_optimizer
-            # then registers this one as it is (for save_state, optimizer_step_was_skipped)
-            # instead of wrapping it in its own class.
+            # Accelerate has no public way to register an optimizer of another class
+            # (prepare_optimizer builds its AcceleratedOptimizer itself); with its marker of an
+            # optimizer it prepared already, prepare_optimizer registers this one as it is (for
+            # save_state, load_state and optimizer_step_was_skipped).
             optimizer._is_accelerate_prepared = True
         prepared = self._accelerate["prepare_optimizer"](optimizer, device_placement)
         if self.optimizer is not None and prepared is not self.optimizer:
@@ -245,7 +246,8 @@ class PerBucketOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether the last update was skipped (fp16 overflow), as Accelerate's reads."""
+        """Whether the GradScaler skipped the last update (what ``Accelerator.
+        optimizer_step_was_skipped`` and the prepared LR scheduler read)."""
         return self.skipped
 
 

@@ -110,4 +110,4 @@ class PerBucketCallback(TrainerCallback):
         if control.should_log:
             self.overlap.make_norm_final()
 
-    on_epoch_end = on_step_end  # so does it after this one
+    on_epoch_end = on_step_end  # the Trainer also logs right after on_epoch_end
