@@ -126,7 +126,7 @@ def test_parallel_options_call_the_public_api_with_planned_sizes():
         plan, factory_cfg = split_parallel(_compose(f"parallel={option}").parallel)
         factory = instantiate(factory_cfg)
         assert (factory.func, factory.keywords) == (target, keywords), option
-        assert plan == PlanConfig(**sizes), option
+        assert plan == PlanConfig.of(**sizes), option
 
 
 def test_choosing_ep_dp_also_chooses_moe_tiny_unless_model_is_given():

@@ -19,7 +19,7 @@ from overlapkit.autoplan.published_runs import check_run, published_runs
 from overlapkit.autoplan.search import price, search
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.cli import main
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology import load_topology
 
 GPT = "gpt:layers=8,hidden=1024,heads=16"
@@ -285,7 +285,7 @@ def test_a_gpt_shape_is_megatrons_gpt():
         (["--framework", "deepspeed"], "--framework 'deepspeed'"),
         (["--micro-batch", "0"], "--micro-batch"),
         (["--virtual-stages", "0"], "--virtual-stages"),
-        (["--dp-shard", "2", "--sharding", "ddp"], "--dp-shard 2 goes with --sharding hsdp"),
+        (["--dp-shard", "2", "--sharding", "ddp"], "--dp-shard=2 goes with --sharding=hsdp"),
         (["--framework", "overlapkit-train", "--pp", "2", "--cp", "2"], "pipeline with context"),
         (["--framework", "overlapkit-train", "--tp", "2", "--sharding", "zero1"], "FSDP (zero1)"),
         (["--framework", "torchtitan", "--recompute", "full:2"], "recomputation of 2 layers"),
@@ -306,9 +306,9 @@ def test_pins_given_twice_or_without_full_are_refused_in_ok_plan():
     kwargs = dict(model=GPT, global_batch=32, seq_len=2048, auto=True)
     with pytest.raises(ValueError, match="already says the layers"):
         ok.plan(topology, recompute="full:2", recompute_layers=3, **kwargs)
-    with pytest.raises(ValueError, match="recompute_layers=2 goes with recompute full"):
+    with pytest.raises(ValueError, match="recompute_layers=2 goes with recompute=full"):
         ok.plan(topology, recompute="selective", recompute_layers=2, **kwargs)
-    with pytest.raises(ValueError, match="goes with recompute full"):
+    with pytest.raises(ValueError, match="goes with recompute=full"):
         ok.plan(topology, recompute_layers=2, **kwargs)
 
 

@@ -32,15 +32,15 @@ from overlapkit.autoplan.handoff.run_config import train_overrides
 from overlapkit.autoplan.models import train_model_spec
 from overlapkit.autoplan.search import searched_layouts
 from overlapkit.autoplan.settings import SearchSettings
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology import load_topology
 from overlapkit.train.launch import cli
 from overlapkit.train.launch.cli import check_job
 from overlapkit.train.launch.elastic import LauncherConfig
 from overlapkit.train.models import GPTConfig, MoEConfig
 from overlapkit.train.parallel.mesh import split_parallel
+from overlapkit.train.parallel.run_layout import run_layout
 from overlapkit.train.planning.parallel_auto import RECORD_NAME
-from overlapkit.train.planning.planned import run_layout
 from tests.multiproc import run_on_ranks
 
 SHAPE = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)  # conf/model

@@ -33,6 +33,8 @@ from overlapkit.autoplan.models import GPT_SPEC
 from overlapkit.autoplan.ok_plan import AutoPlan, auto_plan
 from overlapkit.autoplan.pins import (
     RECOMPUTE_SPELLING,
+    cli_flag,
+    pins_from,
     plan_call,
     plan_command,
     recompute_text,
@@ -40,8 +42,8 @@ from overlapkit.autoplan.pins import (
 from overlapkit.autoplan.published_runs import render_run_checks, validate
 from overlapkit.autoplan.search import TIE
 from overlapkit.autoplan.settings import ATTENTION, SearchSettings, flash_attention_of
+from overlapkit.layout import SHARDING, PartialLayout, TrainingLayout
 from overlapkit.planner.explain import where
-from overlapkit.planner.layout import SHARDING, TrainingLayout
 from overlapkit.topology.model import Topology
 from overlapkit.topology.units import format_seconds
 
@@ -124,15 +126,18 @@ def add_auto_arguments(
     )
 
 
-def fixed_from_args(args: argparse.Namespace) -> dict:
-    """The choices the user pinned (``autoplan.pins``; unset ones are free under --auto)."""
-    fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp", "ep") if getattr(args, k) is not None}
-    if args.dp is not None and args.dp != -1:
-        fixed["dp"] = args.dp
-    return fixed | choices_from_args(args)
+def fixed_from_args(args: argparse.Namespace) -> PartialLayout:
+    """The choices the user pinned on the command line (unset ones are free under --auto).
+
+    Raises:
+        TypeError / ValueError: a bad pin, naming its flag.
+    """
+    dp = None if args.dp == -1 else args.dp
+    sizes = {"tp": args.tp, "pp": args.pp, "dp": dp, "cp": args.cp, "ep": args.ep}
+    return pins_from(sizes | choices_from_args(args).given(), spell=cli_flag)
 
 
-def choices_from_args(args: argparse.Namespace) -> dict:
+def choices_from_args(args: argparse.Namespace) -> PartialLayout:
     """The pins beyond the parallel sizes: micro-batch, interleaving, recomputation, sharding."""
     choices = {
         "dp_shard": args.dp_shard,
@@ -141,7 +146,7 @@ def choices_from_args(args: argparse.Namespace) -> dict:
         "recompute": args.recompute,
         "sharding": args.sharding,
     }
-    return {k: v for k, v in choices.items() if v is not None}
+    return pins_from(choices, spell=cli_flag)
 
 
 def settings_from_args(args: argparse.Namespace) -> SearchSettings:
@@ -233,7 +238,7 @@ def auto_dict(answer: AutoPlan, warnings: list[str], elapsed_s: float, run: dict
         "model": answer.model.to_dict() | {"source": answer.model_source},
         "topology": answer.topology.name,
         "world_size": answer.topology.world_size,
-        "fixed": result.fixed,
+        "fixed": result.fixed.given(),
         "placement": {
             "mesh_dim_names": list(placement.mesh_dim_names),
             "shape": list(placement.shape),
@@ -371,16 +376,34 @@ def render_auto(
     answer: AutoPlan, warnings: list[str], elapsed_s: float, run: dict | None = None
 ) -> str:
     """The ``overlapkit plan --auto`` report (``run``: ``run_instructions(answer)``)."""
-    result = answer.result
-    topology = answer.topology
-    settings = answer.settings
     run = run or run_instructions(answer)
+    lines = [
+        *header_lines(answer),
+        "",
+        *candidate_table(answer.result.candidates),
+        "",
+        *why_best(answer.result.candidates),
+        placement_line(answer),
+        *(f"warning: {w}" for w in warnings),
+        "",
+        "#1 pinned (prices exactly it): " + " ".join(run["plan_command"]),
+        f"  from Python: plan = {run['plan_call']}",
+        *overlapkit_train_lines(answer, run),
+        *torchtitan_lines(answer, run),
+        f"({elapsed_s:.2f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def header_lines(answer: AutoPlan) -> list[str]:
+    """What was searched: the model, the topology and batch, the counts, the settings."""
+    result, topology, settings = answer.result, answer.topology, answer.settings
     refused = (
         f", {result.refused} more that {settings.framework.name} does not run left out"
         if result.refused
         else ""
     )
-    lines = [
+    return [
         f"auto-plan {answer.model.describe()}",
         f"on {topology.name}: {topology.world_size} GPUs "
         f"({answer.best.memory_limit / 1e9:.3g} GB each), global batch {answer.global_batch} x "
@@ -388,77 +411,81 @@ def render_auto(
         f"{result.estimates} cost-model estimates{refused}) in {result.search_s:.2f} s",
         f"as {settings.framework.name} runs them, {settings.attention} attention, "
         f"{settings.precision.name}",
-        "",
     ]
-    header = ["#", "dims", "mb x m", "v", "recompute", "sharding", "step s", "tok/s/GPU"]
-    header += ["MFU", "GB/GPU", "fits"]
-    rows = []
-    for i, c in enumerate(result.candidates, 1):
-        lay = c.layout
-        shard = f"hsdp/{lay.dp_shard}" if lay.sharding == "hsdp" else lay.sharding
-        rows.append(
-            [
-                str(i),
-                _cell_dims(lay),
-                f"{lay.micro_batch}x{lay.num_micro_batches}",
-                str(lay.virtual_stages),
-                recompute_text(lay),
-                shard,
-                f"{c.step.step_s:.4g}",
-                f"{c.tokens_per_s_per_gpu:.4g}"
-                if c.tokens_per_s_per_gpu < 1e4
-                else f"{c.tokens_per_s_per_gpu:.0f}",
-                f"{c.mfu:.1%}",
-                f"{c.memory.total / 1e9:.3g}",
-                "yes" if c.fits else "NO",
-            ]
-        )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append("  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
-    lines += ["", *why_best(result.candidates)]
+
+
+TABLE_HEADER = (
+    *("#", "dims", "mb x m", "v", "recompute", "sharding"),
+    *("step s", "tok/s/GPU", "MFU", "GB/GPU", "fits"),
+)
+
+
+def candidate_row(rank: int, candidate: Candidate) -> list[str]:
+    """One line of the ranked table, as cells (``TABLE_HEADER``)."""
+    layout = candidate.layout
+    shard = f"hsdp/{layout.dp_shard}" if layout.sharding == "hsdp" else layout.sharding
+    tokens = candidate.tokens_per_s_per_gpu
+    return [
+        str(rank),
+        _cell_dims(layout),
+        f"{layout.micro_batch}x{layout.num_micro_batches}",
+        str(layout.virtual_stages),
+        recompute_text(layout),
+        shard,
+        f"{candidate.step.step_s:.4g}",
+        f"{tokens:.4g}" if tokens < 1e4 else f"{tokens:.0f}",
+        f"{candidate.mfu:.1%}",
+        f"{candidate.memory.total / 1e9:.3g}",
+        "yes" if candidate.fits else "NO",
+    ]
+
+
+def candidate_table(candidates: list[Candidate]) -> list[str]:
+    """The ranked table, right-aligned columns."""
+    rows = [list(TABLE_HEADER)] + [candidate_row(i, c) for i, c in enumerate(candidates, 1)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
+    return [
+        "  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
+        for row in rows
+    ]
+
+
+def placement_line(answer: AutoPlan) -> str:
+    """Where #1's groups sit (``explain.where``), outermost axis last."""
     placement = answer.placement
-    lines.append(
-        "  placed: "
-        + "; ".join(
-            f"{axis} {where(placement, axis)}"
-            for axis, size in reversed(placement.sizes.items())
-            if size > 1
-        )
+    return "  placed: " + "; ".join(
+        f"{axis} {where(placement, axis)}"
+        for axis, size in reversed(placement.sizes.items())
+        if size > 1
     )
-    lines += [f"warning: {w}" for w in warnings]
-    lines += [
-        "",
-        "#1 pinned (prices exactly it): " + " ".join(run["plan_command"]),
-        f"  from Python: plan = {run['plan_call']}",
-    ]
-    if "overlapkit_train" in run:
-        lines.append("run it: " + " ".join(run["overlapkit_train"]))
-        if "overlapkit_train_predicted" in run:
-            predicted = run["overlapkit_train_predicted"]
-            lines.append(
-                f"  overlapkit-train keeps the embeddings and head whole on every tp rank and "
-                f"all-reduces where Megatron's sequence parallelism gathers and scatters: "
-                f"{predicted['step_time_s']:.4g} s per step predicted "
-                f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
-                f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"
-                + ("" if predicted["fits"] else " (does not fit)")
-            )
-        if answer.model.name not in TRAIN_MODELS:
-            lines.append(
-                f"  (overlapkit-train's model zoo is {', '.join(TRAIN_MODELS)}: point "
-                f"model._target_ at your {answer.model.name} module)"
-            )
-    else:
-        lines.append(
+
+
+def overlapkit_train_lines(answer: AutoPlan, run: dict) -> list[str]:
+    """How to run #1 with overlapkit-train (its ``run it:`` line and price), or what it lacks."""
+    if "overlapkit_train" not in run:
+        return [
             "overlapkit-train lacks " + ", ".join(run["overlapkit_train_lacks"]) + "; run it "
-            "with the planner's DeviceMesh (dims " + ", ".join(run["mesh_dim_names"]) + "):"
+            "with the planner's DeviceMesh (dims " + ", ".join(run["mesh_dim_names"]) + "):",
+            "  mesh = plan.device_mesh()",
+            "  or search only what overlapkit-train runs: --framework overlapkit-train",
+        ]
+    lines = ["run it: " + " ".join(run["overlapkit_train"])]
+    if "overlapkit_train_predicted" in run:
+        predicted = run["overlapkit_train_predicted"]
+        lines.append(
+            f"  overlapkit-train keeps the embeddings and head whole on every tp rank and "
+            f"all-reduces where Megatron's sequence parallelism gathers and scatters: "
+            f"{predicted['step_time_s']:.4g} s per step predicted "
+            f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
+            f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"
+            + ("" if predicted["fits"] else " (does not fit)")
         )
-        lines.append("  mesh = plan.device_mesh()")
-        lines.append("  or search only what overlapkit-train runs: --framework overlapkit-train")
-    lines += torchtitan_lines(answer, run)
-    lines.append(f"({elapsed_s:.2f} s)")
-    return "\n".join(lines)
+    if answer.model.name not in TRAIN_MODELS:
+        lines.append(
+            f"  (overlapkit-train's model zoo is {', '.join(TRAIN_MODELS)}: point "
+            f"model._target_ at your {answer.model.name} module)"
+        )
+    return lines
 
 
 def torchtitan_lines(answer: AutoPlan, run: dict) -> list[str]:

@@ -91,7 +91,7 @@ def wrap_model(
     check_pipeline(
         plan, model_config=model.config, grad_accum=cfg.grad_accum, factory_cfg=factory_cfg
     )
-    if plan.pp > 1:
+    if plan.sizes.pp > 1:
         par = apply_pipeline(
             model,
             instantiate(factory_cfg),
