@@ -224,6 +224,24 @@ def test_recomputing_layouts_get_the_train_recompute_overrides():
         train_overrides(TrainingLayout(tp=2, dp=2, sharding="zero1"), **args)
 
 
+def test_recompute_layers_count_each_model_chunk_as_overlapkit_train_does():
+    # pp 2 x v 2 of 8 layers: each rank holds 2 chunks of 2 layers; full:1 recomputes one layer
+    # of each chunk (train.recompute_layers counts the blocks of each stage, a chunk), 2 of 4.
+    layout = TrainingLayout(pp=2, num_micro_batches=2, virtual_stages=2, recompute="full")
+    assert dataclasses.replace(layout, recompute_layers=1).recomputed_share(4) == 0.5
+    assert dataclasses.replace(layout, recompute_layers=2).recomputed_share(4) == 1.0
+    model = load_model("gpt:layers=8,hidden=1024,heads=16")
+    pins = {"pp": 2, "virtual_stages": 2, "micro_batch": 1, "recompute": "full"}
+    kwargs = dict(
+        global_batch=16, seq_len=2048, settings=SearchSettings(framework="overlapkit-train")
+    )
+    topology = load_topology("dgx-a100")
+    found = search(topology, model, fixed=pins | {"recompute_layers": 2}, **kwargs)
+    assert found.best.layout.recompute_layers == 2
+    with pytest.raises(ValueError, match="no variant of the fixed layout"):
+        search(topology, model, fixed=pins | {"recompute_layers": 3}, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class _RecomputesNothing:
     """A selective policy that keeps every activation and recomputes nothing."""

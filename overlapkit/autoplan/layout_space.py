@@ -16,7 +16,6 @@ import itertools
 import math
 
 from overlapkit.autoplan.group_costs import TRAFFIC_ORDER, blocks_intact, domain_size
-from overlapkit.autoplan.memory import layers_per_stage
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.settings import PlanSearchError
 from overlapkit.layout import RECOMPUTE, SHARDING, PartialLayout, TrainingLayout
@@ -129,13 +128,18 @@ def variants(
                     dp_shard=dp_shard,
                 )
             )
-    # A stage shorter than the pinned number of layers cannot recompute that many.
+    # A model chunk shorter than the pinned number of layers cannot recompute that many.
     return [
         layout
         for layout in out
         if layout.recompute_layers is None
-        or layout.recompute_layers <= layers_per_stage(model, layout)
+        or layout.recompute_layers <= chunk_layers(model.layers, layout)
     ]
+
+
+def chunk_layers(layers: int, layout: TrainingLayout) -> int:
+    """Layers of the fullest model chunk: ``ceil(layers / (pp x v))``."""
+    return math.ceil(layers / layout.pipeline_chunks)
 
 
 def _micro_batches(per_replica: int, pins: PartialLayout) -> list[int]:

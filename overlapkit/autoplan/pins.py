@@ -3,7 +3,8 @@
 Everything the search varies can be pinned, on the command line and in ``ok.plan(auto=True)``,
 as one ``PartialLayout`` (``overlapkit.layout``); see docs/auto-planner.md ("Pinning") for the
 table of spellings. ``--recompute full`` alone leaves the number of recomputed layers to the
-search, ``full:K`` pins K layers of each pipeline stage, ``full:all`` every layer.
+search, ``full:K`` pins K layers of each pipeline stage (of each model chunk with interleaving),
+``full:all`` every layer.
 """
 
 from __future__ import annotations

@@ -20,11 +20,12 @@ from overlapkit.autoplan.candidate import Candidate, SearchResult, memory_text
 from overlapkit.autoplan.group_costs import AxisCosts, domain_size
 from overlapkit.autoplan.layout_space import (
     batch_message,
+    chunk_layers,
     no_sizes_message,
     parallel_sizes,
     variants,
 )
-from overlapkit.autoplan.memory import MemoryBreakdown, layers_per_stage
+from overlapkit.autoplan.memory import MemoryBreakdown
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.pins import cli_flag, pins_from, pins_text
 from overlapkit.autoplan.settings import PlanSearchError, SearchSettings
@@ -191,7 +192,7 @@ def _checked_request(
     if layers is not None and layers > model.layers:
         raise ValueError(
             f"--recompute full:{layers}: {model.name} has {model.layers} layers (K counts the "
-            "layers of each pipeline stage)"
+            "layers of each pipeline stage's model chunk)"
         )
     return pins
 
@@ -216,8 +217,8 @@ def _consider(layout: TrainingLayout, pricing: Pricing, pins: PartialLayout, tal
 def _fewest_recomputed(
     layout: TrainingLayout, full: MemoryBreakdown, pricing: Pricing
 ) -> tuple[TrainingLayout, MemoryBreakdown]:
-    """Full recomputation of only as many layers per stage as it takes to fit (where the
-    framework recomputes some layers of a stage).
+    """Full recomputation of only as many layers of each model chunk as it takes to fit (where
+    the framework recomputes some layers of a chunk).
 
     Memory is affine in the number of recomputed layers, so the count comes from the memory
     without recomputation and with all of it, then is checked.
@@ -226,12 +227,12 @@ def _fewest_recomputed(
     some = dataclasses.replace(layout, recompute_layers=1)
     if full.total > limit or framework.lacks(some, layers=pricing.model.layers):
         return layout, full
-    stage_layers = layers_per_stage(pricing.model, layout)
+    layers = chunk_layers(pricing.model.layers, layout)
     none = pricing.memory(dataclasses.replace(layout, recompute="none"))
     if none.total <= limit or none.total <= full.total:
         return layout, full  # recomputation is not needed: the none variant is searched too
-    count = max(1, math.ceil(stage_layers * (none.total - limit) / (none.total - full.total)))
-    while count < stage_layers:
+    count = max(1, math.ceil(layers * (none.total - limit) / (none.total - full.total)))
+    while count < layers:
         partial = dataclasses.replace(layout, recompute_layers=count)
         memory = pricing.memory(partial)
         if memory.total <= limit:

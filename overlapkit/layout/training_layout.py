@@ -98,7 +98,9 @@ class TrainingLayout:
     """Interleaved 1F1B: model chunks per pipeline rank (1: plain 1F1B)."""
     recompute: str = "none"
     recompute_layers: int | None = None
-    """full: layers of each pipeline stage recomputed (None: all of them)."""
+    """full: layers recomputed of each model chunk, the ``virtual_stages`` chunks of a pipeline
+    rank each (None: all of them), as Megatron-LM's ``--recompute-num-layers`` and
+    overlapkit-train's ``train.recompute_layers`` count them."""
     sharding: str = "ddp"
     dp_shard: int | None = None
     """hsdp: ranks of one shard group (the inner dp axis)."""
@@ -168,9 +170,10 @@ class TrainingLayout:
         )
 
     def recomputed_share(self, stage_layers: int) -> float:
-        """Share of a stage's layers whose forward is recomputed (full recomputation)."""
+        """Share of a pipeline rank's ``stage_layers`` layers whose forward is recomputed (full
+        recomputation: ``recompute_layers`` of each of its ``virtual_stages`` chunks)."""
         if self.recompute != "full":
             return 0.0
         if self.recompute_layers is None:
             return 1.0
-        return min(1.0, self.recompute_layers / stage_layers)
+        return min(1.0, self.recompute_layers * self.virtual_stages / stage_layers)
