@@ -81,6 +81,7 @@ INNER_LAYERS: dict[str, dict[str, int]] = {
         "overlapkit.autoplan.*": 0,
         "overlapkit.autoplan.handoff": 1,
         "overlapkit.autoplan.auto_cli": 2,
+        "overlapkit.autoplan.auto_report": 2,
         "overlapkit.autoplan.cli": 2,
         "overlapkit.autoplan": 2,
     },

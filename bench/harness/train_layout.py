@@ -38,16 +38,7 @@ def compose_run(overrides: list[str]) -> DictConfig:
 def planned_layout(config: DictConfig, world_size: int) -> TrainingLayout:
     """The layout a run of ``config`` prices itself with (``train.parallel.run_layout``)."""
     plan, factory_cfg = split_parallel(config.parallel)
-    train_cfg = instantiate(config.train)
-    layout = run_layout(
-        plan,
-        factory_cfg,
-        world_size=world_size,
-        batch_size=train_cfg.batch_size,
-        grad_accum=train_cfg.grad_accum,
-        recompute=train_cfg.recompute,
-        recompute_layers=train_cfg.recompute_layers,
-    )
+    layout = run_layout(plan, factory_cfg, instantiate(config.train), world_size=world_size)
     if layout is None:
         raise ValueError(f"the planner has no layout for parallel={dict(config.parallel)}")
     return layout

@@ -87,15 +87,17 @@ def _free_sizes(topology: Topology, model: ModelSpec, seq_len: int) -> dict[str,
     domain = domain_size(topology)
     return {
         "tp": [
-            t for t in world if model.heads % t == 0 and model.kv_heads % t == 0 and domain % t == 0
+            tp
+            for tp in world
+            if model.heads % tp == 0 and model.kv_heads % tp == 0 and domain % tp == 0
         ],
         "cp": [
-            c
-            for c in world
-            if seq_len % c == 0 and (c == 1 or seq_len // c >= MIN_TOKENS_PER_CP_RANK)
+            cp
+            for cp in world
+            if seq_len % cp == 0 and (cp == 1 or seq_len // cp >= MIN_TOKENS_PER_CP_RANK)
         ],
-        "ep": [e for e in world if model.experts % e == 0] if model.is_moe else [1],
-        "pp": [p for p in world if p <= model.layers],
+        "ep": [ep for ep in world if model.experts % ep == 0] if model.is_moe else [1],
+        "pp": [pp for pp in world if pp <= model.layers],
     }
 
 
@@ -145,7 +147,7 @@ def chunk_layers(layers: int, layout: TrainingLayout) -> int:
 def _micro_batches(per_replica: int, pins: PartialLayout) -> list[int]:
     if pins.micro_batch is not None:
         return [pins.micro_batch] if per_replica % pins.micro_batch == 0 else []
-    return [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH]
+    return [size for size in divisors(per_replica) if size <= MAX_MICRO_BATCH]
 
 
 def _stage_counts(pp: int, micro_batches: int, layers: int, pins: PartialLayout) -> list[int]:
@@ -155,8 +157,8 @@ def _stage_counts(pp: int, micro_batches: int, layers: int, pins: PartialLayout)
         counts = [pins.virtual_stages] if pins.virtual_stages == 1 or interleaves else []
     else:
         more = range(2, MAX_VIRTUAL_STAGES + 1) if interleaves else range(0)
-        counts = [1, *(v for v in more if pp * v <= layers)]
-    return [v for v in counts if every_stage_has_layers(layers, pp * v, pp)]
+        counts = [1, *(count for count in more if pp * count <= layers)]
+    return [count for count in counts if every_stage_has_layers(layers, pp * count, pp)]
 
 
 def _shardings(
@@ -167,13 +169,17 @@ def _shardings(
     spread = dims["dp"] * dims["ep"] * dims["cp"] > 1
     shardings = [pins.sharding] if pins.sharding else SHARDING if spread else ("ddp",)
     if pins.dp_shard:
-        shardings = [s for s in shardings if s == "hsdp"]
+        shardings = [sharding for sharding in shardings if sharding == "hsdp"]
     inner = dims["ep"] * dims["cp"] * dims["tp"]
     shards = [
-        z
-        for z in divisors(dims["dp"])
-        if 1 < z < dims["dp"]
-        and (pins.dp_shard == z if pins.dp_shard else z * inner <= MAX_HSDP_SHARD_DOMAINS * domain)
+        shard
+        for shard in divisors(dims["dp"])
+        if 1 < shard < dims["dp"]
+        and (
+            pins.dp_shard == shard
+            if pins.dp_shard
+            else shard * inner <= MAX_HSDP_SHARD_DOMAINS * domain
+        )
     ]
     return [
         (sharding, dp_shard)
@@ -208,7 +214,7 @@ def no_sizes_message(
 
 def batch_message(global_batch: int, sizes: list[dict[str, int]]) -> str:
     """Why no size tuple splits ``global_batch``: the replica counts there are."""
-    replicas = sorted({s["dp"] * s["ep"] for s in sizes})
+    replicas = sorted({dims["dp"] * dims["ep"] for dims in sizes})
     shown = ", ".join(map(str, replicas[:8])) + (", ..." if len(replicas) > 8 else "")
     return (
         f"--global-batch {global_batch} is not divisible by the data-parallel replicas "

@@ -107,10 +107,10 @@ def manual_warnings(
                 comm = inside.collectives()
                 inside_s = sum(c.total_s for c in comm if c.dim == "tp")
                 grads_s = sum(c.total_s for c in comm if c.dim == "dp")
-                w = placement.workload
+                workload = placement.workload
                 note = (
                     f", {total / inside_s:.3g}x tp={domain} inside a domain for the same "
-                    f"{w.micro_batch * w.microbatches} sequences per step "
+                    f"{workload.micro_batch * workload.microbatches} sequences per step "
                     f"({format_seconds(inside_s)}, and {format_seconds(grads_s)} of gradient "
                     f"all-reduce that overlaps backward); better: tp={domain} "
                     f"dp={inside.dims['dp']} pp={inside.dims['pp']}"

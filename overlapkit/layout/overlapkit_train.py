@@ -7,13 +7,15 @@ which pipeline schedules run and what each needs, ``REFUSED`` which combinations
 refusal is written once, in the search's words (``Refused.lacks``, for
 ``autoplan.framework.OVERLAPKIT_TRAIN``) and in train's (``Refused.config``, one line naming the
 config keys). A new schedule or communication mode is a row here; both sides follow it. Why
-each combination is refused is in docs/auto-planner.md ("What overlapkit-train runs").
+each combination is refused: docs/training.md ("What overlapkit-train runs") and
+docs/auto-planner.md ("What each framework runs").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 from overlapkit.layout.training_layout import TrainingLayout
 
@@ -103,8 +105,8 @@ class Schedule:
     exactly one."""
     planned: bool
     """The auto-planner prices it (its bubble and memory) and proposes it."""
-    micro_batches: str = "any"
-    """What it needs of a step's micro-batches: ``any``, ``at least pp`` or ``multiple of pp``."""
+    micro_batches: Literal["any", "at least pp", "multiple of pp"] = "any"
+    """What it needs of a step's micro-batches (``train.grad_accum``)."""
     refused_with_hooks: str | None = None
     """Why it does not run under a wrapper reducing from hooks (None: it runs)."""
     refused_with_fsdp: str | None = None
@@ -122,9 +124,9 @@ class Schedule:
             return None
         want = "several stages" if self.several_stages else "one stage"
         others = [
-            s.name
-            for s in SCHEDULES
-            if s.several_stages != self.several_stages and s.runs_somewhere
+            other.name
+            for other in SCHEDULES
+            if other.several_stages != self.several_stages and other.runs_somewhere
         ]
         return (
             f"parallel.plan.schedule={self.name} runs {want} per rank, got "
@@ -180,13 +182,14 @@ def schedule_named(name: str) -> Schedule:
             return schedule
     raise ValueError(
         f"parallel.plan.schedule={name!r} is not a torch.distributed.pipelining schedule; "
-        f"valid: {', '.join(s.name for s in SCHEDULES)}"
+        f"valid: {', '.join(schedule.name for schedule in SCHEDULES)}"
     )
 
 
 def planned_schedule(virtual_stages: int) -> Schedule:
     """The schedule the planner prices for ``virtual_stages``: 1F1B, or interleaved 1F1B."""
-    return next(s for s in SCHEDULES if s.planned and s.several_stages == (virtual_stages > 1))
+    several = virtual_stages > 1
+    return next(s for s in SCHEDULES if s.planned and s.several_stages == several)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,7 +240,8 @@ class Refused:
     """overlapkit-train's one-line refusal naming the config keys (same fields)."""
 
 
-def _fsdp_family(job: Job) -> bool:
+def _no_wrapper_runs_tp_and_ep(job: Job) -> bool:
+    """No wrapper of the layout's sharding runs tp and ep (the ``ok.fsdp`` shardings)."""
     return not any(w.runs_tp_and_ep for w in WRAPPERS if job.layout.sharding in w.shardings)
 
 
@@ -259,14 +263,14 @@ REFUSED = (
         "are not supported by the training loop" + _USE_ONE,
     ),
     Refused(
-        when=lambda job: job.layout.tp > 1 and _fsdp_family(job),
+        when=lambda job: job.layout.tp > 1 and _no_wrapper_runs_tp_and_ep(job),
         lacks="tensor parallelism under {under}",
         config="parallel.plan.tp={tp} needs parallel._target_ overlapkit.GradBucketer ("
         + NEEDS_WRAPPER["tp"][1]
         + "), got overlapkit.fsdp",
     ),
     Refused(
-        when=lambda job: job.layout.ep > 1 and _fsdp_family(job),
+        when=lambda job: job.layout.ep > 1 and _no_wrapper_runs_tp_and_ep(job),
         lacks="expert parallelism under {under}",
         config="parallel.plan.ep={ep} needs parallel._target_ overlapkit.GradBucketer ("
         + NEEDS_WRAPPER["ep"][1]
@@ -322,7 +326,7 @@ REFUSED = (
     ),
     Refused(
         when=lambda job: _micro_batches_short(job) and job.schedule.micro_batches != "at least pp",
-        lacks="an interleaved pipeline of {pp} stages with {num_micro_batches} micro-batches per "
+        lacks="a {schedule} pipeline of {pp} stages with {num_micro_batches} micro-batches per "
         "step (not a multiple of its stages)",
         config="train.grad_accum={num_micro_batches} micro-batches per step are not a multiple of "
         "parallel.plan.pp={pp}, which parallel.plan.schedule={schedule} runs in rounds of pp "

@@ -34,25 +34,17 @@ from overlapkit.train.parallel.wrappers import check_run_optimizer
 
 
 def run_layout(
-    plan: PlanConfig,
-    factory_cfg: Mapping[str, Any],
-    *,
-    world_size: int,
-    batch_size: int,
-    grad_accum: int,
-    recompute: str,
-    recompute_layers: int | None,
+    plan: PlanConfig, factory_cfg: Mapping[str, Any], train: Any, *, world_size: int
 ) -> TrainingLayout | None:
     """The run's layout; None for a wrapper the table has no sharding for.
 
     Args:
         plan (PlanConfig): ``parallel.plan``.
         factory_cfg (Mapping): the ``parallel`` group without ``plan``.
+        train: the ``train`` group (a ``TrainConfig`` or its config): ``batch_size``, the
+            micro-batch per rank, ``grad_accum``, the micro-batches per step, ``recompute`` and
+            ``recompute_layers``.
         world_size (int): the job's ranks.
-        batch_size (int): ``train.batch_size``, the micro-batch per rank.
-        grad_accum (int): ``train.grad_accum``, the micro-batches per step.
-        recompute (str): ``train.recompute``.
-        recompute_layers (int | None): ``train.recompute_layers``.
 
     Raises:
         ValueError / TypeError: what ``TrainingLayout`` refuses of it (``check_job`` refuses
@@ -64,12 +56,13 @@ def run_layout(
     )
     if sharding is None:
         return None
+    full = train.recompute == "full"
     return TrainingLayout(
         **sizes.given() | {"dp": dp, "dp_shard": sizes.dp_shard if sharding == "hsdp" else None},
-        micro_batch=batch_size,
-        num_micro_batches=grad_accum,
-        recompute=recompute,
-        recompute_layers=recompute_layers if recompute == "full" else None,
+        micro_batch=train.batch_size,
+        num_micro_batches=train.grad_accum,
+        recompute=train.recompute,
+        recompute_layers=train.recompute_layers if full else None,
         sharding=sharding,
     )
 
@@ -89,15 +82,7 @@ def run_job(
     Raises:
         ValueError: a schedule torch does not have (as ``schedule_named``).
     """
-    layout = run_layout(
-        plan,
-        factory_cfg,
-        world_size=world_size,
-        batch_size=train.batch_size,
-        grad_accum=train.grad_accum,
-        recompute=train.recompute,
-        recompute_layers=train.recompute_layers,
-    )
+    layout = run_layout(plan, factory_cfg, train, world_size=world_size)
     if layout is None:
         return None
     return Job(

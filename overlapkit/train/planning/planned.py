@@ -105,14 +105,6 @@ def predict_job(
 ) -> Prediction | None:
     """``predict_run`` of the run ``plan``, the ``parallel`` group's wrapper and ``train`` (the
     ``TrainConfig``) describe."""
-    layout = run_layout(
-        plan,
-        factory_cfg,
-        world_size=world_size,
-        batch_size=train.batch_size,
-        grad_accum=train.grad_accum,
-        recompute=train.recompute,
-        recompute_layers=train.recompute_layers,
-    )
+    layout = run_layout(plan, factory_cfg, train, world_size=world_size)
     seq_len = seq_len or getattr(model_config, "block_size", 1)
     return predict_run(topology, model_config, layout, seq_len=seq_len, name=name)
