@@ -184,9 +184,10 @@ def _cp_layouts_match_the_whole_sequences(rank: int, world_size: int) -> dict:
                 msg=lambda m, n=param_name, c=name: f"{c} {n}: {m}",
             )
             gap = max(gap, (value - expected[param_name]).abs().max().item())
+        flattened = plan.sizes.cp > 1
         out[name] = {
             # The flattened dp x cp group the wrappers reduce over: the default group's timeout.
-            "timeout": group_timeout(layout.dp_group).total_seconds() if plan.cp > 1 else None,
+            "timeout": group_timeout(layout.dp_group).total_seconds() if flattened else None,
             "shards": shards,
             "loss": (reported, own_loss),
             "max_abs_diff": gap,

@@ -15,12 +15,14 @@ from overlapkit.autoplan.framework import FRAMEWORKS, MEGATRON, OVERLAPKIT_TRAIN
 from overlapkit.autoplan.handoff.run_config import train_overrides
 from overlapkit.autoplan.models import gpt_spec, load_model
 from overlapkit.autoplan.ok_plan import auto_plan
+from overlapkit.autoplan.pins import pins_from
 from overlapkit.autoplan.published_runs import check_run, published_runs
 from overlapkit.autoplan.search import price, search
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.cli import main
-from overlapkit.layout import TrainingLayout
+from overlapkit.layout import PartialLayout, TrainingLayout
 from overlapkit.topology import load_topology
+from overlapkit.train.planning.parallel_auto import AutoConfig
 
 GPT = "gpt:layers=8,hidden=1024,heads=16"
 BASE = ["plan", "--auto", "--topology", "dgx-a100", "--model", GPT]
@@ -69,6 +71,27 @@ def test_each_choice_pinned_on_the_cli_is_the_winners(capsys, free_best, flags, 
     assert any(_field(free_best, k) != v for k, v in expected.items())
     doc = _json(capsys, [*BASE, *BATCH, *flags])
     assert {k: _field(doc["candidates"][0], k) for k in expected} == expected
+
+
+def test_the_cli_ok_plan_and_parallel_pins_pin_one_partial_layout_which_json_prints(capsys):
+    expected = PartialLayout(
+        tp=2, recompute="full", recompute_layers=3, sharding="hsdp", dp_shard=2
+    )
+    doc = _json(capsys, [*BASE, *BATCH, "--tp", "2", "--recompute", "full:3", "--dp-shard", "2"])
+    assert PartialLayout(**doc["fixed"]) == expected
+    keywords = {"tp": 2, "recompute": "full:3", "dp_shard": 2}
+    assert pins_from(keywords) == expected  # ok.plan(..., auto=True, **keywords)
+    assert AutoConfig(pins=keywords).fixed() == expected  # +parallel.pins.tp=2 ...
+    assert expected.admits(
+        ok.plan(
+            load_topology("dgx-a100"),
+            model=GPT,
+            global_batch=32,
+            seq_len=2048,
+            auto=True,
+            **keywords,
+        ).training
+    )
 
 
 def test_attention_and_framework_pinned_on_the_cli_price_and_filter(capsys):

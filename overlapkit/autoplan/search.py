@@ -62,8 +62,12 @@ class Pricing:
         settings: SearchSettings,
         costs: AxisCosts | None = None,
     ) -> Pricing:
-        """Raises: PlanSearchError: a topology without an accelerator section (as
-        ``SearchSettings.step_options``)."""
+        """The pricing of ``model`` on ``topology`` (``costs``: a cache to share; None: a new one).
+
+        Raises:
+            PlanSearchError: a topology without an accelerator section
+                (``SearchSettings.step_options``).
+        """
         options = settings.step_options(topology, seq_len)
         return cls(topology, model, seq_len, settings, options, costs or AxisCosts(topology))
 
