@@ -43,6 +43,9 @@ LAYERS: dict[str, int] = {
     "overlapkit._version": 0,
     "overlapkit.lazy": 0,
     "overlapkit.validation": 0,
+    # The one description of a training layout (complete and partial) and what overlapkit-train
+    # runs: the planner, the search, train, the doctor and the benchmarks read it.
+    "overlapkit.layout": 0,
     # 1: the wrappers, the profiler and the collective cost model (which sees a placement only
     # through a Protocol: it imports neither placement nor the search).
     "overlapkit.ddp": 1,
@@ -78,6 +81,7 @@ INNER_LAYERS: dict[str, dict[str, int]] = {
         "overlapkit.autoplan.*": 0,
         "overlapkit.autoplan.handoff": 1,
         "overlapkit.autoplan.auto_cli": 2,
+        "overlapkit.autoplan.auto_report": 2,
         "overlapkit.autoplan.cli": 2,
         "overlapkit.autoplan": 2,
     },

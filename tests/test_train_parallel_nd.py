@@ -15,11 +15,12 @@ from overlapkit.train.models import GPT, GPTConfig, MLPConfig, MoEConfig, MoEGPT
 from overlapkit.train.parallel.mesh import (
     PlanConfig,
     build_layout,
-    check_plan,
     data_shard,
     split_parallel,
 )
+from overlapkit.train.parallel.run_layout import check_parallel
 from overlapkit.train.parallel.wrappers import apply_parallel, clip_grad_norm
+from overlapkit.train.run.loop import TrainConfig
 from overlapkit.train.run.progress import RunSummary, scaling_efficiency
 from tests.multiproc import run_on_ranks
 
@@ -51,20 +52,27 @@ BUCKETER = "overlapkit.GradBucketer"
 )
 def test_bad_plans_are_refused_naming_the_config_key(plan, model, target, message):
     with pytest.raises(ValueError, match=message):
-        check_plan(PlanConfig(**plan), world_size=4, model_config=model, target=target)
+        check_parallel(
+            PlanConfig.of(**plan),
+            {"_target_": target},
+            TrainConfig(),
+            world_size=4,
+            model_config=model,
+            seq_len=64,
+        )
 
 
 def test_plan_section_is_split_from_the_factory_and_checked():
     plan, factory = split_parallel({"_target_": BUCKETER, "bucket_mb": 1, "plan": {"tp": 2}})
-    assert (plan.tp, plan.ep, plan.dp, plan.dp_shard) == (2, 1, -1, None)
+    assert (plan.sizes.tp, plan.sizes.ep, plan.sizes.dp, plan.sizes.dp_shard) == (2, 1, None, None)
     assert factory == {"_target_": BUCKETER, "bucket_mb": 1}
     assert split_parallel({"_target_": BUCKETER})[0].trivial
     with pytest.raises(ValueError, match=r"parallel.plan.sp is not a planner size"):
         split_parallel({"plan": {"sp": 2}})
-    assert split_parallel({"plan": {"pp": 2}})[0].pp == 2
-    assert split_parallel({"plan": {"cp": 2}})[0].cp == 2
+    assert split_parallel({"plan": {"pp": 2}})[0].sizes.pp == 2
+    assert split_parallel({"plan": {"cp": 2}})[0].sizes.cp == 2
     with pytest.raises(ValueError, match=r"parallel.plan.tp must be >= 1, got 0"):
-        PlanConfig(tp=0)
+        PlanConfig.of(tp=0)
 
 
 def test_ranks_of_one_tp_group_read_the_same_batch_shard():
@@ -117,9 +125,9 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
 def _layouts_match_the_unsharded_model(rank: int, world_size: int) -> dict:
     topology = ok.load_topology("cpu-gloox2")
     cases = {
-        "tp_dp": (GPT, GPTConfig, PlanConfig(tp=2), functools.partial(ok.GradBucketer)),
-        "hsdp": (GPT, GPTConfig, PlanConfig(dp_shard=2), functools.partial(ok.fsdp)),
-        "ep_dp": (MoEGPT, MoEConfig, PlanConfig(ep=2), functools.partial(ok.GradBucketer)),
+        "tp_dp": (GPT, GPTConfig, PlanConfig.of(tp=2), functools.partial(ok.GradBucketer)),
+        "hsdp": (GPT, GPTConfig, PlanConfig.of(dp_shard=2), functools.partial(ok.fsdp)),
+        "ep_dp": (MoEGPT, MoEConfig, PlanConfig.of(ep=2), functools.partial(ok.GradBucketer)),
     }
     out = {}
     for name, (cls, config_cls, plan, factory) in cases.items():

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from overlapkit.autoplan.framework import Framework
 from overlapkit.autoplan.memory import Precision, StageParams
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 
 BUCKET_PARAMS = 40_000_000
 BUCKET_PARAMS_PER_RANK = 1_000_000

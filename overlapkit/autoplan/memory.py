@@ -42,7 +42,7 @@ from functools import lru_cache
 
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.selective import ATTENTION_CORE, SelectiveRecompute
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 
 RESERVED_GB = 2.0
 """CUDA context (~0.75 GB), NCCL buffers and cuBLAS workspaces per GPU, GB."""

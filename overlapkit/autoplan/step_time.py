@@ -68,7 +68,7 @@ from overlapkit.autoplan.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
 from overlapkit.autoplan.memory import BF16, Precision, layers_per_stage, stage_params
 from overlapkit.autoplan.memory_traffic import layer_memory_seconds, loss_bytes
 from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 
 OPTIMIZER_BYTES_PER_PARAM = 30

@@ -14,6 +14,7 @@ from typing import Any
 
 from overlapkit.cost.estimate import estimate
 from overlapkit.doctor.check import FAIL, PASS, WARN, Check, worst
+from overlapkit.layout import PartialLayout
 from overlapkit.planner.explain import where
 from overlapkit.planner.grid import rail_aligned
 from overlapkit.planner.placement import PlacementError, plan
@@ -307,27 +308,26 @@ INNER_AXES = ("tp", "cp", "ep")
 OUTER_AXES = ("dp", "pp")
 
 
-def check_placement(
-    topology: Topology, *, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1
-) -> Check:
+def check_placement(topology: Topology, sizes: PartialLayout) -> Check:
     """Check 7: tp/cp/ep inside one scale-up domain, dp/pp rail-aligned, for a layout.
 
-    Uses ``ok.plan`` (its validation refuses a layout that splits a domain) and
-    ``explain.where`` for where each axis's groups live.
+    Uses ``ok.plan`` on ``sizes`` (a size not given is 1, dp the rest; its validation refuses
+    a layout that splits a domain) and ``explain.where`` for where each axis's groups live.
     """
-    sizes = f"tp={tp} ep={ep} cp={cp} pp={pp}"
+    placed = sizes.placement_sizes()
+    given = " ".join(f"{axis}={placed[axis]}" for axis in ("tp", "ep", "cp", "pp"))
     try:
-        placement = plan(topology, tp=tp, ep=ep, cp=cp, pp=pp)
+        placement = plan(topology, **placed)
     except PlacementError as err:
         return Check(
             "placement",
             FAIL,
-            f"{sizes} on {topology.name!r}: refused",
+            f"{given} on {topology.name!r}: refused",
             str(err),
             {"suggestions": err.suggestions},
         )
     except ValueError as err:
-        return Check("placement", FAIL, f"{sizes} on {topology.name!r}: invalid", str(err))
+        return Check("placement", FAIL, f"{given} on {topology.name!r}: invalid", str(err))
     findings: list[tuple[str, str]] = []
     lines = []
     for axis, size in placement.dims.items():

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlapkit.group.process_group import inherit_timeout
+from overlapkit.layout import TrainingLayout
 from overlapkit.planner.axes import (
     AXES,
     HSDP_AXES,
@@ -54,7 +55,6 @@ from overlapkit.planner.axes import (
 from overlapkit.planner.explain import explain as render_explanation
 from overlapkit.planner.explain import placement_dict
 from overlapkit.planner.grid import BlockViolation, axis_groups, physical_order, rank_grid
-from overlapkit.planner.layout import TrainingLayout
 from overlapkit.planner.penalties import split_penalties
 from overlapkit.planner.traffic import CollectiveCost, Workload, step_collectives
 from overlapkit.topology.model import Topology

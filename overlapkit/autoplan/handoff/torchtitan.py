@@ -9,8 +9,9 @@ value`` overrides, and any unknown key is an error. So every choice the planner 
 and the named config's own choices never leak in:
 
 - **degrees**, torchtitan's convention: ``world = pp x dp_replicate x dp_shard x cp x tp``, with
-  ep carved out of ``dp_shard x cp x tp``. ``ok.plan``'s ``dp x ep`` replicas (``planner.layout``)
-  become ``dp_replicate x dp_shard``: fsdp ``1 x dp*ep``, hsdp ``dp/dp_shard x dp_shard*ep``,
+  ep carved out of ``dp_shard x cp x tp``. ``ok.plan``'s ``dp x ep`` replicas
+  (``overlapkit.layout``) become ``dp_replicate x dp_shard``: fsdp ``1 x dp*ep``, hsdp
+  ``dp/dp_shard x dp_shard*ep``,
   ddp ``dp x ep`` (``dp_shard = ep``: FSDP's shard group is where ep comes from), zero1/zero2
   as fsdp (torchtitan has none of them);
 - **batch**: ``local_batch_size`` is sequences per data-parallel rank per forward-backward:
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field
 
 from overlapkit.autoplan.memory import layers_per_stage
 from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.planner.placement import Placement
 
 TORCHTITAN_VERSION = "0.3.0"

@@ -120,7 +120,7 @@ def _embedding_group(layout: Layout) -> dist.ProcessGroup | None:
 
     A collective: every rank creates every pipeline's pair, in the same order.
     """
-    if layout.plan.pp == 2:
+    if layout.plan.sizes.pp == 2:
         return layout.pp_mesh.get_group()
     mine = None
     for ranks in layout.placement.groups("pp"):
@@ -262,14 +262,14 @@ def apply_pipeline(
     plan = layout.plan
     schedule_name = resolve_schedule(plan.schedule)
     pp_rank = layout.pp_mesh.get_local_rank()
-    num_stages = plan.pp * plan.virtual_stages
+    num_stages = plan.sizes.pp * plan.sizes.virtual_stages
     n_layer = len(model.blocks)
-    if plan.tp > 1:
+    if plan.sizes.tp > 1:
         apply_tensor_parallel(model, layout.tp_mesh)
     tied = model.lm_head.weight is model.wte.weight
     if tied:
         model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
-    mine = local_stages(pp_rank, plan.pp, plan.virtual_stages)
+    mine = local_stages(pp_rank, plan.sizes.pp, plan.sizes.virtual_stages)
     last = num_stages - 1
     layers = {s: stage_layers(n_layer, num_stages, s) for s in mine}
     local = split_stage(
@@ -316,7 +316,7 @@ def apply_pipeline(
         schedule=schedule,
         stages=stages,
         group=layout.pp_mesh.get_group(),
-        last_stage_rank=plan.pp - 1,
+        last_stage_rank=plan.sizes.pp - 1,
         bucketers=tuple(bucketers),
         ddps=tuple(s.submod for s in stages if isinstance(s.submod, DistributedDataParallel)),
         tied=tie,
@@ -331,12 +331,12 @@ def apply_pipeline(
         ", ".join(f"{layers[s].start}..{layers[s].stop - 1}" for s in mine),
     )
     description = (
-        f"pipeline {schedule_name} pp={plan.pp}"
-        + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+        f"pipeline {schedule_name} pp={plan.sizes.pp}"
+        + (f" v={plan.sizes.virtual_stages}" if plan.sizes.virtual_stages > 1 else "")
         + f" ({num_stages} stages of {n_layer // num_stages} block"
         + "s" * (n_layer // num_stages != 1)
         + f", {micro_batches} micro-batches), {what} over dp"
-        + (f", tensor parallel tp={plan.tp}" if plan.tp > 1 else "")
+        + (f", tensor parallel tp={plan.sizes.tp}" if plan.sizes.tp > 1 else "")
     )
     return Parallelized(
         local,

@@ -112,10 +112,11 @@ def check_run_optimizer(factory_cfg: Mapping[str, object], *, plan: PlanConfig) 
             f"parallel.optimizer={RUN_OPTIMIZER} (per-bucket optimizer updates) needs "
             f"parallel._target_ overlapkit.GradBucketer, got {target!r}"
         )
-    if plan.tp > 1 or plan.ep > 1:
+    tp, ep = plan.sizes.tp, plan.sizes.ep
+    if tp > 1 or ep > 1:
         raise ValueError(
             f"parallel.optimizer={RUN_OPTIMIZER} (per-bucket optimizer updates) works with plain "
-            f"data parallelism only, got parallel.plan.tp={plan.tp}, parallel.plan.ep={plan.ep}"
+            f"data parallelism only, got parallel.plan.tp={tp}, parallel.plan.ep={ep}"
         )
 
 
@@ -146,9 +147,9 @@ def apply_parallel(
         TypeError: the factory returned something that is neither a module nor a bucketer.
     """
     layout = layout if layout is not None else Layout(PlanConfig())
-    if layout.plan.tp > 1:
+    if layout.plan.sizes.tp > 1:
         apply_tensor_parallel(model, layout.tp_mesh)
-    if layout.plan.ep > 1:
+    if layout.plan.sizes.ep > 1:
         return _expert_parallel(model, factory, layout)
     optimizer = None
     if (
@@ -173,8 +174,8 @@ def apply_parallel(
             return Parallelized(result, result.no_sync, _nothing, True, "ok.ddp")
         case GradBucketer():
             what = f"ok.GradBucketer ({result.num_buckets} buckets)"
-            if layout.plan.tp > 1:
-                what += f" over dp, tensor parallel tp={layout.plan.tp}"
+            if layout.plan.sizes.tp > 1:
+                what += f" over dp, tensor parallel tp={layout.plan.sizes.tp}"
             if optimizer is not None:
                 return Parallelized(
                     model,
@@ -193,7 +194,7 @@ def apply_parallel(
                 model, result.no_sync, result.wait, False, what, bucketers=(result,)
             )
         case FSDPModule():
-            what = "ok.fsdp" + (" (HSDP)" if layout.plan.dp_shard is not None else "")
+            what = "ok.fsdp" + (" (HSDP)" if layout.plan.sizes.dp_shard is not None else "")
             zero = zero_stage(result)
             what += f" ZeRO-{zero}" if zero is not None else ""
             return Parallelized(
@@ -289,7 +290,7 @@ def _expert_parallel(
             f"parallel.plan.ep needs parallel._target_ overlapkit.GradBucketer, whose call "
             f"returns a bucketer; {factory!r} returned {type(dense).__name__}"
         )
-    ep = layout.plan.ep
+    ep = layout.plan.sizes.ep
     expert_params = list(experts.parameters())
 
     @contextlib.contextmanager

@@ -292,7 +292,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         rank,
         par.bucketers,
         bucketer_keys=par.bucketer_keys,
-        flatten_optimizer=plan.pp > 1,
+        flatten_optimizer=plan.sizes.pp > 1,
     )
     torch.manual_seed(cfg.seed + 1 + rank)  # anything random at run time differs per rank
 

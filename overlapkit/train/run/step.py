@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
@@ -27,6 +28,7 @@ from overlapkit.train.parallel.mesh import Layout, PlanConfig
 from overlapkit.train.parallel.pipeline_parallel import apply_pipeline
 from overlapkit.train.parallel.pipeline_stages import check_pipeline, stage_blocks
 from overlapkit.train.parallel.recompute import apply_recompute
+from overlapkit.train.parallel.run_layout import check_layout
 from overlapkit.train.parallel.wrappers import (
     Parallelized,
     apply_parallel,
@@ -79,7 +81,7 @@ def wrap_model(
 
     Raises:
         ValueError: a combination the loop refuses (``check_run_optimizer``,
-            ``check_pipeline``), named by its config keys.
+            ``check_pipeline``, ``check_layout``), named by its config keys.
     """
     split = split_sequences(model, layout.cp_mesh, device)
     recomputed = [  # each pipeline stage's first train.recompute_layers blocks
@@ -88,10 +90,10 @@ def wrap_model(
         for index in apply_recompute(blocks, cfg.recompute, cfg.recompute_layers)
     ]
     check_run_optimizer(factory_cfg, plan=plan)
-    check_pipeline(
-        plan, model_config=model.config, grad_accum=cfg.grad_accum, factory_cfg=factory_cfg
-    )
-    if plan.pp > 1:
+    check_pipeline(plan, model_config=model.config, factory_cfg=factory_cfg)
+    world_size = dist.get_world_size()
+    check_layout(plan, factory_cfg, cfg, world_size=world_size, model_config=model.config)
+    if plan.sizes.pp > 1:
         par = apply_pipeline(
             model,
             instantiate(factory_cfg),
