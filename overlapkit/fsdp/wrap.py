@@ -205,7 +205,8 @@ def fsdp(
         >>> loss = model(x).sum(); loss.backward(); optimizer.step()
         >>> ok.fsdp_stats(model).steps[-1].forward_peak_blocks   # <= 1 + prefetch
     """
-    settings = _resolve_settings(
+    # As given ("auto" unresolved), for the cross-rank consistency check.
+    options: dict[str, object] = dict(
         prefetch=prefetch,
         mixed_precision=mixed_precision,
         reshard_after_forward=reshard_after_forward,
@@ -213,6 +214,7 @@ def fsdp(
         max_memory=max_memory,
         zero=zero,
     )
+    settings = _resolve_settings(**options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"ok.fsdp: model must be an nn.Module, got {type(model).__name__}")
     _check_not_wrapped(model)
@@ -224,7 +226,7 @@ def fsdp(
     block_names = tuple(names[id(block)] for block in block_list)
     block_bytes = tuple(_unsharded_bytes(block, settings.policy) for block in block_list)
     mesh_options = dict(blocks=block_names, mesh=(tuple(mesh.shape), mesh.mesh_dim_names))
-    _check_ranks_agree(model, mesh, settings.as_given | mesh_options)
+    _check_ranks_agree(model, mesh, options | mesh_options)
     candidates = settings.prefetch_candidates(block_bytes)
     prefetch = max(candidates)  # comms are set up for the deepest candidate
 
@@ -259,8 +261,6 @@ class _Settings:
     reshard_after_forward: bool
     overlap_reduce_scatter: bool
     policy: MixedPrecisionPolicy
-    as_given: dict[str, object]
-    """The options as passed (``"auto"`` unresolved), for the cross-rank consistency check."""
 
     def prefetch_candidates(self, block_bytes: tuple[int, ...]) -> tuple[int, ...]:
         """The depths to try: those that fit ``max_memory`` under ``"auto"``, else the one given."""
@@ -283,14 +283,6 @@ def _resolve_settings(
     zero: int | None,
 ) -> _Settings:
     """Check ``ok.fsdp``'s options (raising as its docstring says) and resolve their defaults."""
-    as_given: dict[str, object] = dict(
-        prefetch=prefetch,
-        mixed_precision=mixed_precision,
-        reshard_after_forward=reshard_after_forward,
-        overlap_reduce_scatter=overlap_reduce_scatter,
-        max_memory=max_memory,
-        zero=zero,
-    )
     auto_prefetch = prefetch == AUTO
     max_memory = check_max_memory(max_memory, auto=auto_prefetch)
     return _Settings(
@@ -302,7 +294,6 @@ def _resolve_settings(
         ),
         overlap_reduce_scatter=_check_bool(overlap_reduce_scatter, "overlap_reduce_scatter"),
         policy=resolve_mixed_precision(mixed_precision),
-        as_given=as_given,
     )
 
 
