@@ -156,7 +156,7 @@ class StragglerReport:
         return [out[k] for k in sorted(out)]
 
     def to_json(self, collective_rows: int | None = None) -> dict[str, Any]:
-        m = self.matching
+        matching = self.matching
         rows = self.collectives if collective_rows is None else self.collectives[:collective_rows]
         return {
             "stragglers": [s.to_dict() for s in self.stragglers],
@@ -165,15 +165,15 @@ class StragglerReport:
             "what_if": None if self.what_if is None else self.what_if.to_dict(),
             "clock": {
                 "offsets_us": [
-                    {"rank": r, "offset_us": o} for r, o in sorted(m.offsets_us.items())
+                    {"rank": r, "offset_us": o} for r, o in sorted(matching.offsets_us.items())
                 ],
                 "residual_us": [
                     {"rank": r, "median_us": a, "max_us": b}
-                    for r, (a, b) in sorted(m.residual_us.items())
+                    for r, (a, b) in sorted(matching.residual_us.items())
                 ],
             },
-            "matched_collectives": m.instances,
-            "unmatched": [{"reason": k, "rows": v} for k, v in m.unmatched.items()],
+            "matched_collectives": matching.instances,
+            "unmatched": [{"reason": k, "rows": v} for k, v in matching.unmatched.items()],
             "collectives": rows,
             "collectives_omitted": len(self.collectives) - len(rows),
             "thresholds_us": self.thresholds_us,
@@ -184,11 +184,11 @@ def _label(kind: int, index: int) -> str:
     return f"{COLLECTIVE_KINDS[kind]} #{index}"
 
 
-def _index_in_step(m: Matching) -> np.ndarray:
-    steps = m.column("step")
+def _index_in_step(matching: Matching) -> np.ndarray:
+    steps = matching.column("step")
     out = np.zeros(len(steps), np.int64)
-    for p, prog in enumerate(m.programs):
-        lo = int(m.first_row[p])
+    for p, prog in enumerate(matching.programs):
+        lo = int(matching.first_row[p])
         seen: dict[int, int] = {}
         for k, step in enumerate(prog.rows["step"].tolist()):
             out[lo + k] = seen.get(step, 0)
@@ -216,12 +216,12 @@ def _baseline(values: np.ndarray, inst: np.ndarray, count: int, named: np.ndarra
     return np.where(np.isnan(base), everyone, base)
 
 
-def _op_excess(m: Matching, row: int, members: np.ndarray) -> str | None:
+def _op_excess(matching: Matching, row: int, members: np.ndarray) -> str | None:
     """The op whose time in ``row``'s segment exceeds the other members' median the most."""
 
     def ops(r: int) -> dict[str, float]:
-        prog = m.programs[int(m.row_program[r])]
-        local = int(r - m.first_row[m.row_program[r]])
+        prog = matching.programs[int(matching.row_program[r])]
+        local = int(r - matching.first_row[matching.row_program[r]])
         codes, times = prog.rows["top_op"][local], prog.rows["top_us"][local]
         return {
             prog.names[c]: float(t)
@@ -345,16 +345,16 @@ class _Namer:
     ) -> Straggler:
         """``row``'s excess of ``cause``, named at the collective of row ``at``; its cost is
         the replayed run's time saved by ``changes`` (new values of ``row``)."""
-        m, graph = self.matching, self.graph
-        kinds, steps, inst = self.kinds, self.steps, m.instance
+        matching, graph = self.matching, self.graph
+        kinds, steps, inst = self.kinds, self.steps, matching.instance
         _, start, _, _ = graph.observed
         cost = graph.delta(np.array([row]), changes)
-        members = m.members[int(inst[at])]
-        prog = m.programs[int(m.row_program[at])]
-        local = int(at - m.first_row[m.row_program[at]])
+        members = matching.members[int(inst[at])]
+        prog = matching.programs[int(matching.row_program[at])]
+        local = int(at - matching.first_row[matching.row_program[at]])
         code = int(prog.rows["group"][local])
         return Straggler(
-            rank=int(m.row_rank[row]),
+            rank=int(matching.row_rank[row]),
             step=int(steps[at]),
             collective=_label(int(kinds[at]), int(self.index[at])),
             cause=cause,
@@ -362,7 +362,7 @@ class _Namer:
             excess_ms=excess_us / 1e3,
             late_ms=float(start[at] - self.baseline["start"][inst[at]]) / 1e3,
             others_waited_ms=float(np.maximum(start[at] - start[members], 0.0).sum()) / 1e3,
-            op=_op_excess(m, row, members) if cause == "compute" else None,
+            op=_op_excess(matching, row, members) if cause == "compute" else None,
             cause_collective=(
                 f"{_label(int(kinds[row]), int(self.index[row]))} of step {int(steps[row])}"
                 if cause == "comm"
@@ -448,17 +448,20 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
 
 
 def _waits(
-    m: Matching, wait_us: np.ndarray, steps: np.ndarray, found: list[Straggler]
+    matching: Matching, wait_us: np.ndarray, steps: np.ndarray, found: list[Straggler]
 ) -> np.ndarray:
     dtype = np.dtype([("rank", "i8"), ("step", "i8"), ("wait_ms", "f8"), ("cost_ms", "f8")])
     keys = sorted(
-        {(int(r), int(st)) for r, st in zip(m.row_rank.tolist(), steps.tolist(), strict=True)}
+        {
+            (int(r), int(st))
+            for r, st in zip(matching.row_rank.tolist(), steps.tolist(), strict=True)
+        }
     )
     where = {k: i for i, k in enumerate(keys)}
     out = np.zeros(len(keys), dtype)
     for i, (r, st) in enumerate(keys):
         out[i]["rank"], out[i]["step"] = r, st
-    for r, st, w in zip(m.row_rank.tolist(), steps.tolist(), wait_us.tolist(), strict=True):
+    for r, st, w in zip(matching.row_rank.tolist(), steps.tolist(), wait_us.tolist(), strict=True):
         out["wait_ms"][where[(r, st)]] += w / 1e3
     for sgl in found:
         if (sgl.rank, sgl.step) in where:
@@ -466,29 +469,31 @@ def _waits(
     return out
 
 
-def _collective_rows(m: Matching, v, index, kinds, steps) -> list[dict[str, Any]]:
-    start, arrival = m.aligned("start"), m.aligned("arrival")
+def _collective_rows(matching: Matching, collectives, index, kinds, steps) -> list[dict[str, Any]]:
+    start, arrival = matching.aligned("start"), matching.aligned("arrival")
     out = []
-    for i, rows in enumerate(m.members):
+    for i, rows in enumerate(matching.members):
         first = int(rows[0])
         out.append(
             {
                 "step": int(steps[first]),
                 "collective": _label(int(kinds[first]), int(index[first])),
-                "last_arriver": int(v.last_arriver[i]),
-                "transfer_ms": float(v.transfer_us[i]) / 1e3,
-                "max_wait_ms": float(v.wait_us[rows].max()) / 1e3,
-                "ranks": m.row_rank[rows].tolist(),
+                "last_arriver": int(collectives.last_arriver[i]),
+                "transfer_ms": float(collectives.transfer_us[i]) / 1e3,
+                "max_wait_ms": float(collectives.wait_us[rows].max()) / 1e3,
+                "ranks": matching.row_rank[rows].tolist(),
                 "arrival_us": arrival[rows].tolist(),
                 "start_us": start[rows].tolist(),
-                "wait_ms": (v.wait_us[rows] / 1e3).tolist(),
+                "wait_ms": (collectives.wait_us[rows] / 1e3).tolist(),
             }
         )
     out.sort(key=lambda r: (r["step"], r["collective"]))
     return out
 
 
-def _what_if(graph: ReplayGraph, m: Matching, index: np.ndarray, found: list[Straggler]) -> WhatIf:
+def _what_if(
+    graph: ReplayGraph, matching: Matching, index: np.ndarray, found: list[Straggler]
+) -> WhatIf:
     """S for the run, per rank and per kind, and M_W (see the module docstring)."""
     kind_of = index.astype(np.int64)
     types = int(kind_of.max()) + 1 if len(kind_of) else 1
@@ -521,21 +526,22 @@ def _what_if(graph: ReplayGraph, m: Matching, index: np.ndarray, found: list[Str
         "host_gap": t / fixed(all_rows, what=("gap_pre", "gap_post")),
         "transfer": t / fixed(all_rows, what=("transfer",)),
     }
-    ranks = sorted({p.rank for p in m.programs})
+    ranks = sorted({p.rank for p in matching.programs})
     if len(ranks) > MAX_RANK_REPLAYS:
         cost: dict[int, float] = {}
         for sgl in found:
             cost[sgl.rank] = cost.get(sgl.rank, 0.0) + sgl.cost_ms
         ranks = sorted(cost, key=lambda r: -cost[r])[:MAX_RANK_REPLAYS]
-    program_rank = np.array([p.rank for p in m.programs])
+    program_rank = np.array([p.rank for p in matching.programs])
     per_rank = {
-        r: t / fixed(np.flatnonzero(m.row_rank == r), np.flatnonzero(program_rank == r))
+        r: t / fixed(np.flatnonzero(matching.row_rank == r), np.flatnonzero(program_rank == r))
         for r in ranks
     }
     worst_n = max(1, math.ceil(WORST_SHARE * len(set(program_rank.tolist()))))
     worst = sorted(per_rank, key=lambda r: -per_rank[r])[:worst_n]
     t_worst = fixed(
-        np.flatnonzero(np.isin(m.row_rank, worst)), np.flatnonzero(np.isin(program_rank, worst))
+        np.flatnonzero(np.isin(matching.row_rank, worst)),
+        np.flatnonzero(np.isin(program_rank, worst)),
     )
     m_w = (t - t_worst) / (t - t_ideal) if t - t_ideal > 1e-9 * t else None
     return WhatIf(
