@@ -221,7 +221,11 @@ class _Traffic:
     def fully_sharded(self) -> GradSync:
         """fsdp / hsdp: each block gathered for forward and backward, its gradients
         reduce-scattered; hsdp's replica all-reduce on top."""
-        layout, framework, m = self.layout, self.framework, self.layout.num_micro_batches
+        layout, framework, micro_batches = (
+            self.layout,
+            self.framework,
+            self.layout.num_micro_batches,
+        )
         hsdp = layout.sharding == "hsdp"
         split = self.per_block.over(_SHARD_GROUP if hsdp else _REPLICAS)
         gather, scatter = self._gather_and_scatter(split)
@@ -237,12 +241,12 @@ class _Traffic:
             # reduced once per step, after the last backward or after the whole schedule.
             per_mb = max(0.0, 2 * gather - compute) + gather / blocks
             step_exposed = self._scatter_exposed(scatter, calls)
-            total = m * 2 * gather + scatter
+            total = micro_batches * 2 * gather + scatter
         else:
             # Gathered for forward and again for backward, reduced, every micro-batch.
             traffic = 2 * gather + scatter
             per_mb = max(scatter / blocks, traffic - compute) + gather / blocks
-            total, step_exposed = m * traffic, 0.0
+            total, step_exposed = micro_batches * traffic, 0.0
         if not hsdp:
             return GradSync(per_mb, total, step_exposed)
         replica = split.over(_HSDP_REPLICAS).seconds(
@@ -253,7 +257,7 @@ class _Traffic:
         )
         if self.every_micro_batch:
             per_mb += exposed(replica, calls, self.last_backward_s)
-            return GradSync(per_mb, total + m * replica, step_exposed)
+            return GradSync(per_mb, total + micro_batches * replica, step_exposed)
         window = 0.0 if self.after_pipeline else self.last_backward_s
         return GradSync(per_mb, total + replica, step_exposed + exposed(replica, calls, window))
 
@@ -267,8 +271,8 @@ class _Traffic:
         scatter_exposed = self._scatter_exposed(scatter, calls)
         if self.layout.sharding == "zero1":
             return GradSync(0.0, gather + scatter, gather_exposed + scatter_exposed)
-        m = self.layout.num_micro_batches
-        return GradSync(scatter_exposed, gather + m * scatter, gather_exposed)
+        micro_batches = self.layout.num_micro_batches
+        return GradSync(scatter_exposed, gather + micro_batches * scatter, gather_exposed)
 
     def ddp_per_block(self) -> GradSync:
         """ddp as FSDP2 over a shard group of one: each block's gradients all-reduced in the
@@ -294,8 +298,8 @@ class _Traffic:
             return GradSync(0.0, scatter + gather, scatter_exposed + gather_exposed)
         # zero2: gradients reduce-scattered every micro-batch, behind its backward
         per_mb = exposed(scatter, split.calls, self.last_backward_s)
-        m = self.layout.num_micro_batches
-        return GradSync(per_mb, m * scatter + gather, gather_exposed)
+        micro_batches = self.layout.num_micro_batches
+        return GradSync(per_mb, micro_batches * scatter + gather, gather_exposed)
 
 
 def buckets(count: float, replicas: int) -> int:

@@ -218,22 +218,29 @@ def model_state_bytes(
 ) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes per GPU for ``params`` under ``layout.sharding``."""
     z_dense, z_expert = sharding_groups(layout)
-    p = precision
 
-    def split(count: float, z: int) -> tuple[float, float, float]:
+    def split(count: float, ranks: int) -> tuple[float, float, float]:
         match layout.sharding:
             case "ddp":
-                return p.weight_bytes * count, p.grad_bytes * count, p.optimizer_bytes * count
+                return (
+                    precision.weight_bytes * count,
+                    precision.grad_bytes * count,
+                    precision.optimizer_bytes * count,
+                )
             case "zero1":
-                return p.weight_bytes * count, p.grad_bytes * count, p.optimizer_bytes * count / z
+                return (
+                    precision.weight_bytes * count,
+                    precision.grad_bytes * count,
+                    precision.optimizer_bytes * count / ranks,
+                )
             case "zero2":
                 return (
-                    p.weight_bytes * count,
-                    p.grad_bytes * count / z,
-                    p.optimizer_bytes * count / z,
+                    precision.weight_bytes * count,
+                    precision.grad_bytes * count / ranks,
+                    precision.optimizer_bytes * count / ranks,
                 )
             case _:  # fsdp, hsdp: FSDP2's sharded fp32 weights are the master copy
-                state = p.sharded_bytes * count / z
+                state = precision.sharded_bytes * count / ranks
                 return 0.25 * state, 0.25 * state, 0.5 * state
 
     dense = split(params.dense, z_dense)

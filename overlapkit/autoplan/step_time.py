@@ -271,7 +271,7 @@ def predict_step(
         step's FLOPs over all GPUs. Every part is >= 0; ``step_s`` is
         ``(m x micro-batch + bubble) + tied all-reduce + dp_s + optimizer_s``.
     """
-    framework, m = options.framework, layout.num_micro_batches
+    framework, micro_batches = options.framework, layout.num_micro_batches
     stage = StageMicroBatch.of(
         model, layout, framework=framework, precision=options.precision, seq_len=options.seq_len
     )
@@ -311,17 +311,19 @@ def predict_step(
     optimizer = optimizer_s(model, layout, options, local_params, (first, last), rates)
     model_flops, hardware_flops = _step_flops(stage)
     return StepTime(
-        step_s=m * micro_batch_s + bubble + tied_s + sync.exposed_s + optimizer,
-        compute_s=m * compute.total_s,
-        tp_s=m * tp.exposed_s,
-        cp_s=m * cp.exposed_s,
-        ep_s=m * ep.exposed_s,
-        pp_s=m * pp_s + tied_s,
-        fsdp_s=m * sync.per_micro_batch_s,
+        step_s=micro_batches * micro_batch_s + bubble + tied_s + sync.exposed_s + optimizer,
+        compute_s=micro_batches * compute.total_s,
+        tp_s=micro_batches * tp.exposed_s,
+        cp_s=micro_batches * cp.exposed_s,
+        ep_s=micro_batches * ep.exposed_s,
+        pp_s=micro_batches * pp_s + tied_s,
+        fsdp_s=micro_batches * sync.per_micro_batch_s,
         dp_s=sync.exposed_s,
         bubble_s=bubble,
         optimizer_s=optimizer,
-        comm_total_s=m * (tp.total_s + cp.total_s + ep.total_s + pp_s) + tied_s + sync.total_s,
+        comm_total_s=micro_batches * (tp.total_s + cp.total_s + ep.total_s + pp_s)
+        + tied_s
+        + sync.total_s,
         model_flops=model_flops,
         hardware_flops=hardware_flops,
     )
