@@ -411,7 +411,7 @@ def memory_breakdown(
     return best
 
 
-def _mean_layer_activations(
+def _layer_activations_by_kind(
     model: ModelSpec,
     layout: TrainingLayout,
     precision: Precision,
@@ -420,8 +420,9 @@ def _mean_layer_activations(
     flash_attention: bool,
     recompute: str | None,
     selective: SelectiveRecompute,
-) -> float:
-    """``layer_activation_bytes`` averaged over the model's dense and MoE layers."""
+) -> dict[bool, float]:
+    """``layer_activation_bytes`` of a dense (False) and an MoE (True) layer; a dense model's
+    dense figure under both keys."""
     kinds = (False, True) if model.is_moe else (False,)
     per_layer = {
         moe: layer_activation_bytes(
@@ -437,8 +438,7 @@ def _mean_layer_activations(
         for moe in kinds
     }
     per_layer.setdefault(True, per_layer[False])
-    moe_share = model.moe_layers / model.layers if model.is_moe else 0.0
-    return (1 - moe_share) * per_layer[False] + moe_share * per_layer[True]
+    return per_layer
 
 
 def _stage_activations(
@@ -453,10 +453,11 @@ def _stage_activations(
     selective: SelectiveRecompute,
 ) -> float:
     """Bytes of activations a GPU of the stage holding ``params`` keeps at its peak: its layers'
-    for every micro-batch in flight (the first stage's: ``in_flight_micro_batches``), and under
-    full recomputation the one layer backward rebuilds whole."""
-    layer = functools.partial(
-        _mean_layer_activations,
+    (averaged over dense and MoE layers) for every micro-batch in flight (the first stage's:
+    ``in_flight_micro_batches``), and under full recomputation the one layer backward rebuilds
+    whole."""
+    by_kind = functools.partial(
+        _layer_activations_by_kind,
         model,
         layout,
         precision,
@@ -464,28 +465,22 @@ def _stage_activations(
         flash_attention=flash_attention,
         selective=selective,
     )
-    mean_layer = layer(recompute=None)
+    moe_share = model.moe_layers / model.layers if model.is_moe else 0.0
+
+    def mean(per_layer: dict[bool, float]) -> float:
+        return (1 - moe_share) * per_layer[False] + moe_share * per_layer[True]
+
+    mean_layer = mean(by_kind(recompute=None))
     share = layout.recomputed_share(params.layers)
+    whole = by_kind(recompute="none") if layout.recompute == "full" else {}
     if layout.recompute == "full" and share < 1:
-        mean_layer = share * mean_layer + (1 - share) * layer(recompute="none")
+        mean_layer = share * mean_layer + (1 - share) * mean(whole)
     in_flight = in_flight_micro_batches(layout) if first_stage else 1.0
     activations = mean_layer * params.layers * in_flight
     if layout.recompute != "full":
         return activations
     # Backward rebuilds one layer at a time: its full activations, one micro-batch.
-    return activations + max(
-        layer_activation_bytes(
-            model,
-            layout,
-            precision,
-            seq_len=seq_len,
-            flash_attention=flash_attention,
-            moe_layer=moe,
-            recompute="none",
-        )
-        for moe in (False, True)
-        if moe is False or model.is_moe
-    )
+    return activations + max(whole.values())
 
 
 def _fsdp_buffers(
