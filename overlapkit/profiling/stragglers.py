@@ -23,15 +23,7 @@ one (in a short run where most collectives have a straggler, the spread is no gu
 removed (the segment's busy / gap time, or that transfer, set to the baseline) and everything
 else as observed. An excess that others absorbed costs 0.
 
-**What-if slowdown** (Lin et al., OSDI '25): ``S = T / T_ideal``, T the replayed run and T_ideal
-the run with every segment's compute and idle time replaced by the mean of its kind (its place
-in the step, over all ranks and steps) and every transfer by the median of its kind, where they
-were longer: unlike the paper, a value below the ideal is kept, so that making a rank ideal
-never slows the run down (on a loaded machine a rank given the others' mean would often be the
-slowest) and ``S >= 1``, ``0 <= M_W <= 1``. ``S`` per rank (only that rank's segments and
-transfers made ideal), per kind (``compute``, ``host_gap``, ``transfer`` made ideal
-everywhere), and ``M_W``: the share of ``T - T_ideal`` removed by making the worst 3 % of
-ranks (by their S) ideal.
+The report also holds the what-if slowdowns of the run (``what_if``).
 """
 
 from __future__ import annotations
@@ -45,15 +37,14 @@ import numpy as np
 from overlapkit.profiling.collectives import Matching, group_median, match, view
 from overlapkit.profiling.programs import RankProgram
 from overlapkit.profiling.rank_trace import COLLECTIVE_KINDS
-from overlapkit.profiling.replay import VALUES, WORK, ReplayGraph, build_replay_graph
+from overlapkit.profiling.replay import WORK, ReplayGraph, build_replay_graph
+from overlapkit.profiling.what_if import WhatIf, what_if_slowdowns
 
 FLOOR_US = 10.0
 NOISE_FACTOR = 6.0
 ALWAYS_SHARE = 0.2
 """An excess of this share of the typical segment (or transfer) is named whatever the noise:
 where most collectives have a straggler (a short run), the noise estimate is no guide."""
-WORST_SHARE = 0.03
-MAX_RANK_REPLAYS = 64
 MAD_TO_SIGMA = 1.4826
 """The median absolute deviation times this estimates a normal distribution's standard
 deviation (``1 / Phi^-1(3/4)``): the robust spread of the noise."""
@@ -92,27 +83,6 @@ class Straggler:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass(slots=True)
-class WhatIf:
-    """The what-if slowdowns (see the module docstring)."""
-
-    t_ms: float
-    t_ideal_ms: float
-    slowdown: float
-    per_rank: dict[int, float]
-    """S of each rank replayed (every rank up to ``MAX_RANK_REPLAYS``, else the costliest)."""
-    per_kind: dict[str, float]
-    worst_ranks: list[int]
-    m_w: float | None
-    replay_error_us: float
-    """Largest difference between the replay of the observed run and the run itself."""
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["per_rank"] = [{"rank": r, "slowdown": s} for r, s in sorted(self.per_rank.items())]
-        return out
 
 
 @dataclass(slots=True)
@@ -440,11 +410,21 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     return StragglerReport(
         stragglers=stragglers,
         matching=matching,
-        what_if=_what_if(graph, matching, index, stragglers) if replayed else None,
+        what_if=what_if_slowdowns(graph, matching, index, _cost_by_rank(stragglers))
+        if replayed
+        else None,
         waits=_waits(matching, collectives.wait_us, steps, stragglers),
         collectives=_collective_rows(matching, collectives, index, kinds, steps),
         thresholds_us=found.thresholds_us,
     )
+
+
+def _cost_by_rank(stragglers: list[Straggler]) -> dict[int, float]:
+    """Per rank named, the summed cost of its stragglers (ms)."""
+    cost: dict[int, float] = {}
+    for straggler in stragglers:
+        cost[straggler.rank] = cost.get(straggler.rank, 0.0) + straggler.cost_ms
+    return cost
 
 
 def _waits(
@@ -489,68 +469,3 @@ def _collective_rows(matching: Matching, collectives, index, kinds, steps) -> li
         )
     out.sort(key=lambda r: (r["step"], r["collective"]))
     return out
-
-
-def _what_if(
-    graph: ReplayGraph, matching: Matching, index: np.ndarray, found: list[Straggler]
-) -> WhatIf:
-    """S for the run, per rank and per kind, and M_W (see the module docstring)."""
-    kind_of = index.astype(np.int64)
-    types = int(kind_of.max()) + 1 if len(kind_of) else 1
-    counts = np.maximum(np.bincount(kind_of, minlength=types), 1)
-    ideal = {
-        name: (np.bincount(kind_of, weights=graph.values[name], minlength=types) / counts)[kind_of]
-        for name in WORK
-    }
-    ideal["transfer"] = group_median(graph.values["transfer"], kind_of, types)[kind_of]
-    ideal = {name: np.minimum(x, graph.values[name]) for name, x in ideal.items()}
-    tail_ideal = {
-        name: np.minimum(x, float(x.mean()) if len(x) else 0.0) for name, x in graph.tail.items()
-    }
-    t = graph.run()
-    t_ideal = graph.run(ideal, tail_ideal)
-
-    def fixed(rows: np.ndarray, programs: np.ndarray | None = None, what=VALUES) -> float:
-        changes = {name: graph.values[name].copy() for name in what}
-        for name in what:
-            changes[name][rows] = ideal[name][rows]
-        tail = {name: graph.tail[name].copy() for name in WORK}
-        if programs is not None:
-            for name in WORK:
-                tail[name][programs] = tail_ideal[name][programs]
-        return graph.run(changes, tail)
-
-    all_rows = np.arange(len(kind_of))
-    per_kind = {
-        "compute": t / fixed(all_rows, what=("busy_pre", "busy_post")),
-        "host_gap": t / fixed(all_rows, what=("gap_pre", "gap_post")),
-        "transfer": t / fixed(all_rows, what=("transfer",)),
-    }
-    ranks = sorted({p.rank for p in matching.programs})
-    if len(ranks) > MAX_RANK_REPLAYS:
-        cost: dict[int, float] = {}
-        for sgl in found:
-            cost[sgl.rank] = cost.get(sgl.rank, 0.0) + sgl.cost_ms
-        ranks = sorted(cost, key=lambda r: -cost[r])[:MAX_RANK_REPLAYS]
-    program_rank = np.array([p.rank for p in matching.programs])
-    per_rank = {
-        r: t / fixed(np.flatnonzero(matching.row_rank == r), np.flatnonzero(program_rank == r))
-        for r in ranks
-    }
-    worst_n = max(1, math.ceil(WORST_SHARE * len(set(program_rank.tolist()))))
-    worst = sorted(per_rank, key=lambda r: -per_rank[r])[:worst_n]
-    t_worst = fixed(
-        np.flatnonzero(np.isin(matching.row_rank, worst)),
-        np.flatnonzero(np.isin(program_rank, worst)),
-    )
-    m_w = (t - t_worst) / (t - t_ideal) if t - t_ideal > 1e-9 * t else None
-    return WhatIf(
-        t_ms=t / 1e3,
-        t_ideal_ms=t_ideal / 1e3,
-        slowdown=t / t_ideal,
-        per_rank=per_rank,
-        per_kind=per_kind,
-        worst_ranks=worst,
-        m_w=m_w,
-        replay_error_us=graph.check(),
-    )
