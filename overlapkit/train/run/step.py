@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,18 @@ from overlapkit.train.parallel.wrappers import (
 )
 from overlapkit.train.run.data import BatchStream, DataSource
 
-if TYPE_CHECKING:  # the loop's config lives beside the loop, which imports this module
-    from overlapkit.train.run.loop import TrainConfig
+
+class StepConfig(Protocol):
+    """What a step reads of the ``train`` group (``loop.TrainConfig`` offers it)."""
+
+    grad_accum: int
+    """Micro-batches per optimizer step."""
+    clip_grad_norm: float | None
+    """Clip the global gradient norm to this; None: no clipping."""
+    recompute: str
+    """``none``, ``selective`` or ``full`` (``overlapkit.train.parallel.recompute``)."""
+    recompute_layers: int | None
+    """With ``full``: blocks of each stage recomputed; None: all."""
 
 
 def _grad_norm(par: Parallelized, max_norm: float | None) -> float | None:
@@ -52,7 +62,7 @@ def wrap_model(
     plan: PlanConfig,
     factory_cfg: Mapping[str, Any],
     layout: Layout,
-    cfg: TrainConfig,
+    cfg: StepConfig,
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
@@ -70,7 +80,7 @@ def wrap_model(
         plan (PlanConfig): ``parallel.plan``; ``layout`` was built from it.
         factory_cfg (Mapping): the ``parallel`` group without ``plan`` (instantiated here).
         layout (Layout): the run's groups (``build_layout``).
-        cfg (TrainConfig): the ``train`` group (``grad_accum``, ``recompute``, clipping).
+        cfg (StepConfig): the ``train`` group (``grad_accum``, ``recompute``, clipping).
         loss_fn (Callable): the data source's ``(output, targets) -> mean loss``.
         make_optimizer (Callable): the ``optim.optimizer`` partial.
         device (torch.device): this rank's device.
@@ -118,7 +128,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     stream: BatchStream,
     source: DataSource,
-    cfg: TrainConfig,
+    cfg: StepConfig,
     device: torch.device,
     split: WholeSequences | SequenceSplit = WHOLE_SEQUENCES,
 ) -> tuple[float, float | None]:
