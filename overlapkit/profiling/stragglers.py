@@ -15,8 +15,9 @@ four leave a baseline that was not slow:
   comm lane or compute held back), or at that one when nothing was held back.
 
 A rank is named a straggler there when one of these excesses is above the run's noise: six
-times the robust spread (1.4826 x the median absolute deviation) of the ranks' deviations from
-their collective's median, over all ranks and collectives, at least ``FLOOR_US``, and in any
+times the robust spread (1.4826 x the median absolute deviation) of each rank's deviation from
+the median of its collective's other ranks, over all ranks and collectives, at least
+``FLOOR_US``, and in any
 case when it makes the segment (or the transfer) ``ALWAYS_SHARE`` (20 %) longer than the median
 one (in a short run where most collectives have a straggler, the spread is no guide). Its
 **cost** is the what-if (``replay``): how much shorter the run would be with those excesses
@@ -185,14 +186,38 @@ def _index_in_step(m: Matching) -> np.ndarray:
     return out
 
 
+def _others_median(values: np.ndarray, inst: np.ndarray, count: int) -> np.ndarray:
+    """Per value, the median of the other values of its collective ``inst`` (NaN if none)."""
+    order = np.lexsort((values, inst))
+    group, ranked = inst[order], values[order]
+    sizes = np.bincount(group, minlength=count)
+    first = (np.cumsum(sizes) - sizes)[group]
+    own = np.arange(len(ranked)) - first
+    others = sizes[group] - 1
+
+    def other(k: np.ndarray) -> np.ndarray:  # the k-th smallest of the others
+        k = np.maximum(k, 0)
+        return ranked[np.minimum(first + k + (k >= own), len(ranked) - 1)]
+
+    middle = (other((others - 1) // 2) + other(others // 2)) / 2
+    out = np.empty(len(values))
+    out[order] = np.where(others > 0, middle, np.nan)
+    return out
+
+
 def _noise(values: np.ndarray, inst: np.ndarray, count: int, typical: float) -> float:
-    """The excess a rank needs to be named: ``NOISE_FACTOR`` x the robust spread of the values'
-    deviations from their collective's median (the symmetric one: the lower median, the
-    baseline of the excess, is 0 away for half the ranks, which says nothing of the noise), at
-    most ``ALWAYS_SHARE`` x ``typical`` and at least ``FLOOR_US``."""
-    if len(values) == 0:
+    """The excess a rank needs to be named: ``NOISE_FACTOR`` x the robust spread of each
+    value's deviation from the median of its collective's other values, at most
+    ``ALWAYS_SHARE`` x ``typical`` and at least ``FLOOR_US``.
+
+    The deviation from the others is what an excess is (the value less the others' lower
+    median), so both have one scale for any group size; the deviation from the collective's
+    own median would be half a two-rank group's difference (and 0 for the middle of three),
+    and an excess of 3 noise deviations would be named."""
+    deviation = values - _others_median(values, inst, count)
+    deviation = deviation[~np.isnan(deviation)]
+    if len(deviation) == 0:
         return FLOOR_US
-    deviation = values - group_median(values, inst, count)[inst]
     spread = 1.4826 * float(np.median(np.abs(deviation - np.median(deviation))))
     return max(min(NOISE_FACTOR * spread, ALWAYS_SHARE * typical), FLOOR_US)
 
