@@ -14,17 +14,15 @@ within 5 % of the true cost, or within the analysis's floor of 10 µs for a dela
 
 The noise the analysis measures is checked too, on longer runs (8 to 12 steps of 3
 collectives, so that there is noise to measure). In a clean run whose ops, transfers and optimizer
-steps jitter by a realistic 0.5 to 3 % (relative standard deviation), nothing is named: in none of
-the ``make test`` cases, in at most 0.5 % of the fuzzed ones (1 of seeds 0..999 names two ops,
-seed 106: segments of 3.0 and 1.1 ms share one noise figure, so the longer ones' jitter can pass
-it). Where the jitter is comparable to a delay (2 %, one op per segment), a longer op or transfer
+steps jitter by a realistic 0.5 to 3 % (relative standard deviation), nothing is named. Where
+the jitter is comparable to a delay (2 %, one op per segment), a longer op or transfer
 within the noise (at most its standard deviation) is not named, since the other ranks vary as
 much, and nothing else is; one far beyond it (20 standard deviations) is named with its cause,
 its cost within ``COST_JITTERS`` standard deviations of the truth.
 
 Under ``make test`` the cases are the same every run (seeds 0, 1, ...: ``CI_CASES`` per test);
 ``make fuzz`` (``OVERLAPKIT_HYPOTHESIS_PROFILE=fuzz``) draws ``FUZZ_CASES`` fresh seeds per test
-and prints the failing ones.
+and prints the failing ones; a seed it finds is kept in ``FOUND``.
 """
 
 from __future__ import annotations
@@ -47,8 +45,6 @@ EXPLORING = os.environ.get(PROFILE_ENV, "ci") != "ci"
 CI_CASES = {"injected": 60, "clean": 40, "within_noise": 30}
 FUZZ_CASES = {"injected": 2000, "clean": 500, "within_noise": 500}
 NAMED_SHARE = 0.99
-CLEAN_SHARE = 0.995
-"""Of clean runs, the share in which nothing may be named: none of ``CI_CASES``."""
 COST_TOLERANCE = 0.05
 FLOOR_MS = FLOOR_US / 1e3
 REALISTIC_JITTER = (0.005, 0.03)
@@ -61,11 +57,19 @@ COST_JITTERS = 5.0
 delay plus the rank's own jitter less its baseline's (for two ranks: sd sqrt(2) of them)."""
 
 
+FOUND = {"clean": [106, 347961950, 1322258984, 2521827411]}
+"""Cases exploration found failing, kept in every run (clean: noise of the longest segments, or
+of a two-rank group's transfers, named with one noise figure for the whole run)."""
+
+
 def seeds(test: str) -> Sequence[int]:
-    """The cases of ``test``: the same ``CI_CASES`` every run, or ``FUZZ_CASES`` fresh ones."""
+    """The cases of ``test``: the same ``CI_CASES`` every run, or ``FUZZ_CASES`` fresh ones, and
+    the ones found before (``FOUND``)."""
     if EXPLORING:
-        return [random.SystemRandom().randrange(2**32) for _ in range(FUZZ_CASES[test])]
-    return range(CI_CASES[test])
+        drawn = [random.SystemRandom().randrange(2**32) for _ in range(FUZZ_CASES[test])]
+    else:
+        drawn = list(range(CI_CASES[test]))
+    return drawn + FOUND.get(test, [])
 
 
 def random_case(seed: int) -> RunSpec:
@@ -188,14 +192,12 @@ def long_case(seed: int, jitter: float) -> RunSpec:
 
 @pytest.mark.timeout(3600 if EXPLORING else 120)
 def test_a_clean_run_with_realistic_jitter_names_no_straggler(tmp_path):
-    cases, named = seeds("clean"), {}
-    for seed in cases:
+    named = []
+    for seed in seeds("clean"):
         jitter = float(np.random.default_rng([seed, 2]).uniform(*REALISTIC_JITTER))
         _, found = _analyze(long_case(seed, jitter), tmp_path)
-        if found.stragglers:
-            named[seed] = f"seed {seed}, jitter {jitter:.2%}: {found.stragglers}"
-    print("\n".join(named.values()))
-    assert len(named) <= (1 - CLEAN_SHARE) * len(cases), "\n".join(named.values())
+        named += [f"seed {seed}, jitter {jitter:.2%}: {s}" for s in found.stragglers]
+    assert named == [], "\n".join(named)
 
 
 def deviation_bounds_ms(spec: RunSpec, cause: str) -> tuple[float, float]:

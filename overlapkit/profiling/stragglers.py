@@ -16,10 +16,11 @@ four leave a baseline that was not slow:
 
 A rank is named a straggler there when one of these excesses is above the run's noise: six
 times the robust spread (1.4826 x the median absolute deviation) of each rank's deviation from
-the median of its collective's other ranks, over all ranks and collectives, at least
-``FLOOR_US``, and in any
-case when it makes the segment (or the transfer) ``ALWAYS_SHARE`` (20 %) longer than the median
-one (in a short run where most collectives have a straggler, the spread is no guide). Its
+the median of its collective's other ranks, over all ranks and collectives or, where larger,
+over the collectives at the same place in their step (a longer segment jitters more), at least
+``FLOOR_US``, and in any case when it makes the segment (or the transfer) ``ALWAYS_SHARE``
+(20 %) longer than its collective's median one (in a short run where most collectives have a
+straggler, the spread is no guide). Its
 **cost** is the what-if (``replay``): how much shorter the run would be with those excesses
 removed (the segment's busy / gap time, or that transfer, set to the baseline) and everything
 else as observed. An excess that others absorbed costs 0.
@@ -205,21 +206,35 @@ def _others_median(values: np.ndarray, inst: np.ndarray, count: int) -> np.ndarr
     return out
 
 
-def _noise(values: np.ndarray, inst: np.ndarray, count: int, typical: float) -> float:
-    """The excess a rank needs to be named: ``NOISE_FACTOR`` x the robust spread of each
-    value's deviation from the median of its collective's other values, at most
-    ``ALWAYS_SHARE`` x ``typical`` and at least ``FLOOR_US``.
+def _spread(deviation: np.ndarray) -> float:
+    """Robust standard deviation: 1.4826 x the median absolute deviation (0 for none)."""
+    if len(deviation) == 0:
+        return 0.0
+    return 1.4826 * float(np.median(np.abs(deviation - np.median(deviation))))
+
+
+def _noise(
+    values: np.ndarray, inst: np.ndarray, count: int, typical: np.ndarray, position: np.ndarray
+) -> np.ndarray:
+    """Per value, the excess its rank needs to be named: ``NOISE_FACTOR`` x the spread of the
+    values' deviations from the median of their collective's other values, over the run or,
+    where larger, over the collectives at the same ``position`` in their step; at most
+    ``ALWAYS_SHARE`` x its ``typical`` (its collective's median segment or transfer), at least
+    ``FLOOR_US``.
 
     The deviation from the others is what an excess is (the value less the others' lower
     median), so both have one scale for any group size; the deviation from the collective's
-    own median would be half a two-rank group's difference (and 0 for the middle of three),
-    and an excess of 3 noise deviations would be named."""
+    own median would be half a two-rank group's difference (and 0 for the middle of three).
+    A position's own spread and cap keep the jitter of longer segments (or transfers) from
+    passing the run's: jitter grows with what it is the jitter of."""
     deviation = values - _others_median(values, inst, count)
-    deviation = deviation[~np.isnan(deviation)]
-    if len(deviation) == 0:
-        return FLOOR_US
-    spread = 1.4826 * float(np.median(np.abs(deviation - np.median(deviation))))
-    return max(min(NOISE_FACTOR * spread, ALWAYS_SHARE * typical), FLOOR_US)
+    known = ~np.isnan(deviation)
+    run = _spread(deviation[known])
+    spread = np.full(len(values), run)
+    for place in np.unique(position):
+        here = position == place
+        spread[here] = max(run, _spread(deviation[here & known]))
+    return np.maximum(np.minimum(NOISE_FACTOR * spread, ALWAYS_SHARE * typical), FLOOR_US)
 
 
 def _baseline(values: np.ndarray, inst: np.ndarray, count: int, named: np.ndarray) -> np.ndarray:
@@ -268,11 +283,12 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     loader = m.column("loader")
     _, s, _, _ = graph.observed
     rows = np.flatnonzero(ok)
-    segment = float(np.median(busy[rows] + gap[rows])) if len(rows) else 0.0
+    segment = group_median(busy[rows] + gap[rows], inst[rows], n_inst)[inst[rows]]
     typical = {"compute": segment, "host_gap": segment}
-    typical["comm"] = float(np.median(transfer[rows])) if len(rows) else 0.0
+    typical["comm"] = group_median(transfer[rows], inst[rows], n_inst)[inst[rows]]
+    index = _index_in_step(m)
     tau = {
-        cause: _noise(x[rows], inst[rows], n_inst, typical[cause])
+        cause: _noise(x[rows], inst[rows], n_inst, typical[cause], index[rows])
         for cause, x in (("compute", busy), ("host_gap", gap), ("comm", transfer))
     }
     # Each cause's baseline: the lower median of the collective's ranks not named for it.
@@ -303,7 +319,6 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     for refs in (graph.wait_on, graph.fifo):
         later = np.flatnonzero(refs >= 0)
         user[refs[later]] = later
-    index = _index_in_step(m)
     kinds = m.column("kind")
     steps = m.column("step")
     found = []
@@ -339,7 +354,7 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
     for k in np.flatnonzero(segment).tolist():
         row = int(rows[k])
         parts = {"compute": busy_ex[k], "host_gap": gap_ex[k]}
-        significant = {c: x for c, x in parts.items() if x > tau[c]}
+        significant = {c: x for c, x in parts.items() if x > tau[c][k]}
         cause = max(significant, key=significant.get)
         changes = {name: values[name][[row]].copy() for name in WORK}
         for c, names in (
@@ -364,7 +379,7 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
         what_if=_what_if(graph, m, index, found) if what_if and m.instances else None,
         waits=_waits(m, v.wait_us, steps, found),
         collectives=_collective_rows(m, v, index, kinds, steps),
-        thresholds_us=tau,
+        thresholds_us={c: float(np.median(t)) if len(t) else FLOOR_US for c, t in tau.items()},
     )
     return report
 
