@@ -17,11 +17,11 @@ four leave a baseline that was not slow:
 A rank is named a straggler there when one of these excesses is above the run's noise: six
 times the robust spread (1.4826 x the median absolute deviation) of each rank's deviation from
 the median of its collective's other ranks, over all ranks and collectives or, where larger,
-over the collectives at the same place in their step (a longer segment jitters more), at least
-``FLOOR_US``, and in any case when it makes the segment (or the transfer) ``ALWAYS_SHARE``
-(20 %) longer than its collective's median one (in a short run where most collectives have a
-straggler, the spread is no guide). Its
-**cost** is the what-if (``replay``): how much shorter the run would be with those excesses
+over the collectives at the same place in their step (a longer segment jitters more; given
+``PLACE_SAMPLES`` deviations there), at least ``FLOOR_US``, and in any case when it makes the
+segment (or the transfer) ``ALWAYS_SHARE`` (20 %) longer than its collective's median one (in a
+short run where most collectives have a straggler, the spread is no guide). Its **cost** is the
+what-if (``replay``): how much shorter the run would be with those excesses
 removed (the segment's busy / gap time, or that transfer, set to the baseline) and everything
 else as observed. An excess that others absorbed costs 0.
 
@@ -54,6 +54,9 @@ NOISE_FACTOR = 6.0
 ALWAYS_SHARE = 0.2
 """An excess of this share of the typical segment (or transfer) is named whatever the noise:
 where most collectives have a straggler (a short run), the noise estimate is no guide."""
+PLACE_SAMPLES = 16
+"""The deviations a place in the step needs for a spread of its own (8 steps of two ranks): in a
+short run a delay is most of a place's few deviations, and only the run's spread is kept."""
 WORST_SHARE = 0.03
 MAX_RANK_REPLAYS = 64
 
@@ -218,7 +221,8 @@ def _noise(
 ) -> np.ndarray:
     """Per value, the excess its rank needs to be named: ``NOISE_FACTOR`` x the spread of the
     values' deviations from the median of their collective's other values, over the run or,
-    where larger, over the collectives at the same ``position`` in their step; at most
+    where larger, over the collectives at the same ``position`` in their step (if they have
+    ``PLACE_SAMPLES``); at most
     ``ALWAYS_SHARE`` x its ``typical`` (its collective's median segment or transfer), at least
     ``FLOOR_US``.
 
@@ -233,7 +237,8 @@ def _noise(
     spread = np.full(len(values), run)
     for place in np.unique(position):
         here = position == place
-        spread[here] = max(run, _spread(deviation[here & known]))
+        if np.count_nonzero(here & known) >= PLACE_SAMPLES:
+            spread[here] = max(run, _spread(deviation[here & known]))
     return np.maximum(np.minimum(NOISE_FACTOR * spread, ALWAYS_SHARE * typical), FLOOR_US)
 
 
