@@ -18,7 +18,7 @@ import ``tests``: the repository root on ``PYTHONPATH``) and set, in the environ
   other jobs of a multirun, whose run directories are ``<sweep dir>/<job number>``).
 
 Nothing here ships with overlapkit: a plain install has no module that can damage a checkpoint
-(``tests/test_faults.py``).
+(``tests/test_worker_init.py``).
 """
 
 from __future__ import annotations
