@@ -55,8 +55,6 @@ WITHIN_NOISE, BEYOND_NOISE = 1.0, 20.0
 COST_JITTERS = 5.0
 """The cost error allowed beyond the noise, in standard deviations: the excess removed is the
 delay plus the rank's own jitter less its baseline's (for two ranks: sd sqrt(2) of them)."""
-
-
 FOUND = {"clean": [106, 347961950, 1322258984, 2521827411]}
 """Cases exploration found failing, kept in every run (clean: noise of the longest segments, or
 of a two-rank group's transfers, named with one noise figure for the whole run)."""
