@@ -94,6 +94,11 @@ def restarts(tmp_path_factory) -> tuple[dict[str, tuple[Path, Path]], str]:
     ]
     env = {KILL_ENV: "1:5", DAMAGE_ENV: str(runs[DAMAGED][1])}
     output = _finish(_start(args, directory, env=env), timeout_s=560)
+    for parallel, (whole, restarted) in runs.items():
+        for run in (whole, restarted):
+            overrides = (run / ".hydra" / "overrides.yaml").read_text()
+            assert f"parallel={parallel}" in overrides, overrides
+            assert ("tests.faults" in overrides) == (run == restarted), overrides
     assert output.count(KILLED) == len(PARALLEL)
     assert output.count(f"{KILLED}, after damaging the newest checkpoint") == 1
     return runs, output
