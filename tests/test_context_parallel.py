@@ -27,6 +27,7 @@ from overlapkit.train.parallel.wrappers import apply_parallel
 from overlapkit.train.run.loop import TrainConfig
 from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
+from tests.one_process_layouts import COLLECTIVE_TIMEOUT_S
 
 GPT_SMALL = dict(n_layer=2, n_head=2, n_embd=16, block_size=16)
 SEQ = 16
@@ -198,11 +199,9 @@ def _cp_layouts_match_the_whole_sequences(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_cp_layouts_on_4_ranks_equal_one_process_on_whole_sequences():
-    results = run_on_ranks(
-        _cp_layouts_match_the_whole_sequences, 4, collective_timeout_s=30, total_timeout_s=280
-    )
+@pytest.mark.timeout(600)  # the first test to use one_process_layouts runs it
+def test_cp_layouts_on_4_ranks_equal_one_process_on_whole_sequences(one_process_layouts):
+    results = one_process_layouts[0]["cp"]
     for rank, result in enumerate(results):
         for name, case in result.items():
             sizes = CASES[name][0]
@@ -212,7 +211,7 @@ def test_cp_layouts_on_4_ranks_equal_one_process_on_whole_sequences():
             # The loss reported under cp is the whole sequences' mean, not the rank's chunks'.
             assert reported == pytest.approx(own, rel=1e-5), (rank, name)
             if "cp" in sizes:
-                assert case["timeout"] == 30.0, name  # run_on_ranks' collective_timeout_s
+                assert case["timeout"] == COLLECTIVE_TIMEOUT_S, name  # the harness's
                 assert f"context parallel cp={sizes['cp']} (K/V all-gather)" in case["description"]
     print({name: f"{case['max_abs_diff']:.1e}" for name, case in results[0].items()})
     assert "ZeRO-2" in results[0]["cp_dp ok.fsdp zero2"]["description"]

@@ -289,15 +289,10 @@ def _assert_matches_one_process(results: list[dict], cases, tolerance) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(tmp_path):
-    results = run_on_ranks(
-        _layouts_match_one_process,
-        4,
-        str(tmp_path),
-        collective_timeout_s=30,
-        total_timeout_s=280,
-    )
+@pytest.mark.timeout(600)  # the first test to use one_process_layouts runs it
+def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(one_process_layouts):
+    parts, profile_dir = one_process_layouts
+    results = parts["pipeline"]
     names = {n for result in results for n in result[next(iter(CASES))]["gaps"]}
     # Every parameter, on some rank.
     assert names == set(GPT(GPTConfig(**CONFIG)).state_dict())  # the head's copy included
@@ -306,7 +301,7 @@ def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(tmp_path):
     _assert_matches_one_process(results, CASES, lambda name: 1e-4 if "tp=" in name else 1e-5)
     # The report shows the stages' point-to-point traffic as its own kind: each stage sends and
     # receives one activation (or its gradient) per micro-batch, (BATCH, 8, n_embd) floats.
-    report = analyze_run(tmp_path)
+    report = analyze_run(profile_dir)
     assert sorted((r.rank, r.step) for r in report.steps) == [(r, 1) for r in range(4)]  # 2nd
     for row in report.steps:
         send_recv = row.kinds["send_recv"]

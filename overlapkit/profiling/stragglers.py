@@ -15,11 +15,13 @@ four leave a baseline that was not slow:
   comm lane or compute held back), or at that one when nothing was held back.
 
 A rank is named a straggler there when one of these excesses is above the run's noise: six
-times the robust spread (1.4826 x the median absolute deviation) of the ranks' deviations from
-their collective's median, over all ranks and collectives, at least ``FLOOR_US``, and in any
-case when it makes the segment (or the transfer) ``ALWAYS_SHARE`` (20 %) longer than the median
-one (in a short run where most collectives have a straggler, the spread is no guide). Its
-**cost** is the what-if (``replay``): how much shorter the run would be with those excesses
+times the robust spread (1.4826 x the median absolute deviation) of each rank's deviation from
+the median of its collective's other ranks, over all ranks and collectives or, where larger,
+over the collectives at the same place in their step (a longer segment jitters more; given
+``PLACE_SAMPLES`` deviations there), at least ``FLOOR_US``, and in any case when it makes the
+segment (or the transfer) ``ALWAYS_SHARE`` (20 %) longer than its collective's median one (in a
+short run where most collectives have a straggler, the spread is no guide). Its **cost** is the
+what-if (``replay``): how much shorter the run would be with those excesses
 removed (the segment's busy / gap time, or that transfer, set to the baseline) and everything
 else as observed. An excess that others absorbed costs 0.
 
@@ -45,6 +47,9 @@ NOISE_FACTOR = 6.0
 ALWAYS_SHARE = 0.2
 """An excess of this share of the typical segment (or transfer) is named whatever the noise:
 where most collectives have a straggler (a short run), the noise estimate is no guide."""
+PLACE_SAMPLES = 16
+"""The deviations a place in the step needs for a spread of its own (8 steps of two ranks): in a
+short run a delay is most of a place's few deviations, and only the run's spread is kept."""
 MAD_TO_SIGMA = 1.4826
 """The median absolute deviation times this estimates a normal distribution's standard
 deviation (``1 / Phi^-1(3/4)``): the robust spread of the noise."""
@@ -166,16 +171,55 @@ def _index_in_step(matching: Matching) -> np.ndarray:
     return out
 
 
-def _noise(values: np.ndarray, inst: np.ndarray, count: int, typical: float) -> float:
-    """The excess a rank needs to be named: ``NOISE_FACTOR`` x the robust spread of the values'
-    deviations from their collective's median (the symmetric one: the lower median, the
-    baseline of the excess, is 0 away for half the ranks, which says nothing of the noise), at
-    most ``ALWAYS_SHARE`` x ``typical`` and at least ``FLOOR_US``."""
-    if len(values) == 0:
-        return FLOOR_US
-    deviation = values - group_median(values, inst, count)[inst]
-    spread = MAD_TO_SIGMA * float(np.median(np.abs(deviation - np.median(deviation))))
-    return max(min(NOISE_FACTOR * spread, ALWAYS_SHARE * typical), FLOOR_US)
+def _others_median(values: np.ndarray, inst: np.ndarray, count: int) -> np.ndarray:
+    """Per value, the median of the other values of its collective ``inst`` (NaN if none)."""
+    order = np.lexsort((values, inst))
+    group, ranked = inst[order], values[order]
+    sizes = np.bincount(group, minlength=count)
+    first = (np.cumsum(sizes) - sizes)[group]
+    own = np.arange(len(ranked)) - first
+    others = sizes[group] - 1
+
+    def other(k: np.ndarray) -> np.ndarray:  # the k-th smallest of the others
+        k = np.maximum(k, 0)
+        return ranked[np.minimum(first + k + (k >= own), len(ranked) - 1)]
+
+    middle = (other((others - 1) // 2) + other(others // 2)) / 2
+    out = np.empty(len(values))
+    out[order] = np.where(others > 0, middle, np.nan)
+    return out
+
+
+def _spread(deviation: np.ndarray) -> float:
+    """Robust standard deviation: ``MAD_TO_SIGMA`` x the median absolute deviation (0 for none)."""
+    if len(deviation) == 0:
+        return 0.0
+    return MAD_TO_SIGMA * float(np.median(np.abs(deviation - np.median(deviation))))
+
+
+def _noise(
+    values: np.ndarray, inst: np.ndarray, count: int, typical: np.ndarray, position: np.ndarray
+) -> np.ndarray:
+    """Per value, the excess its rank needs to be named: ``NOISE_FACTOR`` x the spread of the
+    values' deviations from the median of their collective's other values, over the run or,
+    where larger, over the collectives at the same ``position`` in their step (if they have
+    ``PLACE_SAMPLES``); at most ``ALWAYS_SHARE`` x its ``typical`` (its collective's median
+    segment or transfer), at least ``FLOOR_US``.
+
+    The deviation from the others is what an excess is (the value less the others' lower
+    median), so both have one scale for any group size; the deviation from the collective's
+    own median would be half a two-rank group's difference (and 0 for the middle of three).
+    A position's own spread and cap keep the jitter of longer segments (or transfers) from
+    passing the run's: jitter grows with what it is the jitter of."""
+    deviation = values - _others_median(values, inst, count)
+    known = ~np.isnan(deviation)
+    run = _spread(deviation[known])
+    spread = np.full(len(values), run)
+    for place in np.unique(position):
+        here = position == place
+        if np.count_nonzero(here & known) >= PLACE_SAMPLES:
+            spread[here] = max(run, _spread(deviation[here & known]))
+    return np.maximum(np.minimum(NOISE_FACTOR * spread, ALWAYS_SHARE * typical), FLOOR_US)
 
 
 def _baseline(values: np.ndarray, inst: np.ndarray, count: int, named: np.ndarray) -> np.ndarray:
@@ -232,7 +276,8 @@ class _Excesses:
     over its collective's baseline (µs); the thresholds (µs) and the baselines per collective."""
 
     rows: np.ndarray
-    thresholds_us: dict[str, float]
+    thresholds_us: dict[str, np.ndarray]
+    """Per cause, per row the excess it needs to be named (``_noise``)."""
     excess: dict[str, np.ndarray]
     """``compute``, ``host_gap``, ``comm`` and ``loader`` (the DataLoader's share of the gap)."""
     baseline: dict[str, np.ndarray]
@@ -240,24 +285,28 @@ class _Excesses:
 
 
 def _thresholds(
-    values: dict[str, np.ndarray], rows: np.ndarray, inst: np.ndarray, count: int
-) -> dict[str, float]:
-    """Per cause, the excess a rank needs to be named (``_noise``), the typical segment (busy
-    and idle) or transfer of the run bounding it."""
+    values: dict[str, np.ndarray],
+    rows: np.ndarray,
+    inst: np.ndarray,
+    count: int,
+    position: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """Per cause, per row the excess a rank needs to be named (``_noise``), bounded by its
+    collective's typical segment (busy and idle) or transfer; ``position``: per row, its
+    collective's index in its step."""
     totals = {cause: _total(values, cause) for cause in _PARTS}
-    segment = (
-        float(np.median(totals["compute"][rows] + totals["host_gap"][rows])) if len(rows) else 0.0
-    )
-    typical = {"compute": segment, "host_gap": segment}
-    typical["comm"] = float(np.median(totals["comm"][rows])) if len(rows) else 0.0
+    segment = totals["compute"][rows] + totals["host_gap"][rows]
+    typical = {"compute": group_median(segment, inst[rows], count)[inst[rows]]}
+    typical["host_gap"] = typical["compute"]
+    typical["comm"] = group_median(totals["comm"][rows], inst[rows], count)[inst[rows]]
     return {
-        cause: _noise(totals[cause][rows], inst[rows], count, typical[cause])
+        cause: _noise(totals[cause][rows], inst[rows], count, typical[cause], position[rows])
         for cause in ("compute", "host_gap", "comm")
     }
 
 
 def _settled(
-    total: np.ndarray, inst: np.ndarray, count: int, threshold: float
+    total: np.ndarray, inst: np.ndarray, count: int, threshold: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """(per collective the baseline, per row whether it is named) once naming settles.
 
@@ -275,13 +324,13 @@ def _settled(
     return base, named
 
 
-def _excesses(matching: Matching, graph: ReplayGraph) -> _Excesses:
+def _excesses(matching: Matching, graph: ReplayGraph, index: np.ndarray) -> _Excesses:
     """Each matched row's excess per cause over the baseline of its collective's ranks not
-    named for that cause."""
+    named for that cause; ``index``: per row, its collective's index in its step."""
     inst, count = matching.instance, max(matching.instances, 1)
     rows = np.flatnonzero(inst >= 0)
     values = graph.values
-    thresholds = _thresholds(values, rows, inst, count)
+    thresholds = _thresholds(values, rows, inst, count, index)
     loader = matching.column("loader")
     baseline, excess = {}, {}
     for cause, names in _PARTS.items():
@@ -352,7 +401,7 @@ def _segment_stragglers(found: _Excesses, namer: _Namer) -> list[Straggler]:
     for k in np.flatnonzero((busy_ex > tau["compute"]) | (gap_ex > tau["host_gap"])).tolist():
         row = int(found.rows[k])
         parts = {"compute": busy_ex[k], "host_gap": gap_ex[k]}
-        significant = {c: x for c, x in parts.items() if x > tau[c]}
+        significant = {c: x for c, x in parts.items() if x > tau[c][k]}
         cause = max(significant, key=significant.get)
         changes = {name: values[name][[row]].copy() for name in WORK}
         for c in significant:
@@ -395,12 +444,12 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
 
     Returns:
         StragglerReport: the stragglers, costliest first (then by step, rank); every cost is
-        >= 0 and in ms; ``thresholds_us`` the excess each cause needed.
+        >= 0 and in ms; ``thresholds_us`` the median excess each cause needed.
     """
     matching = match(programs)
     graph = build_replay_graph(matching)
-    found = _excesses(matching, graph)
     index = _index_in_step(matching)
+    found = _excesses(matching, graph, index)
     kinds, steps = matching.column("kind"), matching.column("step")
     namer = _Namer(matching, graph, found.baseline, index, kinds, steps)
     stragglers = _segment_stragglers(found, namer) + _comm_stragglers(found, namer)
@@ -415,7 +464,10 @@ def find_stragglers(programs: list[RankProgram], *, what_if: bool = True) -> Str
         else None,
         waits=_waits(matching, collectives.wait_us, steps, stragglers),
         collectives=_collective_rows(matching, collectives, index, kinds, steps),
-        thresholds_us=found.thresholds_us,
+        thresholds_us={
+            cause: float(np.median(tau)) if len(tau) else FLOOR_US
+            for cause, tau in found.thresholds_us.items()
+        },
     )
 
 
