@@ -13,7 +13,7 @@ step per plain and per DTensor parameter tensor and per parameter (``optimizer_t
 ``optimizer_dtensor_s``, ``optimizer_param_s``) and the share of the compute that all-reduces
 over the link hide behind (``overlap_efficiency``). The planner prices each layout as
 overlapkit-train runs it (``autoplan.framework.OVERLAPKIT_TRAIN``; the layout is the one a run
-of that config prices itself with, ``overlapkit.train.planning.planned.run_layout``). Then, for each
+of that config prices itself with, ``overlapkit.train.parallel.run_layout``). Then, for each
 model (``gpt_tiny``, ``moe_tiny``), it trains every layout below exactly as overlapkit-train
 runs it: the config composed from overlapkit-train's own groups (``overlapkit/conf``), its mesh
 (``overlapkit.train.parallel.mesh.build_layout``), its wrapping
@@ -82,7 +82,7 @@ from overlapkit.autoplan.memory import FP32
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.models import train_model_spec
 from overlapkit.autoplan.step_time import StepOptions, predict_step
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 from overlapkit.train.planning.host_calibration import (
     collective_overhead,

@@ -11,6 +11,7 @@ here.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -84,24 +85,35 @@ def accelerate_run(
     max_norm: float | None = ACCELERATE_MAX_NORM,
     two_calls: bool = False,
     resume: str | None = None,
+    scaled: bool = False,
 ) -> dict:
-    """An Accelerate loop; per-bucket when ``form == "per_bucket"``; checkpoints in ``root``."""
+    """An Accelerate loop; per-bucket when ``form == "per_bucket"``; checkpoints in ``root``.
+
+    ``scaled``: Accelerate's fp16 loss-scaling path in fp32 on CPU (where Accelerate makes no
+    GradScaler, so the accelerator is given one through its ``scaler`` attribute), with an inf
+    target in the middle of the data: the step it falls in must be skipped on both ranks.
+    """
     rank = torch.distributed.get_rank()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    if scaled:
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
     overlap = None
     if form == "per_bucket":
         overlap = use_ok_ddp(accelerator, optimizer_overlap=True, bucket_mb=BUCKET_MB)
     model = Regressor(rank)
     optimizer = _adamw(model)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.3 * s))
-    loader = DataLoader(TensorDataset(*_tensors()), batch_size=PER_RANK)
+    x_train, y_train = _tensors()
+    if scaled:
+        y_train[len(y_train) // 2] = math.inf
+    loader = DataLoader(TensorDataset(x_train, y_train), batch_size=PER_RANK)
     if two_calls:
         model = accelerator.prepare(model)
         optimizer, loader, schedule = accelerator.prepare(optimizer, loader, schedule)
     else:
         model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
     x_eval = _tensors(seed=7)[0][:PER_RANK]
-    norms, evals, ddp, snapshots = [], [], [], {}
+    norms, evals, ddp, snapshots, skipped, lrs = [], [], [], {}, [], []
     step = 0
     if resume is not None:
         accelerator.load_state(resume)
@@ -118,6 +130,8 @@ def accelerate_run(
         if not accelerator.sync_gradients:
             continue
         step += 1
+        skipped.append(accelerator.optimizer_step_was_skipped)
+        lrs.append(schedule.get_last_lr())
         if max_norm is not None:
             norms.append(norm.item())  # right after the step: the norm is final
         ddp.append(isinstance(model, DistributedDataParallel))
@@ -137,6 +151,8 @@ def accelerate_run(
         "evals": evals,
         "ddp": ddp,
         "snapshots": snapshots,
+        "skipped": skipped,
+        "lrs": lrs,
     }
     if overlap is not None:
         out["bucketer_steps"] = sorted({r.step for r in ok.comm_stats(overlap.bucketer).records})
@@ -158,6 +174,13 @@ class _Record(TrainerCallback):
             self.snapshots["synchronized"] = _params(model)
 
 
+class _LogEveryStep(TrainerCallback):
+    """Added after the Trainer was built: logs every step, so the norm is read on every step."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_log = True
+
+
 def trainer_run(
     form: str,
     root: str,
@@ -165,8 +188,10 @@ def trainer_run(
     max_grad_norm: float = TRAINER_MAX_NORM,
     own_optimizer: bool = False,
     resume: str | None = None,
+    late_callback: bool = False,
 ) -> dict:
-    """``Trainer`` (plain) or ``OverlapTrainer`` (per-bucket); checkpoints in ``root``."""
+    """``Trainer`` (plain) or ``OverlapTrainer`` (per-bucket); checkpoints in ``root``;
+    ``late_callback``: a ``_LogEveryStep`` added with ``add_callback`` before ``train()``."""
     x, y = _tensors()
     data = [{"x": xi, "labels": yi} for xi, yi in zip(x, y, strict=True)]
     evaluation = [{"x": xi, "labels": yi} for xi, yi in zip(*_tensors(seed=7), strict=True)][:16]
@@ -214,6 +239,8 @@ def trainer_run(
             optimizers=optimizers,
         )
     record.trainer = trainer
+    if late_callback:
+        trainer.add_callback(_LogEveryStep())
     trainer.train(resume_from_checkpoint=resume)
     logs = trainer.state.log_history
     out = {
@@ -245,6 +272,10 @@ def scenarios(root: str) -> dict:
     out = {"accelerate": {form: accelerate_run(form, acc) for form in ("plain", "per_bucket")}}
     out["accelerate"]["two_calls"] = accelerate_run("per_bucket", acc + "-two", two_calls=True)
     out["accelerate"]["unclipped"] = accelerate_run("per_bucket", acc + "-free", max_norm=None)
+    out["accelerate"]["scaled"] = {
+        form: accelerate_run(form, acc + "-scaled", max_norm=None, scaled=True)
+        for form in ("plain", "per_bucket")
+    }
     out["accelerate"]["resumed"] = {
         (form, by): accelerate_run(form, acc, resume=os.path.join(acc, by))
         for form, by in (("per_bucket", "plain"), ("plain", "per_bucket"))
@@ -263,6 +294,10 @@ def scenarios(root: str) -> dict:
     # max_grad_norm=0: no clipping, the norm still logged.
     out["trainer"]["no_clip"] = {
         form: trainer_run(form, os.path.join(root, "noclip"), max_grad_norm=0.0)
+        for form in ("plain", "per_bucket")
+    }
+    out["trainer"]["late_callback"] = {
+        form: trainer_run(form, os.path.join(root, "late"), late_callback=True)
         for form in ("plain", "per_bucket")
     }
     out["trainer"]["own_optimizer"] = {

@@ -48,6 +48,26 @@ def recipe_sweep(tmp_path_factory):
     return run_recipe_sweep(tmp_path_factory.mktemp("recipe_sweep"))
 
 
+@pytest.fixture(scope="session")
+def four_rank_sweep(tmp_path_factory):
+    """``overlapkit-train -m`` over the 4-rank layouts, profiled, one rank of its ddp job slowed,
+    run once for the tests that read it (tests/test_train_parallel_nd.py checks each layout;
+    test_stragglers_real.py the straggler analysis of the slowed job)."""
+    from tests.test_train_parallel_nd import run_four_rank_sweep
+
+    return run_four_rank_sweep(tmp_path_factory.mktemp("four_rank_sweep"))
+
+
+@pytest.fixture(scope="session")
+def one_process_layouts(tmp_path_factory):
+    """The 4-rank layouts against one process, run once in one launch
+    (tests/one_process_layouts.py); with the directory of the pipeline's profiled case."""
+    from tests.one_process_layouts import run_one_process_layouts
+
+    profile_dir = tmp_path_factory.mktemp("one_process_layouts")
+    return run_one_process_layouts(profile_dir), profile_dir
+
+
 @pytest.fixture(autouse=True)
 def _seeded_generators() -> None:
     """Seed Python's, NumPy's and torch's global generators before each test, so a test that

@@ -8,14 +8,17 @@ import ``tests``: the repository root on ``PYTHONPATH``) and set, in the environ
   in this process), on torch elastic's first attempt only, so that a restarted worker trains on:
   a worker dying the way a crashed host or an out-of-memory kill ends it, mid-step, without
   cleanup (``tests/test_elastic_restart.py``).
-- ``OVERLAPKIT_TEST_DAMAGE_NEWEST=1`` as well: the killed worker first overwrites the newest
-  committed checkpoint's ``.metadata`` with a pickle that would run code when loaded (it opens
-  ``<run dir>/ran-code-from-a-checkpoint``), as a tampered checkpoint would, so that the restart
-  meets a refused newest checkpoint (``overlapkit.train.run.resume``).
+- ``OVERLAPKIT_TEST_DAMAGE_NEWEST=<run dir>`` as well: the killed worker of the run in that
+  directory first overwrites the newest committed checkpoint's ``.metadata`` with a pickle that
+  would run code when loaded (it opens ``<run dir>/ran-code-from-a-checkpoint``), as a tampered
+  checkpoint would, so that the restart meets a refused newest checkpoint
+  (``overlapkit.train.run.resume``).
 - ``OVERLAPKIT_TEST_SLOW=RANK:MS[:MODE]``: a slowed rank (``bench.harness.slow_rank``).
+- ``OVERLAPKIT_TEST_FAULTS_IN=<run dir>``: arm nothing in the workers of any other run (the
+  other jobs of a multirun, whose run directories are ``<sweep dir>/<job number>``).
 
 Nothing here ships with overlapkit: a plain install has no module that can damage a checkpoint
-(``tests/test_faults.py``).
+(``tests/test_worker_init.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ logger = logging.getLogger(__name__)
 KILL_ENV = "OVERLAPKIT_TEST_KILL"
 """The environment variable that asks for the kill, ``RANK:STEP``."""
 DAMAGE_ENV = "OVERLAPKIT_TEST_DAMAGE_NEWEST"
-"""``1``: the killed worker first damages the newest checkpoint (with ``KILL_ENV`` only)."""
+"""A run directory: there the killed worker first damages the newest checkpoint (with
+``KILL_ENV`` only)."""
+FAULTS_IN_ENV = "OVERLAPKIT_TEST_FAULTS_IN"
+"""A run directory: the only run whose workers ``arm`` arms (unset: every run's)."""
 RAN_MARKER = "ran-code-from-a-checkpoint"
 """The file the damaging pickle creates, in the run directory, if anything ever unpickles it."""
 WORKER_INIT = "tests.faults:arm"
@@ -86,14 +92,18 @@ def damage_newest_checkpoint(checkpoints: Path) -> Path | None:
     return newest[1]
 
 
-def install_kill_from_env(rank: int, attempt: int, checkpoints: Path | None = None) -> bool:
+def _same_run(configured: str, run_dir: Path) -> bool:
+    return Path(configured).resolve() == run_dir.resolve()
+
+
+def install_kill_from_env(rank: int, attempt: int, run_dir: Path | None = None) -> bool:
     """Arm the kill ``OVERLAPKIT_TEST_KILL`` asks for, if it names this rank on the first attempt.
 
     Args:
         rank (int): this worker's global rank.
         attempt (int): torch elastic's restart count (the kill strikes on attempt 0 only).
-        checkpoints (Path | None): the run's checkpoint directory, which
-            ``OVERLAPKIT_TEST_DAMAGE_NEWEST=1`` damages; None damages nothing.
+        run_dir (Path | None): the run directory, whose newest checkpoint is damaged when
+            ``OVERLAPKIT_TEST_DAMAGE_NEWEST`` names it; None damages nothing.
 
     Returns:
         bool: whether a kill was armed.
@@ -104,7 +114,8 @@ def install_kill_from_env(rank: int, attempt: int, checkpoints: Path | None = No
     kill_rank, kill_step = parse_kill_spec(spec)
     if rank != kill_rank or attempt != 0:
         return False
-    damage = checkpoints is not None and os.environ.get(DAMAGE_ENV) == "1"
+    damaged_run = os.environ.get(DAMAGE_ENV)
+    damage = run_dir is not None and bool(damaged_run) and _same_run(damaged_run, run_dir)
     logger.error(
         "%s=%s: rank %d will SIGKILL itself in step %d%s",
         KILL_ENV,
@@ -122,7 +133,7 @@ def install_kill_from_env(rank: int, attempt: int, checkpoints: Path | None = No
     def kill_in_forward(module: torch.nn.Module, args: Any) -> None:
         if steps_done == kill_step - 1:
             if damage:
-                damage_newest_checkpoint(checkpoints)
+                damage_newest_checkpoint(RunPaths(run_dir, "").checkpoints)
             os.kill(os.getpid(), signal.SIGKILL)
 
     register_optimizer_step_post_hook(count_step)
@@ -131,7 +142,10 @@ def install_kill_from_env(rank: int, attempt: int, checkpoints: Path | None = No
 
 
 def arm(context: WorkerContext) -> None:
-    """``launcher.worker_init`` entry: arm the kill and the slow rank the environment asks for."""
-    checkpoints = RunPaths(context.run_dir, "").checkpoints
-    install_kill_from_env(context.rank, context.attempt, checkpoints)
+    """``launcher.worker_init`` entry: arm the kill and the slow rank the environment asks for
+    (in the run ``OVERLAPKIT_TEST_FAULTS_IN`` names, if set)."""
+    only = os.environ.get(FAULTS_IN_ENV)
+    if only and not _same_run(only, context.run_dir):
+        return
+    install_kill_from_env(context.rank, context.attempt, context.run_dir)
     install_slow_from_env(context.rank)

@@ -1,8 +1,11 @@
 """overlapkit's import graph read from the source with ``ast``, and the two rules it must keep.
 
 An edge is one ``import`` statement of one module naming another module of the same package,
-at module level or inside a function or class; imports under ``if TYPE_CHECKING:`` are left out
-(they never run). Relative imports are resolved against the importing module's package.
+at module level, inside a function or class, or under ``if TYPE_CHECKING:``: an import for a
+type hint never runs, but a reader still follows it, and a circle closed by one is a circle of
+concepts (give the lower module a Protocol, or move the shared type below both). Such edges are
+marked, and named so in the messages. Relative imports are resolved against the importing
+module's package.
 ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
 
 The rules (``tests/test_import_layers.py``):
@@ -33,9 +36,15 @@ class Edge:
     target: str
     path: str
     line: int
+    type_checking: bool = False
+    """The import is under ``if TYPE_CHECKING:`` (for type hints only)."""
 
     def where(self) -> str:
         return f"{self.path}:{self.line}"
+
+    @property
+    def note(self) -> str:
+        return " (under TYPE_CHECKING)" if self.type_checking else ""
 
 
 def module_files(root: Path, package: str) -> dict[str, Path]:
@@ -55,18 +64,19 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: everywhere except ``if TYPE_CHECKING:`` bodies."""
-    stack = [tree]
+def _import_nodes(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement, each with whether it lies under ``if TYPE_CHECKING:``."""
+    stack: list[tuple[ast.AST, bool]] = [(tree, False)]
     while stack:
-        node = stack.pop()
+        node, type_checking = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
+            yield node, type_checking
             continue
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)  # the else branch does run
+            stack.extend((child, True) for child in node.body)
+            stack.extend((child, type_checking) for child in node.orelse)
             continue
-        stack.extend(ast.iter_child_nodes(node))
+        stack.extend((child, type_checking) for child in ast.iter_child_nodes(node))
 
 
 def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -95,7 +105,7 @@ def import_edges(root: Path, package: str) -> list[Edge]:
         tree = ast.parse(path.read_text(), filename=str(path))
         shown = str(path.relative_to(root.parent))
         is_package = path.name == "__init__.py"
-        for node in _import_nodes(tree):
+        for node, type_checking in _import_nodes(tree):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:
@@ -107,7 +117,7 @@ def import_edges(root: Path, package: str) -> list[Edge]:
             for name in dict.fromkeys(names):
                 target = _known(name, modules)
                 if target is not None and target != module:
-                    edges.append(Edge(module, target, shown, node.lineno))
+                    edges.append(Edge(module, target, shown, node.lineno, type_checking))
     return edges
 
 
@@ -160,7 +170,7 @@ def upward_imports(edges: Iterable[Edge], layers: Mapping[str, int], package: st
         if high_layer > low_layer:
             found.append(
                 f"{e.where()}: {e.source} (layer {low_layer}, {low}) imports {e.target} "
-                f"(layer {high_layer}, {high}): an import runs upward"
+                f"(layer {high_layer}, {high}){e.note}: an import runs upward"
             )
     return found
 
@@ -219,7 +229,7 @@ def _circle_messages(edges: list[Edge], key: Callable[[str], str], what: str) ->
             and key(e.target) in members
             and key(e.source) != key(e.target)
         ]
-        lines = "; ".join(f"{e.where()}: {e.source} imports {e.target}" for e in inside)
+        lines = "; ".join(f"{e.where()}: {e.source} imports {e.target}{e.note}" for e in inside)
         messages.append(f"{what} circle {' <-> '.join(component)}: {lines}")
     return messages
 

@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
 import overlapkit as ok
-from overlapkit.autoplan.auto_cli import render_auto, run_instructions
+from overlapkit.autoplan.auto_cli import run_instructions
+from overlapkit.autoplan.auto_report import render_auto
 from overlapkit.autoplan.compute import measured_accelerator
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
 from overlapkit.autoplan.handoff.run_config import train_overrides
@@ -210,7 +211,7 @@ def test_a_tensor_parallel_winner_is_also_priced_as_overlapkit_train_runs_it():
     # The replicated head: more compute and more gradient bytes per rank, more memory.
     assert predicted["step_time_s"] > answer.best.step.step_s
     assert predicted["memory_gb_per_gpu"] > answer.best.memory.total / 1e9
-    text = render_auto(answer, [], 0.0)
+    text = render_auto(answer, [], 0.0, run_instructions(answer))
     assert "overlapkit-train keeps the embeddings and head whole on every tp rank" in text
     dp_only = auto_plan(_cpu_topology(), tiny_spec(), global_batch=8, seq_len=64, fixed={"tp": 1})
     assert "overlapkit_train_predicted" not in run_instructions(dp_only)
@@ -229,7 +230,7 @@ def test_layouts_overlapkit_train_lacks_say_what():
     assert "pipeline with context parallelism" in OVERLAPKIT_TRAIN.lacks(layout)
     with pytest.raises(ValueError, match=r"does not run .*pipeline with context parallelism"):
         train_overrides(layout, topology="dgx-h100x4", nodes=4, ranks_per_node=8, model=None)
-    assert "overlapkit-train lacks" in render_auto(answer, [], 0.0)
+    assert "overlapkit-train lacks" in render_auto(answer, [], 0.0, run_instructions(answer))
 
 
 def _mesh_of_auto_plan(rank: int, world_size: int) -> tuple:

@@ -9,7 +9,7 @@ from overlapkit.autoplan.memory import memory_breakdown
 from overlapkit.autoplan.models import load_model
 from overlapkit.autoplan.search import TIE, search
 from overlapkit.autoplan.settings import PlanSearchError, with_memory
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology import load_topology
 
 H100x4 = load_topology("dgx-h100x4")

@@ -126,7 +126,7 @@ def test_parallel_options_call_the_public_api_with_planned_sizes():
         plan, factory_cfg = split_parallel(_compose(f"parallel={option}").parallel)
         factory = instantiate(factory_cfg)
         assert (factory.func, factory.keywords) == (target, keywords), option
-        assert plan == PlanConfig(**sizes), option
+        assert plan == PlanConfig.of(**sizes), option
 
 
 def test_choosing_ep_dp_also_chooses_moe_tiny_unless_model_is_given():
@@ -298,6 +298,31 @@ def test_override_typo_fails_with_hydras_message():
             ["parallel=tp_dp", "parallel._target_=overlapkit.ddp"],
             ValueError,
             r"parallel.plan.tp=2 needs parallel._target_ overlapkit.GradBucketer",
+        ),
+        (
+            ["parallel=hsdp", "parallel.plan.dp_shard=1"],
+            ValueError,
+            r"parallel.plan.dp_shard \(1\) must divide .* above 1 .* use parallel=ddp",
+        ),
+        (
+            ["parallel=pp_dp", "parallel.plan.schedule=LoopedBFS", "train.grad_accum=2"],
+            ValueError,
+            r"schedule=LoopedBFS runs several stages per rank, got parallel.plan.virtual_stages=1",
+        ),
+        (  # the capability table's rows (overlapkit.layout.overlapkit_train), by config key
+            [
+                "parallel=pp_dp",
+                "parallel.plan.schedule=Interleaved1F1B",
+                "parallel.plan.virtual_stages=2",
+                "train.grad_accum=3",
+            ],
+            ValueError,
+            r"train.grad_accum=3 micro-batches per step are not a multiple of parallel.plan.pp=2",
+        ),
+        (
+            ["parallel=zero2", "+parallel.plan.pp=2", "train.grad_accum=2"],
+            ValueError,
+            r"parallel.zero=2 \(ZeRO-2\) with parallel.plan.pp=2",
         ),
         (["parallel=tp_dp", "~topology"], ValueError, r"parallel.plan needs a topology"),
         (

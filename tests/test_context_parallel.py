@@ -20,11 +20,14 @@ from overlapkit.train.parallel.context_parallel import (
     chunk_positions,
     split_sequences,
 )
-from overlapkit.train.parallel.mesh import PlanConfig, build_layout, check_plan, data_shard
+from overlapkit.train.parallel.mesh import PlanConfig, build_layout, data_shard
 from overlapkit.train.parallel.recompute import apply_recompute
+from overlapkit.train.parallel.run_layout import check_parallel
 from overlapkit.train.parallel.wrappers import apply_parallel
+from overlapkit.train.run.loop import TrainConfig
 from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
+from tests.one_process_layouts import COLLECTIVE_TIMEOUT_S
 
 GPT_SMALL = dict(n_layer=2, n_head=2, n_embd=16, block_size=16)
 SEQ = 16
@@ -61,8 +64,17 @@ def test_a_sequence_that_2cp_does_not_divide_is_refused_naming_the_keys():
     ],
 )
 def test_cp_layouts_the_loop_cannot_run_are_refused(plan, model, message):
+    # The wrapper that runs the other dimension: GradBucketer for ep, ok.fsdp for dp_shard.
+    target = "overlapkit.fsdp" if "dp_shard" in plan else "overlapkit.GradBucketer"
     with pytest.raises(ValueError, match=message):
-        check_plan(PlanConfig(**plan), world_size=4, model_config=model, target="overlapkit.ddp")
+        check_parallel(
+            PlanConfig.of(**plan),
+            {"_target_": target},
+            TrainConfig(),
+            world_size=4,
+            model_config=model,
+            seq_len=64,
+        )
 
 
 def test_ranks_of_one_cp_group_read_the_same_batch_shard():
@@ -119,7 +131,7 @@ def _cp_layouts_match_the_whole_sequences(rank: int, world_size: int) -> dict:
     layouts = {}
     out = {}
     for name, (sizes, factory, recompute) in CASES.items():
-        plan = PlanConfig(**sizes)
+        plan = PlanConfig.of(**sizes)
         key = tuple(sorted(sizes.items()))
         if key not in layouts:  # one mesh (and its gloo groups) per plan
             layouts[key] = build_layout(plan, topology, device)
@@ -173,9 +185,10 @@ def _cp_layouts_match_the_whole_sequences(rank: int, world_size: int) -> dict:
                 msg=lambda m, n=param_name, c=name: f"{c} {n}: {m}",
             )
             gap = max(gap, (value - expected[param_name]).abs().max().item())
+        flattened = plan.sizes.cp > 1
         out[name] = {
             # The flattened dp x cp group the wrappers reduce over: the default group's timeout.
-            "timeout": group_timeout(layout.dp_group).total_seconds() if plan.cp > 1 else None,
+            "timeout": group_timeout(layout.dp_group).total_seconds() if flattened else None,
             "shards": shards,
             "loss": (reported, own_loss),
             "max_abs_diff": gap,
@@ -186,11 +199,9 @@ def _cp_layouts_match_the_whole_sequences(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_cp_layouts_on_4_ranks_equal_one_process_on_whole_sequences():
-    results = run_on_ranks(
-        _cp_layouts_match_the_whole_sequences, 4, collective_timeout_s=30, total_timeout_s=280
-    )
+@pytest.mark.timeout(600)  # the first test to use one_process_layouts runs it
+def test_cp_layouts_on_4_ranks_equal_one_process_on_whole_sequences(one_process_layouts):
+    results = one_process_layouts[0]["cp"]
     for rank, result in enumerate(results):
         for name, case in result.items():
             sizes = CASES[name][0]
@@ -200,7 +211,7 @@ def test_cp_layouts_on_4_ranks_equal_one_process_on_whole_sequences():
             # The loss reported under cp is the whole sequences' mean, not the rank's chunks'.
             assert reported == pytest.approx(own, rel=1e-5), (rank, name)
             if "cp" in sizes:
-                assert case["timeout"] == 30.0, name  # run_on_ranks' collective_timeout_s
+                assert case["timeout"] == COLLECTIVE_TIMEOUT_S, name  # the harness's
                 assert f"context parallel cp={sizes['cp']} (K/V all-gather)" in case["description"]
     print({name: f"{case['max_abs_diff']:.1e}" for name, case in results[0].items()})
     assert "ZeRO-2" in results[0]["cp_dp ok.fsdp zero2"]["description"]

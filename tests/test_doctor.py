@@ -32,6 +32,7 @@ from overlapkit.doctor.check import (
 )
 from overlapkit.doctor.render import render, to_json
 from overlapkit.doctor.runner import DoctorOptions
+from overlapkit.layout import PartialLayout
 from overlapkit.topology import (
     Device,
     DomainKind,
@@ -76,9 +77,9 @@ def test_json_has_the_design_keys_and_the_table_every_check():
     assert "1 passed, 0 warned, 1 failed (exit code 1)" in text
 
 
-def test_options_name_the_offending_value():
-    with pytest.raises(ValueError, match="--tp must be >= 1, got 0"):
-        DoctorOptions(tp=0)
+def test_options_name_the_offending_value(capsys):
+    assert cli.main(["doctor", "--tp", "0"]) == 2  # refused before any rank starts
+    assert "--tp must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--model.*'bert'"):
         DoctorOptions(model="bert")
     with pytest.raises(ValueError, match="--bucket-mb must be > 0 MiB, got -1"):
@@ -260,13 +261,13 @@ def test_restricting_settings_warn():
 
 
 def test_tp_inside_a_node_passes_with_rail_aligned_dp():
-    check = setup_checks.check_placement(H100X2, tp=8)
+    check = setup_checks.check_placement(H100X2, PartialLayout(tp=8))
     assert check.status == PASS
     assert "tp=8 inside one nvlink domain" in check.value and "rail-aligned" in check.value
 
 
 def test_tp_across_domains_warns():
-    check = setup_checks.check_placement(H100X2, tp=16)
+    check = setup_checks.check_placement(H100X2, PartialLayout(tp=16))
     assert check.status == WARN and "tp=16 spans 2 scale-up domains" in check.advice
 
 
@@ -283,12 +284,12 @@ def test_dp_across_nodes_whose_rails_differ_warns():
     )
     fabric = dataclasses.replace(H100X2.fabric, nics_per_node=2)
     topology = Topology("irregular-rails", devices, domains, fabric)
-    check = setup_checks.check_placement(topology, tp=2)
+    check = setup_checks.check_placement(topology, PartialLayout(tp=2))
     assert check.status == WARN and "dp groups are not rail-aligned" in check.advice
 
 
 def test_sizes_that_do_not_fit_fail_with_the_planners_reason():
-    check = setup_checks.check_placement(H100X2, tp=6)
+    check = setup_checks.check_placement(H100X2, PartialLayout(tp=6))
     assert check.status == FAIL and "does not divide the 16 ranks" in check.advice
 
 

@@ -6,8 +6,9 @@ the same model and data each time: plain Accelerate (the reference), ``use_ok_dd
 bf16 on gloo), plain ``Trainer`` and ``OverlapTrainer``; then the per-bucket runs of
 ``tests/accelerate_per_bucket.py`` (``use_ok_ddp(optimizer_overlap=True)`` and
 ``OverlapTrainer(overlapkit_options={"optimizer_overlap": True})`` against plain Accelerate and
-the plain Trainer, bitwise). The fp16 GradScaler path needs CUDA (Accelerate makes no scaler on
-CPU): ``tests/test_per_bucket_integrations_cuda.py``.
+the plain Trainer, bitwise). Accelerate makes no GradScaler on CPU: its loss-scaling path runs
+here in fp32 with one given to the accelerator; fp16 autocast with it needs CUDA
+(``tests/test_per_bucket_integrations_cuda.py``).
 """
 
 from __future__ import annotations
@@ -195,6 +196,9 @@ def test_overlap_kwargs_keep_ddp_options_and_refuse_accelerates_hook(two_ranks):
 # -- per-bucket updates (tests/accelerate_per_bucket.py), against plain Accelerate and Trainer
 
 
+FORMS = ("plain", "per_bucket")
+
+
 def _trained(result: dict, norms: str) -> dict:
     return {"params": result["params"], "optim": result["optim"], norms: result[norms]}
 
@@ -216,6 +220,20 @@ def test_use_ok_ddp_per_bucket_trains_bitwise_as_accelerates_ddp(two_ranks):
     # Rank 1 built other weights: both forms trained rank 0's.
     first, second = (r["per_bucket"]["accelerate"]["per_bucket"] for r in two_ranks)
     assert_bitwise(second["params"], first["params"], "ranks")
+
+
+@pytest.mark.slow
+def test_use_ok_ddp_per_bucket_grad_scaler_skips_the_same_steps_and_holds_the_schedule(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        plain, overlap = (result["per_bucket"]["accelerate"]["scaled"][f] for f in FORMS)
+        assert_bitwise(overlap["params"], plain["params"], f"rank {rank}")
+        assert_bitwise(overlap["optim"], plain["optim"], f"rank {rank}")
+        # optimizer_step_was_skipped (PerBucketOptimizer.step_was_skipped) as under DDP, on
+        # some steps and not others, and the prepared LR scheduler held on those.
+        assert overlap["skipped"] == plain["skipped"]
+        assert any(plain["skipped"]) and not all(plain["skipped"]), plain["skipped"]
+        assert overlap["lrs"] == plain["lrs"]
+        assert overlap["bucketer_steps"] == list(range(per_bucket.STEPS))
 
 
 @pytest.mark.slow
@@ -267,6 +285,15 @@ def test_overlap_trainer_per_bucket_trains_and_logs_bitwise_as_the_trainer(two_r
         assert plain["ddp"] == [True] * per_bucket.STEPS
         assert overlap["ddp"] == [False] * per_bucket.STEPS
         assert overlap["bucketer_steps"] == list(range(per_bucket.STEPS))
+
+
+@pytest.mark.slow
+def test_overlap_trainer_norm_is_final_when_a_callback_added_later_logs_every_step(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        runs = result["per_bucket"]["trainer"]["late_callback"]
+        plain, overlap = runs["plain"], runs["per_bucket"]
+        assert [step for step, _ in plain["grad_norms"]] == list(range(1, per_bucket.STEPS + 1))
+        assert_bitwise(_trained(overlap, "grad_norms"), _trained(plain, "grad_norms"), f"{rank}")
 
 
 @pytest.mark.slow

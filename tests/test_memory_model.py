@@ -11,7 +11,7 @@ from overlapkit.autoplan.memory import (
     stage_params,
 )
 from overlapkit.autoplan.models import gpt_spec, load_model
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 
 # Korthikanti et al.'s GPT: 16-bit activations, dropout, no flash attention.
 S, B, H, A = 2048, 1, 12288, 96

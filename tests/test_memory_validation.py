@@ -28,7 +28,7 @@ from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.models import train_model_spec
 from overlapkit.autoplan.selective import SDPA_KERNEL
 from overlapkit.autoplan.step_time import parameter_tensors
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 from overlapkit.train.models.moe import shard_experts
 from overlapkit.train.parallel.recompute import apply_recompute

@@ -4,8 +4,9 @@ Accelerate makes a GradScaler only on an accelerator (``mixed_precision="fp16"``
 none), so this path is tested here: two NCCL ranks share GPU 0 (each its own ``NCCL_HOSTID``,
 docs/emulation.md; both told ``LOCAL_RANK=0``, so that Accelerate and the Trainer put both on
 ``cuda:0``). Rank 1's loss is made inf at one step: the GradScaler must skip that step on both
-ranks, ``optimizer_step_was_skipped`` must say so (``_is_overflow``), the LR scheduler must not
-step, and everything else must be bitwise the plain run's. Run on a GPU host, offline:
+ranks, ``optimizer_step_was_skipped`` must say so (``PerBucketOptimizer.step_was_skipped``), the
+LR scheduler must not step, and everything else must be bitwise the plain run's (the same path
+in fp32 on CPU: tests/test_integration_accelerate.py). Run on a GPU host, offline:
 
     python -m pytest -q -m cuda tests/test_per_bucket_integrations_cuda.py
 """

@@ -20,22 +20,22 @@ from overlapkit.train.models import GPT, GPTConfig, MLPConfig
 from overlapkit.train.parallel.mesh import (
     PlanConfig,
     build_layout,
-    check_plan,
     data_shard,
     split_parallel,
 )
 from overlapkit.train.parallel.pipeline_parallel import apply_pipeline
 from overlapkit.train.parallel.pipeline_stages import (
     bubble_share,
-    check_pipeline,
     local_stages,
     split_stage,
     stage_blocks,
     stage_layers,
 )
 from overlapkit.train.parallel.recompute import apply_recompute
+from overlapkit.train.parallel.run_layout import check_parallel
 from overlapkit.train.run.checkpoint import TrainingState, step_dir
 from overlapkit.train.run.data import BatchStream, SyntheticRegression
+from overlapkit.train.run.loop import TrainConfig
 from overlapkit.train.run.lr_schedule import warmup_cosine
 from overlapkit.train.run.progress import RunSummary
 from tests.cuda import requires_cuda
@@ -53,10 +53,10 @@ DDP = {"_target_": "overlapkit.ddp"}
 
 
 def _check(world_size: int = 4, grad_accum: int = MICRO, model=None, factory=DDP, **plan) -> None:
-    config = PlanConfig(**plan)
+    config = PlanConfig.of(**plan)
     model = model if model is not None else GPTConfig(**CONFIG)
-    check_plan(config, world_size=world_size, model_config=model, target=factory["_target_"])
-    check_pipeline(config, model_config=model, grad_accum=grad_accum, factory_cfg=factory)
+    train = TrainConfig(batch_size=BATCH, grad_accum=grad_accum)
+    check_parallel(config, factory, train, world_size=world_size, model_config=model, seq_len=8)
 
 
 @pytest.mark.parametrize(
@@ -77,8 +77,8 @@ def _check(world_size: int = 4, grad_accum: int = MICRO, model=None, factory=DDP
             r"2 stages parallel.plan.schedule=1F1B keeps in flight; set train.grad_accum >= 2",
         ),
         (
-            dict(pp=2, schedule="interleaved1f1b", virtual_stages=2, grad_accum=5),
-            r"train.grad_accum=5 micro-batches do not split into 2 equal rounds",
+            dict(pp=2, schedule="interleaved1f1b", virtual_stages=2, grad_accum=3),
+            r"train.grad_accum=3 micro-batches per step are not a multiple of parallel.plan.pp=2",
         ),
         (
             dict(pp=2, schedule="ZBVZeroBubble", factory={"_target_": "overlapkit.GradBucketer"}),
@@ -123,12 +123,13 @@ def test_good_pipeline_layouts_pass_the_checks():
     _check(pp=2)
     _check(pp=4)
     _check(pp=2, schedule="GPipe", grad_accum=1)  # GPipe takes any number of micro-batches
-    _check(pp=2, schedule="Interleaved1F1B", virtual_stages=2, grad_accum=3)
+    _check(pp=2, schedule="Interleaved1F1B", virtual_stages=2, grad_accum=4)
     _check(pp=2, dp_shard=2, factory={"_target_": "overlapkit.fsdp"})
     _check(pp=2, tp=2, factory={"_target_": "overlapkit.GradBucketer"})
     plan, _ = split_parallel({"_target_": "overlapkit.ddp", "plan": {"pp": 2}})
-    assert (plan.pp, plan.schedule, plan.virtual_stages, plan.trivial) == (2, "1F1B", 1, False)
-    assert plan.plan_kwargs()["pp"] == 2 and "schedule" not in plan.plan_kwargs()
+    sizes = plan.sizes
+    assert (sizes.pp, plan.schedule, sizes.virtual_stages, plan.trivial) == (2, "1F1B", 1, False)
+    assert sizes.placement_sizes()["pp"] == 2 and "schedule" not in sizes.placement_sizes()
 
 
 def test_pipeline_ranks_hold_looped_stages_of_consecutive_blocks():
@@ -195,23 +196,26 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 CASES = {
-    "1F1B ok.ddp": (PlanConfig(pp=2), ok.ddp),
-    "1F1B ok.GradBucketer": (PlanConfig(pp=2), functools.partial(ok.GradBucketer, bucket_mb=0.01)),
-    "1F1B ok.fsdp": (PlanConfig(pp=2), ok.fsdp),
-    "1F1B HSDP": (PlanConfig(pp=2, dp_shard=2), ok.fsdp),
+    "1F1B ok.ddp": (PlanConfig.of(pp=2), ok.ddp),
+    "1F1B ok.GradBucketer": (
+        PlanConfig.of(pp=2),
+        functools.partial(ok.GradBucketer, bucket_mb=0.01),
+    ),
+    "1F1B ok.fsdp": (PlanConfig.of(pp=2), ok.fsdp),
+    "1F1B HSDP": (PlanConfig.of(pp=2, dp_shard=2), ok.fsdp),
     "Interleaved1F1B v=2 ok.ddp": (
-        PlanConfig(pp=2, schedule="Interleaved1F1B", virtual_stages=2),
+        PlanConfig.of(pp=2, schedule="Interleaved1F1B", virtual_stages=2),
         ok.ddp,
     ),
-    "GPipe tp=2 ok.GradBucketer": (PlanConfig(pp=2, tp=2, schedule="GPipe"), ok.GradBucketer),
+    "GPipe tp=2 ok.GradBucketer": (PlanConfig.of(pp=2, tp=2, schedule="GPipe"), ok.GradBucketer),
     "Interleaved1F1B v=2 ok.GradBucketer": (
-        PlanConfig(pp=2, schedule="Interleaved1F1B", virtual_stages=2),
+        PlanConfig.of(pp=2, schedule="Interleaved1F1B", virtual_stages=2),
         ok.GradBucketer,
     ),
-    "LoopedBFS v=2 ok.fsdp": (PlanConfig(pp=2, schedule="LoopedBFS", virtual_stages=2), ok.fsdp),
-    "1F1B pp=4": (PlanConfig(pp=4), ok.ddp),
+    "LoopedBFS v=2 ok.fsdp": (PlanConfig.of(pp=2, schedule="LoopedBFS", virtual_stages=2), ok.fsdp),
+    "1F1B pp=4": (PlanConfig.of(pp=4), ok.ddp),
     "1F1B ZeRO-1 recompute=full:1": (
-        PlanConfig(pp=2),
+        PlanConfig.of(pp=2),
         functools.partial(ok.fsdp, zero=1, reshard_after_forward=None),
         ("full", 1),  # each stage's first block, as the loop applies it
     ),
@@ -285,15 +289,10 @@ def _assert_matches_one_process(results: list[dict], cases, tolerance) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(tmp_path):
-    results = run_on_ranks(
-        _layouts_match_one_process,
-        4,
-        str(tmp_path),
-        collective_timeout_s=30,
-        total_timeout_s=280,
-    )
+@pytest.mark.timeout(600)  # the first test to use one_process_layouts runs it
+def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(one_process_layouts):
+    parts, profile_dir = one_process_layouts
+    results = parts["pipeline"]
     names = {n for result in results for n in result[next(iter(CASES))]["gaps"]}
     # Every parameter, on some rank.
     assert names == set(GPT(GPTConfig(**CONFIG)).state_dict())  # the head's copy included
@@ -302,7 +301,7 @@ def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(tmp_path):
     _assert_matches_one_process(results, CASES, lambda name: 1e-4 if "tp=" in name else 1e-5)
     # The report shows the stages' point-to-point traffic as its own kind: each stage sends and
     # receives one activation (or its gradient) per micro-batch, (BATCH, 8, n_embd) floats.
-    report = analyze_run(tmp_path)
+    report = analyze_run(profile_dir)
     assert sorted((r.rank, r.step) for r in report.steps) == [(r, 1) for r in range(4)]  # 2nd
     for row in report.steps:
         send_recv = row.kinds["send_recv"]
@@ -348,7 +347,7 @@ NCCL_ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "W
 CUDA_CASES = {
     "1F1B ok.ddp": CASES["1F1B ok.ddp"],
     "Interleaved1F1B v=2 ok.fsdp": (
-        PlanConfig(pp=2, schedule="Interleaved1F1B", virtual_stages=2),
+        PlanConfig.of(pp=2, schedule="Interleaved1F1B", virtual_stages=2),
         ok.fsdp,
     ),
 }

@@ -15,12 +15,14 @@ from overlapkit.autoplan.framework import FRAMEWORKS, MEGATRON, OVERLAPKIT_TRAIN
 from overlapkit.autoplan.handoff.run_config import train_overrides
 from overlapkit.autoplan.models import gpt_spec, load_model
 from overlapkit.autoplan.ok_plan import auto_plan
+from overlapkit.autoplan.pins import pins_from
 from overlapkit.autoplan.published_runs import check_run, published_runs
 from overlapkit.autoplan.search import price, search
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.cli import main
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import PartialLayout, TrainingLayout
 from overlapkit.topology import load_topology
+from overlapkit.train.planning.parallel_auto import AutoConfig
 
 GPT = "gpt:layers=8,hidden=1024,heads=16"
 BASE = ["plan", "--auto", "--topology", "dgx-a100", "--model", GPT]
@@ -69,6 +71,27 @@ def test_each_choice_pinned_on_the_cli_is_the_winners(capsys, free_best, flags, 
     assert any(_field(free_best, k) != v for k, v in expected.items())
     doc = _json(capsys, [*BASE, *BATCH, *flags])
     assert {k: _field(doc["candidates"][0], k) for k in expected} == expected
+
+
+def test_the_cli_ok_plan_and_parallel_pins_pin_one_partial_layout_which_json_prints(capsys):
+    expected = PartialLayout(
+        tp=2, recompute="full", recompute_layers=3, sharding="hsdp", dp_shard=2
+    )
+    doc = _json(capsys, [*BASE, *BATCH, "--tp", "2", "--recompute", "full:3", "--dp-shard", "2"])
+    assert PartialLayout(**doc["fixed"]) == expected
+    keywords = {"tp": 2, "recompute": "full:3", "dp_shard": 2}
+    assert pins_from(keywords) == expected  # ok.plan(..., auto=True, **keywords)
+    assert AutoConfig(pins=keywords).fixed() == expected  # +parallel.pins.tp=2 ...
+    assert expected.admits(
+        ok.plan(
+            load_topology("dgx-a100"),
+            model=GPT,
+            global_batch=32,
+            seq_len=2048,
+            auto=True,
+            **keywords,
+        ).training
+    )
 
 
 def test_attention_and_framework_pinned_on_the_cli_price_and_filter(capsys):
@@ -224,6 +247,24 @@ def test_recomputing_layouts_get_the_train_recompute_overrides():
         train_overrides(TrainingLayout(tp=2, dp=2, sharding="zero1"), **args)
 
 
+def test_recompute_layers_count_each_model_chunk_as_overlapkit_train_does():
+    # pp 2 x v 2 of 8 layers: each rank holds 2 chunks of 2 layers; full:1 recomputes one layer
+    # of each chunk (train.recompute_layers counts the blocks of each stage, a chunk), 2 of 4.
+    layout = TrainingLayout(pp=2, num_micro_batches=2, virtual_stages=2, recompute="full")
+    assert dataclasses.replace(layout, recompute_layers=1).recomputed_share(4) == 0.5
+    assert dataclasses.replace(layout, recompute_layers=2).recomputed_share(4) == 1.0
+    model = load_model("gpt:layers=8,hidden=1024,heads=16")
+    pins = {"pp": 2, "virtual_stages": 2, "micro_batch": 1, "recompute": "full"}
+    kwargs = dict(
+        global_batch=16, seq_len=2048, settings=SearchSettings(framework="overlapkit-train")
+    )
+    topology = load_topology("dgx-a100")
+    found = search(topology, model, fixed=pins | {"recompute_layers": 2}, **kwargs)
+    assert found.best.layout.recompute_layers == 2
+    with pytest.raises(ValueError, match="no variant of the fixed layout"):
+        search(topology, model, fixed=pins | {"recompute_layers": 3}, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class _RecomputesNothing:
     """A selective policy that keeps every activation and recomputes nothing."""
@@ -285,7 +326,7 @@ def test_a_gpt_shape_is_megatrons_gpt():
         (["--framework", "deepspeed"], "--framework 'deepspeed'"),
         (["--micro-batch", "0"], "--micro-batch"),
         (["--virtual-stages", "0"], "--virtual-stages"),
-        (["--dp-shard", "2", "--sharding", "ddp"], "--dp-shard 2 goes with --sharding hsdp"),
+        (["--dp-shard", "2", "--sharding", "ddp"], "--dp-shard=2 goes with --sharding=hsdp"),
         (["--framework", "overlapkit-train", "--pp", "2", "--cp", "2"], "pipeline with context"),
         (["--framework", "overlapkit-train", "--tp", "2", "--sharding", "zero1"], "FSDP (zero1)"),
         (["--framework", "torchtitan", "--recompute", "full:2"], "recomputation of 2 layers"),
@@ -306,9 +347,9 @@ def test_pins_given_twice_or_without_full_are_refused_in_ok_plan():
     kwargs = dict(model=GPT, global_batch=32, seq_len=2048, auto=True)
     with pytest.raises(ValueError, match="already says the layers"):
         ok.plan(topology, recompute="full:2", recompute_layers=3, **kwargs)
-    with pytest.raises(ValueError, match="recompute_layers=2 goes with recompute full"):
+    with pytest.raises(ValueError, match="recompute_layers=2 goes with recompute=full"):
         ok.plan(topology, recompute="selective", recompute_layers=2, **kwargs)
-    with pytest.raises(ValueError, match="goes with recompute full"):
+    with pytest.raises(ValueError, match="goes with recompute=full"):
         ok.plan(topology, recompute_layers=2, **kwargs)
 
 

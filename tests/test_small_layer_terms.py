@@ -31,7 +31,7 @@ from overlapkit.autoplan.memory_traffic import (
 )
 from overlapkit.autoplan.models import gpt_spec
 from overlapkit.autoplan.selective import ATTENTION_CORE
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology import load_topology
 
 A100 = load_topology("dgx-a100").accelerator

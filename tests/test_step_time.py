@@ -11,8 +11,8 @@ from overlapkit.autoplan.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
 from overlapkit.autoplan.models import load_model, train_model_spec
 from overlapkit.autoplan.step_time import StepOptions, parameter_tensors, predict_step
 from overlapkit.cost.estimate import estimate
+from overlapkit.layout import TrainingLayout
 from overlapkit.planner import plan
-from overlapkit.planner.layout import TrainingLayout
 from overlapkit.topology import bare_link, load_topology
 from overlapkit.topology.accelerator import Accelerator
 from overlapkit.topology.model import Library

@@ -1,10 +1,12 @@
 """A real 4-rank gloo run of ``overlapkit-train`` with rank 2 slowed by the test fault hook:
 ``overlapkit report --stragglers`` names rank 2, the collective it delays and the cause.
 
-One run (``OVERLAPKIT_TEST_SLOW=2:150``: rank 2 sleeps 150 ms in the forward of every step)
-shared by every check here. Four ranks share the machine's two cores, so steps jitter by tens of
-milliseconds; the sleep is chosen as a multiple of that (``JITTER_MULTIPLE``, checked on the
-run itself: the spread of the other ranks' arrivals at the collective rank 2 delays).
+The run is the ddp job of tests/test_train_parallel_nd.py's 4-rank sweep (``four_rank_sweep``:
+8 steps of 2 micro-batches, full recomputation, profiled steps 3-5), whose rank 2 sleeps 150 ms
+in the forward of every step (``OVERLAPKIT_TEST_SLOW=2:150`` in that job only); one launch for
+both files' checks. Four ranks share the machine's two cores, so steps jitter by tens of
+milliseconds; the sleep is chosen as a multiple of that (``JITTER_MULTIPLE``, checked on the run
+itself: the spread of the other ranks' arrivals at the collective rank 2 delays).
 """
 
 from __future__ import annotations
@@ -16,42 +18,30 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from bench.harness.slow_rank import SLOW_ENV
 from overlapkit.profiling import cli
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.profiling.stragglers import find_stragglers
 from overlapkit.profiling.tensorboard import WAIT_TAGS
-from tests.faults import WORKER_INIT
-from tests.test_train_e2e import _finish, _start
+from tests.test_train_parallel_nd import SLOW_MS, SLOW_RANK, SLOWED
 from tests.torch_version import requires_torch
 
 pytestmark = pytest.mark.slow
 
-SLOW_RANK, SLOW_MS = 2, 150.0
 JITTER_MULTIPLE = 3.0
+PROFILED_STEPS = {3, 4, 5}
+DOUBLE_COUNT_BOUND = 1.5
+"""Per step, what is found of the sleep is at most this many sleeps: counted twice it would be
+2; the rank's own noise on top of one sleep is under half of it (the other ranks' arrival
+spread is under a third, ``JITTER_MULTIPLE``)."""
 
 
 @pytest.fixture(scope="module")
-def slowed_run(tmp_path_factory):
-    """The profile directory of a 4-rank demo run with rank 2 sleeping in every forward."""
-    root = tmp_path_factory.mktemp("slowed")
-    output = _finish(
-        _start(
-            [
-                "profiler=on",
-                "launcher.nproc_per_node=4",
-                "train.steps=6",
-                "train.checkpoint_every=0",
-                f"hydra.run.dir={root / 'run'}",
-                f"launcher.worker_init=[{WORKER_INIT}]",
-            ],
-            root,
-            env={SLOW_ENV: f"{SLOW_RANK}:{SLOW_MS:g}"},
-        ),
-        timeout_s=400,
-    )
-    assert f"rank {SLOW_RANK} spends {SLOW_MS:.1f} ms more (sleep) per step" in output
-    [profile] = (root / "run" / "tb").glob("*/profile")
+def slowed_run(four_rank_sweep):
+    """The profile directory of the sweep's job with rank 2 sleeping in every forward."""
+    runs, output = four_rank_sweep
+    slowed = f"rank {SLOW_RANK} spends {SLOW_MS:.1f} ms more (sleep) per step"
+    assert output.count(slowed) == 1, output[-3000:]  # in that job only
+    [profile] = (runs[SLOWED] / "tb").glob("*/profile")
     return profile
 
 
@@ -60,17 +50,33 @@ def found(slowed_run):
     return find_stragglers(analyze_run(slowed_run, jobs=1, programs=True).programs)
 
 
+@pytest.mark.timeout(900)  # the first test to use four_rank_sweep runs it
 def test_the_slowed_rank_is_named_with_its_cause_and_collective_in_every_profiled_step(found):
     top = found.stragglers[0]
     assert (top.rank, top.cause) == (SLOW_RANK, "host_gap"), found.stragglers[:5]
     mine = [s for s in found.stragglers if s.rank == SLOW_RANK and s.cause == "host_gap"]
     # The sleep comes before the step's forward: the rank is late for the step's first bucket.
-    assert {s.step for s in mine if s.collective == "all_reduce #0"} == {3, 4, 5}, mine
+    assert {s.step for s in mine if s.collective == "all_reduce #0"} == PROFILED_STEPS, mine
     assert found.per_rank()[0]["rank"] == SLOW_RANK
     # It idled about the sleep longer than the others (give or take their own idle time and
     # the OS's: four ranks share two cores), and the others waited for most of that.
     for s in mine:
         assert s.excess_ms >= 0.5 * SLOW_MS and s.cost_ms >= 0.5 * SLOW_MS, s
+
+
+def test_the_sleep_is_found_once_per_step_and_costs_at_most_itself(found):
+    # Upper bounds, which a double count (the sleep in two segments of a step, or in both halves
+    # of one, or one excess removed twice) would fail and the lower bounds above would not.
+    mine = [s for s in found.stragglers if s.rank == SLOW_RANK]
+    for step in PROFILED_STEPS:
+        here = [s for s in mine if s.step == step]
+        assert sum(s.excess_ms for s in here) <= DOUBLE_COUNT_BOUND * SLOW_MS, here
+        # Without the delay the run ends sooner by at most the delay; the others waited at most
+        # as long as rank 2 was late, each.
+        assert sum(s.cost_ms for s in here) <= DOUBLE_COUNT_BOUND * SLOW_MS, here
+        for s in here:
+            assert s.late_ms <= DOUBLE_COUNT_BOUND * SLOW_MS, s
+            assert s.others_waited_ms <= 3 * DOUBLE_COUNT_BOUND * SLOW_MS, s
 
 
 def test_the_sleep_is_a_multiple_of_the_step_jitter_of_the_other_ranks(found):

@@ -39,7 +39,7 @@ from overlapkit.autoplan.models import from_hf_config, load_model
 from overlapkit.autoplan.search import price
 from overlapkit.autoplan.selective import TORCHTITAN_OP_SAC, marked_matmuls
 from overlapkit.autoplan.settings import SearchSettings
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[1]

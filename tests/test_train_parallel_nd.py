@@ -4,6 +4,7 @@ hsdp and ep_dp gradients on 4 gloo ranks against one process running the unshard
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +16,14 @@ from overlapkit.train.models import GPT, GPTConfig, MLPConfig, MoEConfig, MoEGPT
 from overlapkit.train.parallel.mesh import (
     PlanConfig,
     build_layout,
-    check_plan,
     data_shard,
     split_parallel,
 )
+from overlapkit.train.parallel.run_layout import check_parallel
 from overlapkit.train.parallel.wrappers import apply_parallel, clip_grad_norm
+from overlapkit.train.run.loop import TrainConfig
 from overlapkit.train.run.progress import RunSummary, scaling_efficiency
-from tests.multiproc import run_on_ranks
+from tests.one_process_layouts import COLLECTIVE_TIMEOUT_S
 
 GPT_SMALL = dict(n_layer=2, n_head=2, n_embd=16, block_size=8)
 MOE_SMALL = dict(GPT_SMALL, n_expert=4, top_k=2)
@@ -51,20 +53,27 @@ BUCKETER = "overlapkit.GradBucketer"
 )
 def test_bad_plans_are_refused_naming_the_config_key(plan, model, target, message):
     with pytest.raises(ValueError, match=message):
-        check_plan(PlanConfig(**plan), world_size=4, model_config=model, target=target)
+        check_parallel(
+            PlanConfig.of(**plan),
+            {"_target_": target},
+            TrainConfig(),
+            world_size=4,
+            model_config=model,
+            seq_len=64,
+        )
 
 
 def test_plan_section_is_split_from_the_factory_and_checked():
     plan, factory = split_parallel({"_target_": BUCKETER, "bucket_mb": 1, "plan": {"tp": 2}})
-    assert (plan.tp, plan.ep, plan.dp, plan.dp_shard) == (2, 1, -1, None)
+    assert (plan.sizes.tp, plan.sizes.ep, plan.sizes.dp, plan.sizes.dp_shard) == (2, 1, None, None)
     assert factory == {"_target_": BUCKETER, "bucket_mb": 1}
     assert split_parallel({"_target_": BUCKETER})[0].trivial
     with pytest.raises(ValueError, match=r"parallel.plan.sp is not a planner size"):
         split_parallel({"plan": {"sp": 2}})
-    assert split_parallel({"plan": {"pp": 2}})[0].pp == 2
-    assert split_parallel({"plan": {"cp": 2}})[0].cp == 2
+    assert split_parallel({"plan": {"pp": 2}})[0].sizes.pp == 2
+    assert split_parallel({"plan": {"cp": 2}})[0].sizes.cp == 2
     with pytest.raises(ValueError, match=r"parallel.plan.tp must be >= 1, got 0"):
-        PlanConfig(tp=0)
+        PlanConfig.of(tp=0)
 
 
 def test_ranks_of_one_tp_group_read_the_same_batch_shard():
@@ -117,9 +126,9 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
 def _layouts_match_the_unsharded_model(rank: int, world_size: int) -> dict:
     topology = ok.load_topology("cpu-gloox2")
     cases = {
-        "tp_dp": (GPT, GPTConfig, PlanConfig(tp=2), functools.partial(ok.GradBucketer)),
-        "hsdp": (GPT, GPTConfig, PlanConfig(dp_shard=2), functools.partial(ok.fsdp)),
-        "ep_dp": (MoEGPT, MoEConfig, PlanConfig(ep=2), functools.partial(ok.GradBucketer)),
+        "tp_dp": (GPT, GPTConfig, PlanConfig.of(tp=2), functools.partial(ok.GradBucketer)),
+        "hsdp": (GPT, GPTConfig, PlanConfig.of(dp_shard=2), functools.partial(ok.fsdp)),
+        "ep_dp": (MoEGPT, MoEConfig, PlanConfig.of(ep=2), functools.partial(ok.GradBucketer)),
     }
     out = {}
     for name, (cls, config_cls, plan, factory) in cases.items():
@@ -173,11 +182,9 @@ def _layouts_match_the_unsharded_model(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_tp_hsdp_and_ep_gradients_equal_the_unsharded_model_on_4_ranks():
-    results = run_on_ranks(
-        _layouts_match_the_unsharded_model, 4, collective_timeout_s=20, total_timeout_s=220
-    )
+@pytest.mark.timeout(600)  # the first test to use one_process_layouts runs it
+def test_tp_hsdp_and_ep_gradients_equal_the_unsharded_model_on_4_ranks(one_process_layouts):
+    results = one_process_layouts[0]["nd"]
     for result in results:
         assert result["tp_dp"]["shards"] == 2 and result["hsdp"]["shards"] == 4
         assert result["ep_dp"]["shards"] == 4
@@ -187,8 +194,9 @@ def test_tp_hsdp_and_ep_gradients_equal_the_unsharded_model_on_4_ranks():
         # Mixed plain and DTensor parameters are what clip_grad_norm must handle.
         assert result["tp_dp"]["kinds"] == ["DTensor", "Parameter"]
         assert result["ep_dp"]["kinds"] == ["DTensor", "Parameter"]
-        # Every mesh group has the default group's timeout (the harness's 20 s), not 30 min.
-        assert {t for case in result.values() for t in case["timeouts"]} == {20.0}
+        # Every mesh group has the default group's timeout (the harness's), not 30 min.
+        timeouts = {t for case in result.values() for t in case["timeouts"]}
+        assert timeouts == {COLLECTIVE_TIMEOUT_S}
         ep = result["ep_dp"]
         # Each MoE layer dispatched over the planner's ep group: forward and backward,
         # two all-to-alls each.
@@ -203,6 +211,36 @@ FOUR = [
     "train.grad_accum=2",
     "train.checkpoint_every=0",
 ]
+FOUR_RANK_LAYOUTS = ["ddp", "hsdp", "tp_dp", "cp_dp"]
+SLOWED, SLOW_RANK, SLOW_MS = "ddp", 2, 150.0
+"""The job whose rank sleeps in every step's forward, for tests/test_stragglers_real.py."""
+
+
+def run_four_rank_sweep(directory: Path) -> tuple[dict[str, Path], str]:
+    """``overlapkit-train -m`` over ``FOUR_RANK_LAYOUTS`` on 4 ranks in ``directory``, profiled,
+    with rank ``SLOW_RANK`` of the ``SLOWED`` job sleeping ``SLOW_MS`` ms in every step (a sleep
+    and the profiler change no number); each layout's run directory and the output."""
+    from bench.harness.slow_rank import SLOW_ENV
+    from tests.faults import FAULTS_IN_ENV, WORKER_INIT
+    from tests.test_train_e2e import _finish, _start
+
+    sweep = directory / "sweep"
+    runs = {p: sweep / str(i) for i, p in enumerate(FOUR_RANK_LAYOUTS)}
+    args = [
+        "-m",
+        f"parallel={','.join(FOUR_RANK_LAYOUTS)}",
+        *FOUR,
+        "train.baseline_items_per_s=1000",
+        # Full recomputation under every layout (FSDP2's unshard, tensor-parallel hooks, the
+        # cp all-gather rerun in backward); its gradients are bitwise those without it, so the
+        # trajectories are still those of the recipe sweep, which does not recompute.
+        "train.recompute=full",
+        "profiler=on",
+        f"launcher.worker_init=[{WORKER_INIT}]",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    env = {SLOW_ENV: f"{SLOW_RANK}:{SLOW_MS:g}", FAULTS_IN_ENV: str(runs[SLOWED])}
+    return runs, _finish(_start(args, directory, env=env), timeout_s=560)
 
 
 def _decreasing(losses: dict[int, float]) -> bool:
@@ -210,33 +248,15 @@ def _decreasing(losses: dict[int, float]) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the first test to use recipe_sweep runs it
-def test_hsdp_tp_dp_and_cp_dp_on_4_ranks_follow_ddps_loss_trajectory(tmp_path, recipe_sweep):
-    from tests.test_train_e2e import RECIPE_SWEEP, _losses, _summary, _train
+@pytest.mark.timeout(900)  # the first test to use recipe_sweep or four_rank_sweep runs it
+def test_hsdp_tp_dp_and_cp_dp_on_4_ranks_follow_ddps_loss_trajectory(four_rank_sweep, recipe_sweep):
+    from tests.test_train_e2e import RECIPE_SWEEP, _losses, _summary
 
-    sweep = tmp_path / "sweep"
-    layouts = ["ddp", "hsdp", "tp_dp", "cp_dp"]
-    output = _train(
-        [
-            "-m",
-            f"parallel={','.join(layouts)}",
-            *FOUR,
-            "train.baseline_items_per_s=1000",
-            # Full recomputation under every layout (FSDP2's unshard, tensor-parallel hooks, the
-            # cp all-gather rerun in backward); its gradients are bitwise those without it, so
-            # the trajectories below are still those of the recipe sweep, which does not
-            # recompute.
-            "train.recompute=full",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        tmp_path,
-        timeout_s=560,
-    )
+    runs, output = four_rank_sweep
     # tp_dp and cp_dp have 2 batch shards (tp and cp pairs read the same batches): their
     # reference is ddp on 2, job 0 of the recipe sweep (the same steps, micro-batches and model;
     # it is also profiled, which changes no number).
     assert set(RECIPE_SWEEP[1:]) <= set(FOUR) and RECIPE_SWEEP[0].startswith("parallel=ddp,")
-    runs = {p: sweep / str(i) for i, p in enumerate(layouts)}
     losses = {p: _losses(d) for p, d in runs.items()} | {"ddp2": _losses(recipe_sweep[0] / "0")}
     summaries = {p: _summary(d) for p, d in runs.items()}
     assert summaries["hsdp"]["mesh"]["sizes"] | {} == {
@@ -255,13 +275,19 @@ def test_hsdp_tp_dp_and_cp_dp_on_4_ranks_follow_ddps_loss_trajectory(tmp_path, r
         assert "recompute=full (2 blocks)" in summary["parallel"]
     for parallel, summary in summaries.items():
         assert (summary["world_size"], summary["steps_run"]) == (4, 8)
+        # Profiled (steps 3-5, the profiler's default schedule) on every rank.
+        traces = [
+            p.name.split(".")[0] for p in Path(summary["profile_dir"]).glob("*.pt.trace.json")
+        ]
+        assert sorted(traces) == [f"rank{r}" for r in range(4)], traces
+        assert summary["profiled_steps"] == 4 * 3
         assert _decreasing(losses[parallel]), (parallel, losses[parallel])
         # Scaling efficiency against the given 1-rank throughput: T(4) / (4 x 1000 tok/s).
         expected = summary["items_per_s"] / (4 * 1000)
         assert summary["scaling_efficiency"] == pytest.approx(expected)
-    assert output.count("scaling efficiency") == len(layouts)
+    assert output.count("scaling efficiency") == len(FOUR_RANK_LAYOUTS)
     # Same initial weights, batches and averaged gradients: the same trajectory up to rounding
-    # (measured: hsdp differs from ddp by 0, tp_dp from ddp on 2 ranks by 4.8e-7).
+    # (measured: each pair by at most 4.8e-7, the same before the sweep was profiled).
     pairs = (("hsdp", "ddp"), ("tp_dp", "ddp2"), ("cp_dp", "ddp2"))
     for run, reference in pairs:
         gap = max(abs(losses[run][s] - losses[reference][s]) for s in losses[reference])

@@ -2,7 +2,7 @@
 
 ``bench.planner_ranking`` composes each layout's config from overlapkit-train's own groups
 (``compose_run``), prices it as the run prices itself (``planned_layout``:
-``overlapkit.train.planning.planned.run_layout``) and steps it with the loop's own wrapping and step
+``overlapkit.train.parallel.run_layout``) and steps it with the loop's own wrapping and step
 (``layout_run``: ``overlapkit.train.run.step.wrap_model`` and ``train_step``), timing the
 ``PHASES`` of each step on this rank (``PhaseClock``).
 """
@@ -18,11 +18,11 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology import Topology
 from overlapkit.train.parallel.mesh import build_layout, split_parallel
+from overlapkit.train.parallel.run_layout import run_layout
 from overlapkit.train.parallel.wrappers import Parallelized
-from overlapkit.train.planning.planned import run_layout
 from overlapkit.train.run.data import BatchStream
 from overlapkit.train.run.step import train_step, wrap_model
 
@@ -36,18 +36,9 @@ def compose_run(overrides: list[str]) -> DictConfig:
 
 
 def planned_layout(config: DictConfig, world_size: int) -> TrainingLayout:
-    """The layout a run of ``config`` prices itself with (``overlapkit.train.planning.planned``)."""
+    """The layout a run of ``config`` prices itself with (``train.parallel.run_layout``)."""
     plan, factory_cfg = split_parallel(config.parallel)
-    train_cfg = instantiate(config.train)
-    layout = run_layout(
-        plan,
-        factory_cfg,
-        batch_size=train_cfg.batch_size,
-        grad_accum=train_cfg.grad_accum,
-        recompute=train_cfg.recompute,
-        recompute_layers=train_cfg.recompute_layers,
-        world_size=world_size,
-    )
+    layout = run_layout(plan, factory_cfg, instantiate(config.train), world_size=world_size)
     if layout is None:
         raise ValueError(f"the planner has no layout for parallel={dict(config.parallel)}")
     return layout

@@ -3,10 +3,11 @@
 A model description (``model_spec``, ``models``), its memory (``memory``) and step time
 (``step_time``, ``gemm``, ``compute``) per layout as a framework runs it (``framework``: which
 layouts it runs, how it splits them; ``selective``: what its selective recomputation costs), the
-search over every layout (``search``, ``settings``, ``candidate``, priced per group shape by
-``group_costs``; the user's pins: ``pins``), ``ok.plan(..., auto=True)`` (``auto``), its check
-against published training runs (``published_runs``) and the hand-off of the winner
-(``run_config``). It sits above placement (``overlapkit.planner``) and the cost model
+search over every layout (``search``; the layouts a request allows: ``layout_space``;
+``settings``, ``candidate``, priced per group shape by ``group_costs``; how the user's pins are
+spelled: ``pins``), ``ok.plan(..., auto=True)`` (``ok_plan``), its check against published
+training runs (``published_runs``) and the hand-off of the winner (``handoff``). A layout itself
+is ``overlapkit.layout``'s. It sits above placement (``overlapkit.planner``) and the cost model
 (``overlapkit.cost``).
 """
 

@@ -1,5 +1,6 @@
-"""``overlapkit plan --auto``: the ranked table, why the winner wins, how to run it and how to
-pin it; and ``--validate``, the check against published runs.
+"""``overlapkit plan --auto``: its options, the search run, how to run the winner and how to pin
+it (``run_instructions``), the report (``auto_report``) or JSON; and ``--validate``, the check
+against published runs.
 
 The JSON document's stable keys are listed in docs/json-contracts.md (``plan --auto``)::
 
@@ -18,14 +19,14 @@ import argparse
 import json
 import time
 
-from overlapkit.autoplan.candidate import Candidate, memory_text
+from overlapkit.autoplan.auto_report import render_auto
 from overlapkit.autoplan.framework import (
     FRAMEWORKS,
     OVERLAPKIT_TRAIN,
     TORCHTITAN,
     framework_named,
 )
-from overlapkit.autoplan.handoff.run_config import TRAIN_MODELS, priced_as, train_overrides
+from overlapkit.autoplan.handoff.run_config import priced_as, train_overrides
 from overlapkit.autoplan.handoff.torchtitan import torchtitan_run
 from overlapkit.autoplan.layout_warnings import layout_warnings
 from overlapkit.autoplan.memory import PRECISIONS
@@ -33,29 +34,16 @@ from overlapkit.autoplan.models import GPT_SPEC
 from overlapkit.autoplan.ok_plan import AutoPlan, auto_plan
 from overlapkit.autoplan.pins import (
     RECOMPUTE_SPELLING,
+    cli_flag,
+    pins_from,
     plan_call,
     plan_command,
-    recompute_text,
 )
 from overlapkit.autoplan.published_runs import render_run_checks, validate
-from overlapkit.autoplan.search import TIE
 from overlapkit.autoplan.settings import ATTENTION, SearchSettings, flash_attention_of
+from overlapkit.layout import SHARDING, PartialLayout
 from overlapkit.planner.explain import where
-from overlapkit.planner.layout import SHARDING, TrainingLayout
 from overlapkit.topology.model import Topology
-from overlapkit.topology.units import format_seconds
-
-TIME_PARTS = (
-    ("compute", "compute_s"),
-    ("tp", "tp_s"),
-    ("cp", "cp_s"),
-    ("ep", "ep_s"),
-    ("pp", "pp_s"),
-    ("fsdp", "fsdp_s"),
-    ("dp", "dp_s"),
-    ("bubble", "bubble_s"),
-    ("optimizer", "optimizer_s"),
-)
 
 
 def add_auto_arguments(
@@ -124,15 +112,18 @@ def add_auto_arguments(
     )
 
 
-def fixed_from_args(args: argparse.Namespace) -> dict:
-    """The choices the user pinned (``autoplan.pins``; unset ones are free under --auto)."""
-    fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp", "ep") if getattr(args, k) is not None}
-    if args.dp is not None and args.dp != -1:
-        fixed["dp"] = args.dp
-    return fixed | choices_from_args(args)
+def fixed_from_args(args: argparse.Namespace) -> PartialLayout:
+    """The choices the user pinned on the command line (unset ones are free under --auto).
+
+    Raises:
+        TypeError / ValueError: a bad pin, naming its flag.
+    """
+    dp = None if args.dp == -1 else args.dp
+    sizes = {"tp": args.tp, "pp": args.pp, "dp": dp, "cp": args.cp, "ep": args.ep}
+    return pins_from(sizes | choices_from_args(args).given(), spell=cli_flag)
 
 
-def choices_from_args(args: argparse.Namespace) -> dict:
+def choices_from_args(args: argparse.Namespace) -> PartialLayout:
     """The pins beyond the parallel sizes: micro-batch, interleaving, recomputation, sharding."""
     choices = {
         "dp_shard": args.dp_shard,
@@ -141,7 +132,7 @@ def choices_from_args(args: argparse.Namespace) -> dict:
         "recompute": args.recompute,
         "sharding": args.sharding,
     }
-    return {k: v for k, v in choices.items() if v is not None}
+    return pins_from(choices, spell=cli_flag)
 
 
 def settings_from_args(args: argparse.Namespace) -> SearchSettings:
@@ -233,7 +224,7 @@ def auto_dict(answer: AutoPlan, warnings: list[str], elapsed_s: float, run: dict
         "model": answer.model.to_dict() | {"source": answer.model_source},
         "topology": answer.topology.name,
         "world_size": answer.topology.world_size,
-        "fixed": result.fixed,
+        "fixed": result.fixed.given(),
         "placement": {
             "mesh_dim_names": list(placement.mesh_dim_names),
             "shape": list(placement.shape),
@@ -315,174 +306,3 @@ def run_instructions(
         if layout.tp > 1 and answer.settings.framework != OVERLAPKIT_TRAIN:
             out["overlapkit_train_predicted"] = priced_as(answer, OVERLAPKIT_TRAIN)
     return out
-
-
-def _cell_dims(layout: TrainingLayout) -> str:
-    dims = " ".join(f"{k}{v}" for k, v in layout.dims.items() if v > 1 or k == "dp")
-    return dims
-
-
-def _time_parts(candidate: Candidate) -> dict[str, float]:
-    return {name: getattr(candidate.step, attr) for name, attr in TIME_PARTS}
-
-
-def why_best(ranked: list[Candidate]) -> list[str]:
-    """Why the first candidate wins: its lead over the best layout of other parallel sizes, or,
-    when none fits (sizes fixed), that it comes closest to fitting."""
-    best = ranked[0]
-    lines = []
-    others = [c for c in ranked[1:] if c.layout.dims != best.layout.dims] or ranked[1:]
-    others = [c for c in others if c.step.step_s > best.step.step_s * (1 + TIE)] or others
-    if not best.fits:
-        lines.append(
-            f"why #1: nothing listed fits in {best.memory_limit / 1e9:.3g} GB; #1 comes closest "
-            f"({best.memory.total / 1e9:.3g} GB per GPU"
-            + (f", #2 {ranked[1].memory.total / 1e9:.3g} GB" if len(ranked) > 1 else "")
-            + ")"
-        )
-    elif others:
-        second = others[0]
-        gap = second.step.step_s / best.step.step_s - 1
-        parts = _time_parts(best)
-        rival = _time_parts(second)
-        deltas = sorted(((rival[k] - parts[k], k) for k in parts), key=lambda d: -abs(d[0]))
-        shown = ", ".join(
-            f"{k} {'+' if delta > 0 else '-'}{format_seconds(abs(delta))}"
-            for delta, k in deltas[:3]
-            if abs(delta) > 1e-6
-        )
-        rank = ranked.index(second) + 1
-        lines.append(
-            f"why #1: {gap * 100:.3g} % faster than #{rank} ({_cell_dims(second.layout)}, "
-            f"{second.layout.sharding}); #{rank} minus #1: {shown or 'nothing measurable'}"
-        )
-    parts = _time_parts(best)
-    top = sorted(parts.items(), key=lambda kv: -kv[1])
-    lines.append(
-        "  #1's step: "
-        + ", ".join(f"{k} {format_seconds(v)}" for k, v in top if v > 0)
-        + f" (MFU {best.mfu:.1%}; memory {best.memory.total / 1e9:.3g} of "
-        f"{best.memory_limit / 1e9:.3g} GB: {memory_text(best.memory)})"
-    )
-    return lines
-
-
-def render_auto(
-    answer: AutoPlan, warnings: list[str], elapsed_s: float, run: dict | None = None
-) -> str:
-    """The ``overlapkit plan --auto`` report (``run``: ``run_instructions(answer)``)."""
-    result = answer.result
-    topology = answer.topology
-    settings = answer.settings
-    run = run or run_instructions(answer)
-    refused = (
-        f", {result.refused} more that {settings.framework.name} does not run left out"
-        if result.refused
-        else ""
-    )
-    lines = [
-        f"auto-plan {answer.model.describe()}",
-        f"on {topology.name}: {topology.world_size} GPUs "
-        f"({answer.best.memory_limit / 1e9:.3g} GB each), global batch {answer.global_batch} x "
-        f"{answer.seq_len} tokens; searched {result.searched} layouts ({result.timed} timed, "
-        f"{result.estimates} cost-model estimates{refused}) in {result.search_s:.2f} s",
-        f"as {settings.framework.name} runs them, {settings.attention} attention, "
-        f"{settings.precision.name}",
-        "",
-    ]
-    header = ["#", "dims", "mb x m", "v", "recompute", "sharding", "step s", "tok/s/GPU"]
-    header += ["MFU", "GB/GPU", "fits"]
-    rows = []
-    for i, c in enumerate(result.candidates, 1):
-        lay = c.layout
-        shard = f"hsdp/{lay.dp_shard}" if lay.sharding == "hsdp" else lay.sharding
-        rows.append(
-            [
-                str(i),
-                _cell_dims(lay),
-                f"{lay.micro_batch}x{lay.num_micro_batches}",
-                str(lay.virtual_stages),
-                recompute_text(lay),
-                shard,
-                f"{c.step.step_s:.4g}",
-                f"{c.tokens_per_s_per_gpu:.4g}"
-                if c.tokens_per_s_per_gpu < 1e4
-                else f"{c.tokens_per_s_per_gpu:.0f}",
-                f"{c.mfu:.1%}",
-                f"{c.memory.total / 1e9:.3g}",
-                "yes" if c.fits else "NO",
-            ]
-        )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append("  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
-    lines += ["", *why_best(result.candidates)]
-    placement = answer.placement
-    lines.append(
-        "  placed: "
-        + "; ".join(
-            f"{axis} {where(placement, axis)}"
-            for axis, size in reversed(placement.sizes.items())
-            if size > 1
-        )
-    )
-    lines += [f"warning: {w}" for w in warnings]
-    lines += [
-        "",
-        "#1 pinned (prices exactly it): " + " ".join(run["plan_command"]),
-        f"  from Python: plan = {run['plan_call']}",
-    ]
-    if "overlapkit_train" in run:
-        lines.append("run it: " + " ".join(run["overlapkit_train"]))
-        if "overlapkit_train_predicted" in run:
-            predicted = run["overlapkit_train_predicted"]
-            lines.append(
-                f"  overlapkit-train keeps the embeddings and head whole on every tp rank and "
-                f"all-reduces where Megatron's sequence parallelism gathers and scatters: "
-                f"{predicted['step_time_s']:.4g} s per step predicted "
-                f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
-                f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"
-                + ("" if predicted["fits"] else " (does not fit)")
-            )
-        if answer.model.name not in TRAIN_MODELS:
-            lines.append(
-                f"  (overlapkit-train's model zoo is {', '.join(TRAIN_MODELS)}: point "
-                f"model._target_ at your {answer.model.name} module)"
-            )
-    else:
-        lines.append(
-            "overlapkit-train lacks " + ", ".join(run["overlapkit_train_lacks"]) + "; run it "
-            "with the planner's DeviceMesh (dims " + ", ".join(run["mesh_dim_names"]) + "):"
-        )
-        lines.append("  mesh = plan.device_mesh()")
-        lines.append("  or search only what overlapkit-train runs: --framework overlapkit-train")
-    lines += torchtitan_lines(answer, run)
-    lines.append(f"({elapsed_s:.2f} s)")
-    return "\n".join(lines)
-
-
-def torchtitan_lines(answer: AutoPlan, run: dict) -> list[str]:
-    """The torchtitan launch of the best layout, what of it does not transfer, and (under
-    another framework) its price as torchtitan runs it."""
-    titan = run["torchtitan"]
-    topology = answer.topology
-    launch = (
-        f"torchrun --nnodes {topology.num_nodes} --nproc-per-node {len(topology.nodes()[0])} "
-        "-m torchtitan.train"
-    )
-    lines = [f"or with torchtitan {titan['version']}: {launch} " + " ".join(titan["args"])]
-    predicted = run.get("torchtitan_predicted")
-    if predicted and "lacks" in predicted:
-        lines.append(
-            "  priced as torchtitan runs it: not searched, --framework torchtitan does not run "
-            + ", ".join(predicted["lacks"])
-        )
-    elif predicted:
-        lines.append(
-            f"  as torchtitan runs it (--framework torchtitan): "
-            f"{predicted['step_time_s']:.4g} s per step predicted "
-            f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
-            f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"
-            + ("" if predicted["fits"] else " (does not fit: search with --framework torchtitan)")
-        )
-    return lines + [f"  torchtitan: {w}" for w in titan["warnings"]]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from overlapkit.autoplan.memory import MemoryBreakdown
 from overlapkit.autoplan.step_time import StepTime
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import PartialLayout, TrainingLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +90,8 @@ class SearchResult:
     search_s: float
     estimates: int
     """Cost-model estimates made (the rest came from the per-shape cache)."""
-    fixed: dict = field(default_factory=dict)
-    """The pins (``autoplan.pins.check_pins``)."""
+    fixed: PartialLayout = field(default_factory=PartialLayout)
+    """The pins the search honoured (``--json``'s ``fixed``: ``fixed.given()``)."""
     refused: int = 0
     """Layouts left out because the framework does not run them (``Framework.refusal``)."""
 

@@ -24,21 +24,18 @@ first forward, and reduce-scattered in the last backward (zero1) or in every one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from overlapkit.autoplan.framework import Framework
+from overlapkit.autoplan.group_costs import LayoutCollectives
 from overlapkit.autoplan.memory import Precision, StageParams
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 
 BUCKET_PARAMS = 40_000_000
 BUCKET_PARAMS_PER_RANK = 1_000_000
 """Gradients are reduced in buckets of ``max(40M, 1M x data-parallel ranks)`` parameters,
 Megatron-LM's rule (``DistributedDataParallelConfig.bucket_size``); each bucket is one
 collective, with its latency."""
-
-Cost = Callable[..., float]
-"""``cost(collective, nbytes, *axes)``: seconds of one collective call over those axes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,132 +86,220 @@ def grad_sync(
     framework: Framework,
     windows: StepWindows,
     forward_s: float,
-    cost: Cost,
+    collectives: LayoutCollectives,
 ) -> GradSync:
-    """The data-parallel traffic of ``layout`` (see module doc): ``stage`` the first stage's
-    parameters (its layers), ``dense_params`` / ``expert_params`` the heaviest stage's on one
-    GPU, ``forward_s`` a micro-batch's forward, ``cost`` the cost model's collectives on the
-    layout's groups."""
-    lay, p, fw = layout, precision, framework
-    m, cp, act = lay.num_micro_batches, lay.cp, p.activation_bytes
-    hsdp = lay.sharding == "hsdp"
-    eff = windows.overlap_efficiency
-    last_bwd, first_fwd = eff * windows.backward_s, eff * forward_s
-    dense_axes, expert_axes = ("dp", "ep", "cp"), ("dp", "cp")
-    every_micro_batch = fw.grad_sync_every_micro_batch and lay.pp == 1
-    after_pipeline = fw.fsdp_reduce_after_pipeline and lay.pp > 1
+    """The data-parallel traffic of one step of ``layout``, seconds: the heaviest stage's
+    parameter gathers and gradient reductions as its sharding and framework run them (module
+    doc), and what of them the compute leaves exposed.
 
-    def in_chunks(collective: str, nbytes: float, chunks: int, *axes: str) -> float:
-        return chunks * cost(collective, nbytes / chunks, *axes)
+    Args:
+        layout (TrainingLayout): its sharding, sizes and micro-batches.
+        stage (StageParams): the first stage's parameters (its layers: FSDP's blocks).
+        dense_params (float): the heaviest stage's dense parameters on one GPU.
+        expert_params (float): the heaviest stage's expert parameters on one GPU (0: dense).
+        precision (Precision): element sizes of weights and gradients on the wire.
+        framework (Framework): what changes where the traffic runs (module doc).
+        windows (StepWindows): the compute it hides behind.
+        forward_s (float): one micro-batch's forward, which the first gathers precede.
+        collectives (LayoutCollectives): the cost model's collectives on the layout's groups.
 
-    def pieces(chunks: int) -> int:
-        """The expert parameters' collectives: none in a dense model."""
-        return chunks if expert_params else 0
+    Returns:
+        GradSync: seconds exposed per micro-batch and per step, and every call's total.
+    """
+    traffic = _Traffic(
+        layout=layout,
+        precision=precision,
+        framework=framework,
+        windows=windows,
+        collectives=collectives,
+        first_forward_s=windows.overlap_efficiency * forward_s,
+        per_block=_Split(
+            dense_params, expert_params, stage.layers + 1, max(1, stage.layers), *_REPLICAS
+        ),
+    )
+    if layout.sharding in ("fsdp", "hsdp"):
+        return traffic.fully_sharded()
+    if layout.sharding in ("zero1", "zero2") and framework.zero_on_fsdp:
+        return traffic.zero_on_fsdp()
+    if layout.sharding == "ddp" and traffic.every_micro_batch:
+        return traffic.ddp_per_block()
+    dense_buckets = buckets(dense_params, layout.dp * layout.ep * layout.cp)
+    expert_buckets = buckets(expert_params, layout.dp * layout.cp)
+    in_buckets = _Split(dense_params, expert_params, dense_buckets, expert_buckets, *_REPLICAS)
+    return traffic.bucketed(in_buckets)
 
-    per_mb = total = exposed_s = 0.0
-    blocks = stage.layers + 1  # the stage's layers and the root (embedding, head)
-    expert_blocks = max(1, stage.layers)
-    if lay.sharding in ("fsdp", "hsdp"):
-        shard_axes = ("dp_shard",) if hsdp else dense_axes
-        expert_shard = ("dp_shard",) if hsdp else expert_axes
-        gather = in_chunks("all_gather", dense_params * act, blocks, *shard_axes) + in_chunks(
-            "all_gather", expert_params * act, expert_blocks, *expert_shard
+
+_REPLICAS = (("dp", "ep", "cp"), ("dp", "cp"))
+"""The axes a dense and an expert parameter are replicated over (``overlapkit.layout``)."""
+_SHARD_GROUP = (("dp_shard",), ("dp_shard",))
+"""hsdp: the axis both are sharded over."""
+_HSDP_REPLICAS = (("dp_replicate", "ep", "cp"), ("dp_replicate", "cp"))
+"""hsdp: the axes both are replicated over, across shard groups."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Split:
+    """What one kind of data-parallel collective moves: the dense parameters in ``dense_calls``
+    equal calls over ``dense_axes``, the expert parameters in ``expert_calls`` over
+    ``expert_axes``."""
+
+    dense_params: float
+    expert_params: float
+    dense_calls: int
+    expert_calls: int
+    dense_axes: tuple[str, ...]
+    expert_axes: tuple[str, ...]
+
+    @property
+    def calls(self) -> int:
+        """Calls in all (none for the expert parameters of a dense model)."""
+        return self.dense_calls + (self.expert_calls if self.expert_params else 0)
+
+    def over(self, axes: tuple[tuple[str, ...], tuple[str, ...]]) -> _Split:
+        """The same calls over other (dense, expert) axes."""
+        return _Split(
+            self.dense_params, self.expert_params, self.dense_calls, self.expert_calls, *axes
         )
-        scatter = in_chunks(
-            "reduce_scatter", dense_params * p.fsdp_reduce_bytes, blocks, *shard_axes
-        ) + in_chunks(
-            "reduce_scatter", expert_params * p.fsdp_reduce_bytes, expert_blocks, *expert_shard
+
+    def seconds(
+        self,
+        collectives: LayoutCollectives,
+        collective: str,
+        element_bytes: int,
+        *,
+        divide_by: int = 1,
+    ) -> float:
+        """Seconds of ``collective`` on every parameter of ``element_bytes`` bytes (divided by
+        ``divide_by``: the shard of an hsdp replica)."""
+        dense = self.dense_params * element_bytes / divide_by
+        expert = self.expert_params * element_bytes / divide_by
+        return collectives.in_chunks(
+            collective, dense, self.dense_calls, *self.dense_axes
+        ) + collectives.in_chunks(collective, expert, self.expert_calls, *self.expert_axes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Traffic:
+    """One step's data-parallel traffic, per sharding."""
+
+    layout: TrainingLayout
+    precision: Precision
+    framework: Framework
+    windows: StepWindows
+    collectives: LayoutCollectives
+    first_forward_s: float
+    """The first micro-batch's forward, times the overlap efficiency."""
+    per_block: _Split
+    """One call per block of the first stage (its layers and the root: embedding, head)."""
+
+    @property
+    def last_backward_s(self) -> float:
+        """The last micro-batch's backward, times the overlap efficiency."""
+        return self.windows.overlap_efficiency * self.windows.backward_s
+
+    @property
+    def every_micro_batch(self) -> bool:
+        """Gradients reduced after every micro-batch (torchtitan without pp)."""
+        return self.framework.grad_sync_every_micro_batch and self.layout.pp == 1
+
+    @property
+    def after_pipeline(self) -> bool:
+        """Gradients reduced after the whole pipeline schedule (overlapkit-train under pp)."""
+        return self.framework.fsdp_reduce_after_pipeline and self.layout.pp > 1
+
+    def _gather_and_scatter(self, split: _Split) -> tuple[float, float]:
+        """Seconds of the parameters' all-gather and of their gradients' reduce-scatter."""
+        act, reduce_bytes = self.precision.activation_bytes, self.precision.fsdp_reduce_bytes
+        gather = split.seconds(self.collectives, "all_gather", act)
+        return gather, split.seconds(self.collectives, "reduce_scatter", reduce_bytes)
+
+    def _scatter_exposed(self, scatter: float, calls: int) -> float:
+        if self.after_pipeline:
+            return scatter
+        return exposed(scatter, calls, self.last_backward_s)
+
+    def fully_sharded(self) -> GradSync:
+        """fsdp / hsdp: each block gathered for forward and backward, its gradients
+        reduce-scattered; hsdp's replica all-reduce on top."""
+        layout, framework, micro_batches = (
+            self.layout,
+            self.framework,
+            self.layout.num_micro_batches,
         )
-        collectives = blocks + pieces(stage.layers)
-        if fw.fsdp_gathered_across_micro_batches and lay.pp > 1:
-            total += gather + scatter
-            exposed_s += exposed(gather, collectives, first_fwd)
-            exposed_s += exposed(scatter, collectives, last_bwd)
-        elif fw.fsdp_reduces_once_per_step or after_pipeline:
+        hsdp = layout.sharding == "hsdp"
+        split = self.per_block.over(_SHARD_GROUP if hsdp else _REPLICAS)
+        gather, scatter = self._gather_and_scatter(split)
+        calls, blocks = split.calls, split.dense_calls
+        compute = self.windows.overlap_efficiency * self.windows.compute_s
+        per_mb = 0.0
+        if framework.fsdp_gathered_across_micro_batches and layout.pp > 1:
+            total = gather + scatter
+            step_exposed = exposed(gather, calls, self.first_forward_s)
+            step_exposed += exposed(scatter, calls, self.last_backward_s)
+        elif framework.fsdp_reduces_once_per_step or self.after_pipeline:
             # Gathered for forward and again for backward every micro-batch; the gradients
             # reduced once per step, after the last backward or after the whole schedule.
-            per_mb = max(0.0, 2 * gather - eff * windows.compute_s) + gather / blocks
-            exposed_s += scatter if after_pipeline else exposed(scatter, collectives, last_bwd)
-            total += m * 2 * gather + scatter
+            per_mb = max(0.0, 2 * gather - compute) + gather / blocks
+            step_exposed = self._scatter_exposed(scatter, calls)
+            total = micro_batches * 2 * gather + scatter
         else:
             # Gathered for forward and again for backward, reduced, every micro-batch.
             traffic = 2 * gather + scatter
-            first_block, last_block = gather / blocks, scatter / blocks
-            per_mb = max(last_block, traffic - eff * windows.compute_s) + first_block
-            total += m * traffic
-        if hsdp:
-            z = lay.dp_shard
-            replica = in_chunks(
-                "all_reduce",
-                dense_params * p.fsdp_reduce_bytes / z,
-                blocks,
-                "dp_replicate",
-                "ep",
-                "cp",
-            ) + in_chunks(
-                "all_reduce",
-                expert_params * p.fsdp_reduce_bytes / z,
-                expert_blocks,
-                "dp_replicate",
-                "cp",
-            )
-            if every_micro_batch:
-                total += m * replica
-                per_mb += exposed(replica, collectives, last_bwd)
-            else:
-                total += replica
-                exposed_s += exposed(replica, collectives, 0.0 if after_pipeline else last_bwd)
-        return GradSync(per_mb, total, exposed_s)
-    if lay.sharding in ("zero1", "zero2") and fw.zero_on_fsdp:
-        # FSDP2 with the parameters kept gathered: per block one all-gather before the step's
-        # first forward, one reduce-scatter in the last backward (zero1) or in every one (zero2).
-        gather = in_chunks("all_gather", dense_params * act, blocks, *dense_axes) + in_chunks(
-            "all_gather", expert_params * act, expert_blocks, *expert_axes
+            per_mb = max(scatter / blocks, traffic - compute) + gather / blocks
+            total, step_exposed = micro_batches * traffic, 0.0
+        if not hsdp:
+            return GradSync(per_mb, total, step_exposed)
+        replica = split.over(_HSDP_REPLICAS).seconds(
+            self.collectives,
+            "all_reduce",
+            self.precision.fsdp_reduce_bytes,
+            divide_by=layout.dp_shard,
         )
-        scatter = in_chunks(
-            "reduce_scatter", dense_params * p.fsdp_reduce_bytes, blocks, *dense_axes
-        ) + in_chunks(
-            "reduce_scatter", expert_params * p.fsdp_reduce_bytes, expert_blocks, *expert_axes
-        )
-        collectives = blocks + pieces(stage.layers)
-        gather_exposed = exposed(gather, collectives, first_fwd)
-        scatter_exposed = scatter if after_pipeline else exposed(scatter, collectives, last_bwd)
-        if lay.sharding == "zero1":
+        if self.every_micro_batch:
+            per_mb += exposed(replica, calls, self.last_backward_s)
+            return GradSync(per_mb, total + micro_batches * replica, step_exposed)
+        window = 0.0 if self.after_pipeline else self.last_backward_s
+        return GradSync(per_mb, total + replica, step_exposed + exposed(replica, calls, window))
+
+    def zero_on_fsdp(self) -> GradSync:
+        """zero1 / zero2 on FSDP2 with the parameters kept gathered: per block one all-gather
+        before the step's first forward, one reduce-scatter in the last backward (zero1) or in
+        every one (zero2)."""
+        gather, scatter = self._gather_and_scatter(self.per_block)
+        calls = self.per_block.calls
+        gather_exposed = exposed(gather, calls, self.first_forward_s)
+        scatter_exposed = self._scatter_exposed(scatter, calls)
+        if self.layout.sharding == "zero1":
             return GradSync(0.0, gather + scatter, gather_exposed + scatter_exposed)
-        return GradSync(scatter_exposed, gather + m * scatter, gather_exposed)
-    if lay.sharding == "ddp" and every_micro_batch:
-        # FSDP2 over a shard group of one: each block's gradients all-reduced in the reduce
-        # dtype as its backward ends, every micro-batch.
-        reduce = in_chunks(
-            "all_reduce", dense_params * p.fsdp_reduce_bytes, blocks, *dense_axes
-        ) + in_chunks(
-            "all_reduce", expert_params * p.fsdp_reduce_bytes, expert_blocks, *expert_axes
-        )
-        per_mb = exposed(reduce, blocks + pieces(stage.layers), last_bwd)
-        return GradSync(per_mb, m * reduce, 0.0)
-    g = p.grad_reduce_bytes
-    grads = (dense_params * g, expert_params * g)
-    chunks = (buckets(dense_params, lay.dp * lay.ep * cp), buckets(expert_params, lay.dp * cp))
-    collectives = chunks[0] + pieces(chunks[1])
-    if lay.sharding == "ddp":
-        reduce = in_chunks("all_reduce", grads[0], chunks[0], *dense_axes) + in_chunks(
-            "all_reduce", grads[1], chunks[1], *expert_axes
-        )
-        return GradSync(0.0, reduce, exposed(reduce, collectives, last_bwd))
-    scatter = in_chunks("reduce_scatter", grads[0], chunks[0], *dense_axes) + in_chunks(
-        "reduce_scatter", grads[1], chunks[1], *expert_axes
-    )
-    weights = (dense_params * p.weight_bytes, expert_params * p.weight_bytes)
-    gather = in_chunks("all_gather", weights[0], chunks[0], *dense_axes) + in_chunks(
-        "all_gather", weights[1], chunks[1], *expert_axes
-    )
-    gather_exposed = exposed(gather, collectives, first_fwd)
-    if lay.sharding == "zero1":
-        scatter_exposed = exposed(scatter, collectives, last_bwd)
-        return GradSync(0.0, scatter + gather, scatter_exposed + gather_exposed)
-    # zero2: gradients reduce-scattered every micro-batch, behind its backward
-    per_mb = exposed(scatter, collectives, eff * windows.backward_s)
-    return GradSync(per_mb, m * scatter + gather, gather_exposed)
+        micro_batches = self.layout.num_micro_batches
+        return GradSync(scatter_exposed, gather + micro_batches * scatter, gather_exposed)
+
+    def ddp_per_block(self) -> GradSync:
+        """ddp as FSDP2 over a shard group of one: each block's gradients all-reduced in the
+        reduce dtype as its backward ends, every micro-batch."""
+        split = self.per_block
+        reduce = split.seconds(self.collectives, "all_reduce", self.precision.fsdp_reduce_bytes)
+        per_mb = exposed(reduce, split.calls, self.last_backward_s)
+        return GradSync(per_mb, self.layout.num_micro_batches * reduce, 0.0)
+
+    def bucketed(self, split: _Split) -> GradSync:
+        """ddp, zero1, zero2 in Megatron-LM's buckets (``split``): ddp's all-reduce after the
+        last backward; zero's reduce-scatter (zero2: every micro-batch) and parameter
+        all-gather behind the next forward."""
+        collectives, precision = self.collectives, self.precision
+        if self.layout.sharding == "ddp":
+            reduce = split.seconds(collectives, "all_reduce", precision.grad_reduce_bytes)
+            return GradSync(0.0, reduce, exposed(reduce, split.calls, self.last_backward_s))
+        scatter = split.seconds(collectives, "reduce_scatter", precision.grad_reduce_bytes)
+        gather = split.seconds(collectives, "all_gather", precision.weight_bytes)
+        gather_exposed = exposed(gather, split.calls, self.first_forward_s)
+        if self.layout.sharding == "zero1":
+            scatter_exposed = exposed(scatter, split.calls, self.last_backward_s)
+            return GradSync(0.0, scatter + gather, scatter_exposed + gather_exposed)
+        # zero2: gradients reduce-scattered every micro-batch, behind its backward
+        per_mb = exposed(scatter, split.calls, self.last_backward_s)
+        micro_batches = self.layout.num_micro_batches
+        return GradSync(per_mb, micro_batches * scatter + gather, gather_exposed)
 
 
 def buckets(count: float, replicas: int) -> int:

@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 
 from overlapkit.cost.estimate import estimate_shape
 from overlapkit.cost.shape import GroupShape, group_shapes
+from overlapkit.layout import TrainingLayout
 from overlapkit.planner.grid import physical_order
-from overlapkit.topology.model import Topology
+from overlapkit.topology.model import Library, Topology
 
 TRAFFIC_ORDER = ("pp", "dp", "ep", "cp", "tp")
 HSDP_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
@@ -169,3 +170,47 @@ class AxisCosts:
         # (those that start at the positions below the innermost stride, within a node).
         inner = spans[-1][0]
         return [self.group(spans, base=b) for b in range(min(inner, self._ranks_per_node))]
+
+
+class LayoutCollectives:
+    """One layout's collectives priced on ``AxisCosts``, each call with a fixed overhead.
+
+    The axes are ``layout``'s sizes in the traffic order (``TRAFFIC_ORDER``; under hsdp
+    ``HSDP_ORDER``, dp split into ``dp_replicate x dp_shard``).
+
+    Args:
+        costs (AxisCosts): the topology's representative groups.
+        layout (TrainingLayout): the sizes of the axes.
+        call_overhead_s (float): seconds every call costs beyond the cost model's transfer (its
+            launch and the wait for the last rank); added only to a call that moves something.
+    """
+
+    def __init__(
+        self, costs: AxisCosts, layout: TrainingLayout, *, call_overhead_s: float = 0.0
+    ) -> None:
+        self.costs = costs
+        self.call_overhead_s = call_overhead_s
+        self.sizes = dict(layout.dims)
+        self.order = TRAFFIC_ORDER
+        if layout.sharding == "hsdp":
+            self.order = HSDP_ORDER
+            self.sizes |= {
+                "dp_replicate": layout.dp // layout.dp_shard,
+                "dp_shard": layout.dp_shard,
+            }
+            del self.sizes["dp"]
+
+    @property
+    def library(self) -> Library:
+        """The collective library the topology's ranks run."""
+        return self.costs.topology.library
+
+    def __call__(self, collective: str, nbytes: float, *axes: str) -> float:
+        """Seconds of one ``collective`` call of ``nbytes`` over the groups of ``axes``; 0 for a
+        group of one rank or no bytes."""
+        seconds = self.costs.time_s(collective, nbytes, self.sizes, self.order, axes)
+        return seconds + self.call_overhead_s if seconds > 0 else 0.0
+
+    def in_chunks(self, collective: str, nbytes: float, chunks: int, *axes: str) -> float:
+        """Seconds of ``nbytes`` sent as ``chunks`` equal calls over the groups of ``axes``."""
+        return chunks * self(collective, nbytes / chunks, *axes)

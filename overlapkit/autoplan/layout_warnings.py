@@ -12,9 +12,9 @@ import dataclasses
 from overlapkit.autoplan.candidate import Candidate, memory_text
 from overlapkit.autoplan.group_costs import domain_size
 from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.autoplan.pins import DIMS
 from overlapkit.autoplan.search import TIE, search
 from overlapkit.autoplan.settings import PlanSearchError, SearchSettings, with_memory
+from overlapkit.layout import DIMS, PartialLayout
 from overlapkit.planner.placement import Placement, PlacementError
 from overlapkit.planner.placement import plan as place
 from overlapkit.topology.model import Topology
@@ -28,11 +28,12 @@ def layout_warnings(
     topology: Topology,
     model: ModelSpec | None,
     chosen: Candidate | None,
-    fixed: dict,
+    pins: PartialLayout,
     settings: SearchSettings,
 ) -> list[str]:
-    """Warnings for a layout the user pinned: tp over the network, slow, or not fitting (the
-    best layout found with only ``fixed``'s parallel sizes freed, under ``settings``)."""
+    """Warnings for a layout the user pinned: tp over the network, slow, or not fitting (with
+    parallel sizes among the ``pins``: the best layout found with nothing pinned, under
+    ``settings``)."""
     out = []
     if chosen is None:
         return out
@@ -49,7 +50,7 @@ def layout_warnings(
             f"predicted not to fit: {chosen.memory.total / 1e9:.3g} GB per GPU of "
             f"{chosen.memory_limit / 1e9:.3g} ({memory_text(chosen.memory)})"
         )
-    if model is not None and any(k in fixed for k in DIMS):
+    if model is not None and pins.sizes:
         try:
             free = search(
                 topology,
@@ -83,7 +84,7 @@ def manual_warnings(
     global_batch: int | None,
     seq_len: int | None,
     gpu_memory_gb: float | None,
-    pins: dict,
+    pins: PartialLayout,
     settings: SearchSettings,
 ) -> list[str]:
     """``overlapkit plan --tp ...`` without --auto: judge the layout as the auto-planner would.
@@ -106,10 +107,10 @@ def manual_warnings(
                 comm = inside.collectives()
                 inside_s = sum(c.total_s for c in comm if c.dim == "tp")
                 grads_s = sum(c.total_s for c in comm if c.dim == "dp")
-                w = placement.workload
+                workload = placement.workload
                 note = (
                     f", {total / inside_s:.3g}x tp={domain} inside a domain for the same "
-                    f"{w.micro_batch * w.microbatches} sequences per step "
+                    f"{workload.micro_batch * workload.microbatches} sequences per step "
                     f"({format_seconds(inside_s)}, and {format_seconds(grads_s)} of gradient "
                     f"all-reduce that overlaps backward); better: tp={domain} "
                     f"dp={inside.dims['dp']} pp={inside.dims['pp']}"
@@ -121,9 +122,10 @@ def manual_warnings(
             )
         return out
     topo = with_memory(topology, gpu_memory_gb)
-    fixed = pins | {k: sizes[k] for k in DIMS}
+    chosen_sizes = {k: sizes[k] for k in DIMS}
     if "dp_shard" in sizes:
-        fixed |= {"sharding": "hsdp", "dp_shard": sizes["dp_shard"]}
+        chosen_sizes |= {"sharding": "hsdp", "dp_shard": sizes["dp_shard"]}
+    fixed = PartialLayout(**(pins.given() | chosen_sizes))
     chosen = search(
         topo,
         model,

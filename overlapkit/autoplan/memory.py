@@ -36,13 +36,14 @@ context"), NCCL's communicator buffers and cuBLAS workspaces, together ``RESERVE
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.selective import ATTENTION_CORE, SelectiveRecompute
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 
 RESERVED_GB = 2.0
 """CUDA context (~0.75 GB), NCCL buffers and cuBLAS workspaces per GPU, GB."""
@@ -217,22 +218,30 @@ def model_state_bytes(
 ) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes per GPU for ``params`` under ``layout.sharding``."""
     z_dense, z_expert = sharding_groups(layout)
-    p = precision
 
-    def split(count: float, z: int) -> tuple[float, float, float]:
+    def split(count: float, ranks: int) -> tuple[float, float, float]:
         match layout.sharding:
             case "ddp":
-                return p.weight_bytes * count, p.grad_bytes * count, p.optimizer_bytes * count
+                return (
+                    precision.weight_bytes * count,
+                    precision.grad_bytes * count,
+                    precision.optimizer_bytes * count,
+                )
             case "zero1":
-                return p.weight_bytes * count, p.grad_bytes * count, p.optimizer_bytes * count / z
+                return (
+                    precision.weight_bytes * count,
+                    precision.grad_bytes * count,
+                    precision.optimizer_bytes * count / ranks,
+                )
             case "zero2":
                 return (
-                    p.weight_bytes * count,
-                    p.grad_bytes * count / z,
-                    p.optimizer_bytes * count / z,
+                    precision.weight_bytes * count,
+                    precision.grad_bytes * count / ranks,
+                    precision.optimizer_bytes * count / ranks,
                 )
             case _:  # fsdp, hsdp: FSDP2's sharded fp32 weights are the master copy
-                state = p.sharded_bytes * count / z
+                state = precision.sharded_bytes * count / ranks
+                # Of FSDP2's 16 bytes: fp32 weight 4, fp32 gradient 4, Adam's two moments 8.
                 return 0.25 * state, 0.25 * state, 0.5 * state
 
     dense = split(params.dense, z_dense)
@@ -372,71 +381,23 @@ def memory_breakdown(
     gradients unsharded for the whole step (torchtitan, ``Framework``'s
     ``fsdp_gathered_across_micro_batches``) instead of a block or two at a time.
     """
-    stages = {0, layout.pp - 1}
     best: MemoryBreakdown | None = None
-    for stage in sorted(stages):
+    for stage in sorted({0, layout.pp - 1}):
         params = stage_params(model, layout, stage=stage, vocab_parallel=vocab_parallel)
         weights, grads, optimizer = model_state_bytes(params, layout, precision)
-        moe_share = model.moe_layers / model.layers if model.is_moe else 0.0
-        kinds = (False, True) if model.is_moe else (False,)
-        per_layer = {
-            moe: layer_activation_bytes(
-                model,
-                layout,
-                precision,
-                seq_len=seq_len,
-                flash_attention=flash_attention,
-                moe_layer=moe,
-                selective=selective,
-            )
-            for moe in kinds
-        }
-        per_layer.setdefault(True, per_layer[False])
-        mean_layer = (1 - moe_share) * per_layer[False] + moe_share * per_layer[True]
-        share = layout.recomputed_share(params.layers)
-        if layout.recompute == "full" and share < 1:
-            kept = {
-                moe: layer_activation_bytes(
-                    model,
-                    layout,
-                    precision,
-                    seq_len=seq_len,
-                    flash_attention=flash_attention,
-                    moe_layer=moe,
-                    recompute="none",
-                )
-                for moe in kinds
-            }
-            kept.setdefault(True, kept[False])
-            mean_kept = (1 - moe_share) * kept[False] + moe_share * kept[True]
-            mean_layer = share * mean_layer + (1 - share) * mean_kept
-        in_flight = in_flight_micro_batches(layout) if stage == 0 else 1.0
-        activations = mean_layer * params.layers * in_flight
-        if layout.recompute == "full":
-            # Backward rebuilds one layer at a time: its full activations, one micro-batch.
-            activations += max(
-                layer_activation_bytes(
-                    model,
-                    layout,
-                    precision,
-                    seq_len=seq_len,
-                    flash_attention=flash_attention,
-                    moe_layer=moe,
-                    recompute="none",
-                )
-                for moe in (False, True)
-                if moe is False or model.is_moe
-            )
-        buffers = 0.0
-        if layout.sharding in ("fsdp", "hsdp") and fsdp_gathered_stage and layout.pp > 1:
-            # The whole stage stays gathered, its gradients unsharded in the reduce dtype.
-            whole = params.dense + params.expert
-            buffers += whole * (precision.activation_bytes + precision.fsdp_reduce_bytes)
-        elif layout.sharding in ("fsdp", "hsdp"):
-            block = params.dense_layer_max + params.expert_layer_max
-            buffers += block * (
-                (1 + fsdp_prefetch) * precision.activation_bytes + precision.fsdp_reduce_bytes
-            )
+        activations = _stage_activations(
+            model,
+            layout,
+            precision,
+            params,
+            seq_len=seq_len,
+            flash_attention=flash_attention,
+            first_stage=stage == 0,
+            selective=selective,
+        )
+        buffers = _fsdp_buffers(
+            layout, precision, params, fsdp_prefetch=fsdp_prefetch, gathered=fsdp_gathered_stage
+        )
         if stage == layout.pp - 1:
             tokens = layout.micro_batch * seq_len / layout.cp
             vocab_tp = layout.tp if vocab_parallel else 1
@@ -448,3 +409,95 @@ def memory_breakdown(
             best = candidate
     assert best is not None
     return best
+
+
+def _layer_activations_by_kind(
+    model: ModelSpec,
+    layout: TrainingLayout,
+    precision: Precision,
+    *,
+    seq_len: int,
+    flash_attention: bool,
+    recompute: str | None,
+    selective: SelectiveRecompute,
+) -> dict[bool, float]:
+    """``layer_activation_bytes`` of a dense (False) and an MoE (True) layer; a dense model's
+    dense figure under both keys."""
+    kinds = (False, True) if model.is_moe else (False,)
+    per_layer = {
+        moe: layer_activation_bytes(
+            model,
+            layout,
+            precision,
+            seq_len=seq_len,
+            flash_attention=flash_attention,
+            moe_layer=moe,
+            recompute=recompute,
+            selective=selective,
+        )
+        for moe in kinds
+    }
+    per_layer.setdefault(True, per_layer[False])
+    return per_layer
+
+
+def _stage_activations(
+    model: ModelSpec,
+    layout: TrainingLayout,
+    precision: Precision,
+    params: StageParams,
+    *,
+    seq_len: int,
+    flash_attention: bool,
+    first_stage: bool,
+    selective: SelectiveRecompute,
+) -> float:
+    """Bytes of activations a GPU of the stage holding ``params`` keeps at its peak: its layers'
+    (averaged over dense and MoE layers) for every micro-batch in flight (the first stage's:
+    ``in_flight_micro_batches``), and under full recomputation the one layer backward rebuilds
+    whole."""
+    by_kind = functools.partial(
+        _layer_activations_by_kind,
+        model,
+        layout,
+        precision,
+        seq_len=seq_len,
+        flash_attention=flash_attention,
+        selective=selective,
+    )
+    moe_share = model.moe_layers / model.layers if model.is_moe else 0.0
+
+    def mean(per_layer: dict[bool, float]) -> float:
+        return (1 - moe_share) * per_layer[False] + moe_share * per_layer[True]
+
+    mean_layer = mean(by_kind(recompute=None))
+    share = layout.recomputed_share(params.layers)
+    whole = by_kind(recompute="none") if layout.recompute == "full" else {}
+    if layout.recompute == "full" and share < 1:
+        mean_layer = share * mean_layer + (1 - share) * mean(whole)
+    in_flight = in_flight_micro_batches(layout) if first_stage else 1.0
+    activations = mean_layer * params.layers * in_flight
+    if layout.recompute != "full":
+        return activations
+    # Backward rebuilds one layer at a time: its full activations, one micro-batch.
+    return activations + max(whole.values())
+
+
+def _fsdp_buffers(
+    layout: TrainingLayout,
+    precision: Precision,
+    params: StageParams,
+    *,
+    fsdp_prefetch: int,
+    gathered: bool,
+) -> float:
+    """Bytes FSDP holds unsharded on a GPU of the stage holding ``params`` (0 without FSDP):
+    under pp with ``gathered``, the whole stage and its gradients in the reduce dtype; else the
+    largest block, ``1 + fsdp_prefetch`` times, and its gradients."""
+    if layout.sharding not in ("fsdp", "hsdp"):
+        return 0.0
+    if gathered and layout.pp > 1:
+        whole = params.dense + params.expert
+        return whole * (precision.activation_bytes + precision.fsdp_reduce_bytes)
+    block = params.dense_layer_max + params.expert_layer_max
+    return block * ((1 + fsdp_prefetch) * precision.activation_bytes + precision.fsdp_reduce_bytes)

@@ -36,7 +36,7 @@ from __future__ import annotations
 from overlapkit.autoplan.memory import Precision, activation_bytes_per_token, layer_activation_bytes
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.selective import SelectiveRecompute
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 
 TRAFFIC_PASSES = 3
 """Times a layer's saved activations cross device memory in a step (see module doc)."""

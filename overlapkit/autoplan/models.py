@@ -49,10 +49,29 @@ def _require(config: dict, key: str, where: str, *, default: Any = ...) -> Any:
     )
 
 
+class _ConfigFields:
+    """Reads a ``config.json`` mapping field by field: ``fields(key)`` is the value (ValueError
+    naming the key and ``where`` when missing or null), ``fields(key, default)`` the value or
+    ``default``."""
+
+    def __init__(self, config: dict, where: str) -> None:
+        self.config = config
+        self.where = where
+
+    def __call__(self, key: str, default: Any = ...) -> Any:
+        return _require(self.config, key, self.where, default=default)
+
+
 def from_hf_config(
     config: dict, *, name: str = "config.json", where: str | None = None
 ) -> ModelSpec:
-    """A ``ModelSpec`` from a Hugging Face ``config.json`` mapping.
+    """A ``ModelSpec`` from a Hugging Face ``config.json`` mapping, read as the family's
+    modelling code reads it.
+
+    Args:
+        config (dict): the ``config.json`` mapping; its ``model_type`` is one of ``FAMILIES``.
+        name (str): the spec's name. Defaults to ``"config.json"``.
+        where (str | None): what errors name (the file). Defaults to ``name``.
 
     Raises:
         ValueError: an unknown ``model_type`` (the known families listed) or a missing key
@@ -66,86 +85,106 @@ def from_hf_config(
         raise ValueError(
             f"{where}: model_type {family!r} is not supported{hint}; known: {', '.join(FAMILIES)}"
         )
-    r = lambda key, default=...: _require(config, key, where, default=default)  # noqa: E731
+    fields = _ConfigFields(config, where)
     if family == "gpt2":
-        hidden = r("n_embd")
-        heads = r("n_head")
-        return ModelSpec(
-            name=name,
-            family=family,
-            layers=r("n_layer"),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=heads,
-            head_dim=hidden // heads,
-            ffn_hidden=r("n_inner", 4 * hidden),
-            vocab_size=r("vocab_size"),
-            gated_mlp=False,
-            norm="layernorm",
-            attention_bias=True,
-            output_bias=True,
-            tied_embeddings=r("tie_word_embeddings", True),
-            position_embeddings=r("n_positions"),
-            dropout=r("resid_pdrop", 0.1) > 0,
-        )
-    hidden = r("hidden_size")
-    heads = r("num_attention_heads")
+        return _gpt2(fields, name)
+    hidden, heads = fields("hidden_size"), fields("num_attention_heads")
     common = dict(
         name=name,
         family=family,
-        layers=r("num_hidden_layers"),
+        layers=fields("num_hidden_layers"),
         hidden=hidden,
         heads=heads,
-        vocab_size=r("vocab_size"),
-        tied_embeddings=r("tie_word_embeddings", False),
+        vocab_size=fields("vocab_size"),
+        tied_embeddings=fields("tie_word_embeddings", False),
     )
     if family == "gpt_neox":
-        return ModelSpec(
-            **common,
-            kv_heads=heads,
-            head_dim=hidden // heads,
-            ffn_hidden=r("intermediate_size"),
-            gated_mlp=False,
-            norm="layernorm",
-            attention_bias=r("attention_bias", True),
-            output_bias=r("attention_bias", True),
-            dropout=r("hidden_dropout", 0.0) > 0,
-        )
-    kv_heads = r("num_key_value_heads", heads)
-    head_dim = r("head_dim", hidden // heads)
+        return _gpt_neox(fields, common)
     if family == "deepseek_v3":
-        return ModelSpec(
-            **common,
-            kv_heads=kv_heads,
-            head_dim=r("qk_nope_head_dim"),
-            ffn_hidden=r("intermediate_size"),
-            experts=r("n_routed_experts"),
-            topk=r("num_experts_per_tok"),
-            moe_ffn_hidden=r("moe_intermediate_size"),
-            shared_experts=r("n_shared_experts", 0),
-            dense_layers=r("first_k_dense_replace", 0),
-            router_bias=r("topk_method", "") == "noaux_tc",
-            routing_group_limit=r("topk_group", 0) or 0,
-            q_lora_rank=r("q_lora_rank", 0) or 0,
-            kv_lora_rank=r("kv_lora_rank"),
-            qk_rope_head_dim=r("qk_rope_head_dim"),
-            v_head_dim=r("v_head_dim"),
-            attention_bias=r("attention_bias", False),
-        )
+        return _deepseek_v3(fields, common)
+    return _llama_like(fields, common)
+
+
+def _gpt2(fields: _ConfigFields, name: str) -> ModelSpec:
+    """GPT-2 (``transformers``' ``GPT2Config`` names: ``n_embd``, ``n_head``, ...)."""
+    hidden = fields("n_embd")
+    heads = fields("n_head")
+    return ModelSpec(
+        name=name,
+        family="gpt2",
+        layers=fields("n_layer"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=heads,
+        head_dim=hidden // heads,
+        ffn_hidden=fields("n_inner", 4 * hidden),
+        vocab_size=fields("vocab_size"),
+        gated_mlp=False,
+        norm="layernorm",
+        attention_bias=True,
+        output_bias=True,
+        tied_embeddings=fields("tie_word_embeddings", True),
+        position_embeddings=fields("n_positions"),
+        dropout=fields("resid_pdrop", 0.1) > 0,
+    )
+
+
+def _gpt_neox(fields: _ConfigFields, common: dict[str, Any]) -> ModelSpec:
+    """GPT-NeoX (Pythia): full multi-head attention, a plain MLP, LayerNorm."""
+    return ModelSpec(
+        **common,
+        kv_heads=common["heads"],
+        head_dim=common["hidden"] // common["heads"],
+        ffn_hidden=fields("intermediate_size"),
+        gated_mlp=False,
+        norm="layernorm",
+        attention_bias=fields("attention_bias", True),
+        output_bias=fields("attention_bias", True),
+        dropout=fields("hidden_dropout", 0.0) > 0,
+    )
+
+
+def _deepseek_v3(fields: _ConfigFields, common: dict[str, Any]) -> ModelSpec:
+    """DeepSeek-V3: multi-head latent attention, shared and routed experts after the first
+    dense layers, group-limited routing."""
+    return ModelSpec(
+        **common,
+        kv_heads=fields("num_key_value_heads", common["heads"]),
+        head_dim=fields("qk_nope_head_dim"),
+        ffn_hidden=fields("intermediate_size"),
+        experts=fields("n_routed_experts"),
+        topk=fields("num_experts_per_tok"),
+        moe_ffn_hidden=fields("moe_intermediate_size"),
+        shared_experts=fields("n_shared_experts", 0),
+        dense_layers=fields("first_k_dense_replace", 0),
+        router_bias=fields("topk_method", "") == "noaux_tc",
+        routing_group_limit=fields("topk_group", 0) or 0,
+        q_lora_rank=fields("q_lora_rank", 0) or 0,
+        kv_lora_rank=fields("kv_lora_rank"),
+        qk_rope_head_dim=fields("qk_rope_head_dim"),
+        v_head_dim=fields("v_head_dim"),
+        attention_bias=fields("attention_bias", False),
+    )
+
+
+def _llama_like(fields: _ConfigFields, common: dict[str, Any]) -> ModelSpec:
+    """Llama, Mistral, Qwen2 and Mixtral (whose every MLP is a mixture of experts): grouped-query
+    attention, a gated MLP, RMSNorm."""
+    family = common["family"]
     moe = {}
     if family == "mixtral":
         moe = dict(
-            experts=r("num_local_experts"),
-            topk=r("num_experts_per_tok"),
-            moe_ffn_hidden=r("intermediate_size"),
+            experts=fields("num_local_experts"),
+            topk=fields("num_experts_per_tok"),
+            moe_ffn_hidden=fields("intermediate_size"),
         )
     return ModelSpec(
         **common,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        ffn_hidden=r("intermediate_size"),
-        attention_bias=family == "qwen2" or r("attention_bias", False),
-        dropout=r("attention_dropout", 0.0) > 0,
+        kv_heads=fields("num_key_value_heads", common["heads"]),
+        head_dim=fields("head_dim", common["hidden"] // common["heads"]),
+        ffn_hidden=fields("intermediate_size"),
+        attention_bias=family == "qwen2" or fields("attention_bias", False),
+        dropout=fields("attention_dropout", 0.0) > 0,
         **moe,
     )
 

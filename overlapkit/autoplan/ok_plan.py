@@ -13,7 +13,7 @@ the search. ``framework=`` (a name or a ``Framework``) says what runs the layout
 runs is searched, priced as it runs it; ``attention="softmax"`` prices attention without flash.
 
 Sizes follow ``ok.plan``'s convention: ``world = pp x dp x ep x cp x tp``; Megatron-LM's and
-torchtitan's data-parallel size is ``dp x ep`` (``planner.layout``).
+torchtitan's data-parallel size is ``dp x ep`` (``overlapkit.layout``).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from overlapkit.autoplan.framework import Framework
 from overlapkit.autoplan.memory import PRECISIONS, Precision
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.models import load_model
-from overlapkit.autoplan.pins import PIN_KEYS
-from overlapkit.autoplan.search import search
+from overlapkit.autoplan.pins import pins_from
+from overlapkit.autoplan.search import Pins, search
 from overlapkit.autoplan.settings import SearchSettings, flash_attention_of, with_memory
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import CHOICES, PartialLayout, TrainingLayout
 from overlapkit.planner.placement import Placement
 from overlapkit.planner.placement import plan as place
 from overlapkit.planner.traffic import Workload
@@ -80,12 +80,7 @@ def place_layout(
     """Lay ``layout``'s sizes onto ``topology``'s rank grid (``ok.plan``), carrying it along."""
     placement = place(
         topology,
-        tp=layout.tp,
-        ep=layout.ep,
-        cp=layout.cp,
-        pp=layout.pp,
-        dp=layout.dp,
-        dp_shard=layout.dp_shard,
+        **PartialLayout.of(layout).placement_sizes(),
         allow_split=True,
         workload=workload_of(model, layout, seq_len),
     )
@@ -98,7 +93,7 @@ def auto_plan(
     *,
     global_batch: int,
     seq_len: int,
-    fixed: dict | None = None,
+    fixed: Pins = None,
     precision: str | Precision | None = None,
     gpu_memory_gb: float | None = None,
     candidates: int = 5,
@@ -109,6 +104,7 @@ def auto_plan(
 ) -> AutoPlan:
     """Search the layouts of ``model`` on ``topology`` and place the best (see module doc).
 
+    ``fixed``: the pins (a ``PartialLayout``, or ``ok.plan``'s keywords as a mapping).
     ``precision`` (``bf16``, ``fp8``, ...), ``attention`` (``flash``, ``softmax``),
     ``framework`` (a name in ``autoplan.framework.FRAMEWORKS`` or a ``Framework``) and
     ``achievable`` (fraction of the dense peak) replace those of ``settings`` when given.
@@ -229,14 +225,13 @@ def plan(
         raise ValueError(f"auto=True needs {', '.join(missing)}")
     if order is not None or workload is not None:
         raise ValueError("order= and workload= are chosen by the planner under auto=True")
-    fixed = {k: v for k, v in sizes.items() if v is not None and v != -1}
-    fixed |= {k: auto_options.pop(k) for k in PIN_KEYS if k in auto_options}
-    fixed["dp_shard"] = dp_shard
+    given = sizes | {"dp": None if dp == -1 else dp, "dp_shard": dp_shard}
+    given |= {key: auto_options.pop(key) for key in CHOICES if key in auto_options}
     return auto_plan(
         topology,
         model,
         global_batch=global_batch,
         seq_len=seq_len,
-        fixed=fixed,
+        fixed=pins_from(given),
         **auto_options,
     ).placement

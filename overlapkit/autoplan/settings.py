@@ -13,7 +13,7 @@ from overlapkit.autoplan.framework import MEGATRON, Framework, framework_named
 from overlapkit.autoplan.memory import BF16, MemoryBreakdown, Precision, memory_breakdown
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.step_time import StepOptions
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 from overlapkit.topology.model import Topology
 

@@ -1,54 +1,10 @@
 """Predicted time of one training step of a layout: compute, exposed communication, bubble.
 
-Per micro-batch, on the slowest pipeline stage (``ceil(layers / (pp x v)) x v`` layers, plus
-the output layer on the last stage):
-
-- **compute**: forward FLOPs of its layers (``2 x`` active matmul parameters per token, and
-  attention's ``2 x seq x heads x (qk_dim + v_dim)`` per token), backward twice that,
-  recomputation's extra forward (full: the whole layer; selective: what the framework's policy
-  recomputes, ``autoplan.selective``: Megatron-LM's attention core), all
-  divided by ``tp x cp`` and run at the achievable fraction of the device's dense peak
-  (``autoplan.compute``); matmuls at the precision's peak (FP8 or BF16), attention at BF16's,
-  each GEMM with its wave and tile losses (``autoplan.gemm``); the kernels that are not
-  matmuls, and the loss over the vocabulary, at the achievable memory bandwidth
-  (``autoplan.memory_traffic``); under tp, the host's dispatch of the sharded layers where it
-  is not hidden (``tp_layer_dispatch_s``).
-- **tp** (sequence parallel): all-gather before and reduce-scatter after attention and the
-  MLP, in forward and backward (and in the recomputed forward), of the micro-batch's
-  activations: on the critical path (``tp_overlap`` hides a share, as async TP does).
-- **cp** (ring attention): K and V gathered in forward, again in backward with their gradients
-  reduce-scattered, per layer; hidden behind that layer's attention compute. Where the framework
-  all-gathers K and V before the attention instead (``Framework.cp_all_gather``,
-  overlapkit-train): the gather in forward (again in a recomputed one, and in backward on a
-  non-gloo library, where torch's ``context_parallel`` gathers again) and the gradients'
-  reduce-scatter in backward, all on the critical path; on gloo (``flex_cp_allgather``) K and V
-  are gathered, and their gradients scattered, by a call each, on CUDA in one buffer.
-- **ep**: all-to-all dispatch and combine of each token's ``topk`` copies, forward and backward,
-  per MoE layer: exposed (``ep_overlap`` hides a share, as DeepSeek's DualPipe does).
-- **pp**: the activation sent forward and its gradient sent back, per model chunk; where the
-  framework sums a tied embedding and head between the first and last stage
-  (``Framework.tied_embedding_all_reduce``), that all-reduce after backward (2 ranks: as long
-  as sending the gradient once).
-- **fsdp / hsdp shard axis**: each block's parameters all-gathered for forward and for
-  backward and its gradients reduce-scattered, per micro-batch (once per step where the framework
-  accumulates unsharded, ``Framework.fsdp_reduces_once_per_step``), hidden behind its compute
-  (the first block's gather is not; under a pipeline that reduces after the schedule,
-  ``Framework.fsdp_reduce_after_pipeline``, the reduction is exposed).
-
-Then ``step = (m + (pp - 1) / v) x t_micro_batch`` (1F1B, interleaved: Narayanan et al.,
-SC'21), plus the data-parallel gradient traffic that does not hide behind the last
-micro-batch's backward (ddp all-reduce; zero1 reduce-scatter, then the parameter all-gather
-behind the next forward; zero2 reduce-scatter per micro-batch; hsdp's replica all-reduce; in
-Megatron-LM's buckets, or per block for hsdp; ZeRO on FSDP2, ``Framework.zero_on_fsdp``: per
-block, one all-gather ahead of the step's first forward and one reduce-scatter in its last
-backward, zero2 one in every backward; ``autoplan.grad_sync``, which also holds what the
-framework changes there),
-plus the optimizer step (memory-bound: ~30 bytes read and written per local parameter; where
-the host steps tensor by tensor, a cost per parameter tensor, more for DTensors).
-Hidden communication uses ``overlap_efficiency`` of the window, and one of its collectives
-(the last gradient bucket, the first parameter gather, FSDP's first gather and last
-reduce-scatter) hides behind nothing. Every collective is the cost
-model's estimate on the group the layout's placement gives (``autoplan.group_costs``).
+``predict_step`` composes the terms: one micro-batch's compute on the slowest pipeline stage
+(``micro_batch_compute``), its tp / cp / ep / pp collectives (``autoplan.micro_batch``), the
+pipeline's bubble, the data-parallel traffic (``autoplan.grad_sync``) and the optimizer step
+(``optimizer_s``). What each term counts, and the sources: docs/auto-planner.md, "The model of a
+step".
 """
 
 from __future__ import annotations
@@ -64,16 +20,27 @@ from overlapkit.autoplan.gemm import (
     unfused_attention_seconds,
 )
 from overlapkit.autoplan.grad_sync import StepWindows, grad_sync
-from overlapkit.autoplan.group_costs import HSDP_ORDER, TRAFFIC_ORDER, AxisCosts
-from overlapkit.autoplan.memory import BF16, Precision, layers_per_stage, stage_params
+from overlapkit.autoplan.group_costs import AxisCosts, LayoutCollectives
+from overlapkit.autoplan.memory import BF16, Precision, StageParams, sharding_groups, stage_params
 from overlapkit.autoplan.memory_traffic import layer_memory_seconds, loss_bytes
+from overlapkit.autoplan.micro_batch import (
+    BACKWARD_OVER_FORWARD,
+    StageMicroBatch,
+    context_parallel,
+    expert_parallel,
+    pipeline_parallel,
+    tensor_parallel,
+)
 from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 
 OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam step per local parameter: read grad, master, m, v (16), write master, m, v (12) and
 the bf16 weight (2)."""
+RING_WINDOW_FORWARDS = 1 + BACKWARD_OVER_FORWARD
+"""cp's ring passes K and V around while each layer's attention computes, forward and
+backward: a window of three attention forwards (backward at ``BACKWARD_OVER_FORWARD``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,200 +148,243 @@ def _layer_matmul_s(
     return tuple((1 - share) * d + share * e for d, e in zip(dense, moe, strict=True))
 
 
+@dataclass(frozen=True, slots=True)
+class StepRates:
+    """The rates the step's compute runs at: the matmuls at their precision's peak, attention at
+    BF16's, each times its achievable fraction (``autoplan.compute``)."""
+
+    matmul: GemmRates
+    attention: GemmRates
+
+    @classmethod
+    def of(cls, options: StepOptions) -> StepRates:
+        act = options.precision.activation_bytes
+        fraction = (
+            options.achievable if options.matmul_achievable is None else options.matmul_achievable
+        )
+        return cls(
+            matmul=gemm_rates(
+                options.accelerator, options.precision.matmul_dtype, fraction, element_bytes=act
+            ),
+            attention=gemm_rates(
+                options.accelerator, "bf16", options.achievable, element_bytes=act
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatchCompute:
+    """One micro-batch's compute on the slowest pipeline stage, seconds."""
+
+    forward_s: float
+    """The stage's layers forward, memory-bound kernels included (no head, no loss)."""
+    backward_s: float
+    """Backward of the layers, head and loss, with recomputation's extra forward."""
+    total_s: float
+    """Forward, backward, recomputation, head, loss, and tp's host dispatch."""
+    attention_forward_s: float
+    """One layer's attention forward (what cp's ring hides behind, with its backward)."""
+
+
+def _attention_s(stage: StageMicroBatch, flash: bool, rates: GemmRates) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's attention core."""
+    layout = stage.layout
+    if not flash:
+        return unfused_attention_seconds(
+            stage.model, layout.micro_batch, stage.seq_len, tp=layout.tp, cp=layout.cp, rates=rates
+        )
+    flops = _attention_flops(stage.model, stage.tokens, stage.seq_len)
+    forward = flops / rates.flops_per_s / (layout.tp * layout.cp)
+    return forward, BACKWARD_OVER_FORWARD * forward
+
+
+def _loss_s(stage: StageMicroBatch, head_rows: int, bytes_per_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the loss over the vocabulary (cross entropy on the last
+    stage's logits), memory-bound."""
+    vocab_tp = stage.layout.tp if stage.framework.vocab_parallel else 1
+    logits = head_rows * stage.model.vocab_size / vocab_tp
+    forward, backward = (logits * n / bytes_per_s for n in loss_bytes(stage.precision))
+    return forward, backward
+
+
+def micro_batch_compute(
+    stage: StageMicroBatch, options: StepOptions, rates: StepRates
+) -> MicroBatchCompute:
+    """One micro-batch's compute on ``stage``: its layers' GEMMs and attention (divided over
+    tp x cp), recomputation, the output layer (the last stage's: the slowest), and, where the
+    accelerator has a memory bandwidth, the kernels that are not matmuls and the loss."""
+    model, layout, framework = stage.model, stage.layout, stage.framework
+    layers, recomputed = stage.layers, stage.recomputed
+    matmul_fwd, matmul_bwd = _layer_matmul_s(model, layout, stage.tokens, rates.matmul)
+    attention_fwd, attention_bwd = _attention_s(stage, options.flash_attention, rates.attention)
+    forward = layers * (matmul_fwd + attention_fwd)
+    backward = layers * (matmul_bwd + attention_bwd)
+    extra = recomputed * forward
+    if layout.recompute == "selective":
+        extra = layers * framework.selective.extra_forward_s(
+            model, matmul_s=matmul_fwd, attention_s=attention_fwd, flash=options.flash_attention
+        )
+    vocab_tp = layout.tp if framework.vocab_parallel else 1
+    head_rows = max(1, round(stage.tokens / layout.cp))
+    head_fwd = gemm_seconds(head_rows, model.hidden, model.vocab_size // vocab_tp, rates.matmul)
+    loss_fwd = loss_bwd = 0.0
+    if bytes_per_s := rates.matmul.bytes_per_s:
+        memory_fwd, memory_bwd = layer_memory_seconds(
+            model,
+            layout,
+            stage.precision,
+            seq_len=stage.seq_len,
+            flash_attention=options.flash_attention,
+            recomputed=recomputed,
+            selective=framework.selective,
+            bytes_per_s=bytes_per_s,
+        )
+        forward += layers * memory_fwd
+        backward += layers * memory_bwd
+        loss_fwd, loss_bwd = _loss_s(stage, head_rows, bytes_per_s)
+    head = (1 + BACKWARD_OVER_FORWARD) * head_fwd
+    total = forward + backward + extra + head + loss_fwd + loss_bwd
+    if layout.tp > 1:  # forward, backward and the recomputed forward through each sharded layer
+        total += layers * (2 + recomputed) * options.tp_layer_dispatch_s
+    backward_total = backward + extra + BACKWARD_OVER_FORWARD * head_fwd + loss_bwd
+    return MicroBatchCompute(forward, backward_total, total, attention_fwd)
+
+
 def predict_step(
     model: ModelSpec, layout: TrainingLayout, options: StepOptions, costs: AxisCosts
 ) -> StepTime:
-    """Predict one step of ``layout`` (see module doc)."""
-    o, lay = options, layout
-    s, b = o.seq_len, lay.micro_batch
-    m, pp, v, tp, cp = lay.num_micro_batches, lay.pp, lay.virtual_stages, lay.tp, lay.cp
-    act = o.precision.activation_bytes
-    tokens = b * s  # one micro-batch of one replica; its tp x cp group shares the work
-    matmul_fraction = o.achievable if o.matmul_achievable is None else o.matmul_achievable
-    mm_rates = gemm_rates(
-        o.accelerator, o.precision.matmul_dtype, matmul_fraction, element_bytes=act
+    """Predict one training step of ``layout``: per micro-batch on the slowest pipeline stage
+    its compute and exposed tp / cp / ep / pp traffic, ``(m + (pp - 1) / v)`` of those (1F1B,
+    interleaved: Narayanan et al., SC'21), then the exposed data-parallel traffic and the
+    optimizer step.
+
+    Args:
+        model (ModelSpec): the model.
+        layout (TrainingLayout): its sizes, micro-batching, recomputation and sharding.
+        options (StepOptions): sequence length, accelerator, precision, overlap and the
+            framework that runs the layout.
+        costs (AxisCosts): every collective is the cost model's estimate on the group the
+            layout's placement gives.
+
+    Returns:
+        StepTime: seconds per step (each GPU), the exposed part of each dimension, and the
+        step's FLOPs over all GPUs. Every part is >= 0; ``step_s`` is
+        ``(m x micro-batch + bubble) + tied all-reduce + dp_s + optimizer_s``.
+    """
+    framework, micro_batches = options.framework, layout.num_micro_batches
+    stage = StageMicroBatch.of(
+        model, layout, framework=framework, precision=options.precision, seq_len=options.seq_len
     )
-    attn_rates = gemm_rates(o.accelerator, "bf16", o.achievable, element_bytes=act)
-    n_layers = layers_per_stage(model, lay)
-    moe_per_stage = n_layers * (model.moe_layers / model.layers) if model.is_moe else 0.0
-
-    split = tp * cp
-    mm_fwd, mm_bwd = _layer_matmul_s(model, lay, tokens, mm_rates)
-    if o.flash_attention:
-        attn_fwd = _attention_flops(model, tokens, s) / attn_rates.flops_per_s / split
-        attn_bwd = 2 * attn_fwd
-    else:
-        attn_fwd, attn_bwd = unfused_attention_seconds(model, b, s, tp=tp, cp=cp, rates=attn_rates)
-    fwd = n_layers * (mm_fwd + attn_fwd)
-    bwd = n_layers * (mm_bwd + attn_bwd)
-    recomputed = lay.recomputed_share(n_layers)
-    extra = recomputed * fwd
-    fw = o.framework
-    if lay.recompute == "selective":
-        extra = n_layers * fw.selective.extra_forward_s(
-            model, matmul_s=mm_fwd, attention_s=attn_fwd, flash=o.flash_attention
-        )
-    # The output layer runs on the last stage (all of them with pp = 1): it is the slowest.
-    vocab_tp = tp if fw.vocab_parallel else 1
-    head_rows = max(1, round(tokens / cp))
-    head_fwd = gemm_seconds(head_rows, model.hidden, model.vocab_size // vocab_tp, mm_rates)
-    # Kernels that are not matmuls (norms, activations, softmax, dropout): memory-bound.
-    if mm_rates.bytes_per_s:
-        mem_fwd, mem_bwd = layer_memory_seconds(
-            model,
-            lay,
-            o.precision,
-            seq_len=s,
-            flash_attention=o.flash_attention,
-            recomputed=recomputed,
-            selective=fw.selective,
-            bytes_per_s=mm_rates.bytes_per_s,
-        )
-        fwd += n_layers * mem_fwd
-        bwd += n_layers * mem_bwd
-        # The loss over the vocabulary (cross entropy on the last stage's logits).
-        logits = head_rows * model.vocab_size / vocab_tp
-        loss_fwd, loss_bwd = (logits * n / mm_rates.bytes_per_s for n in loss_bytes(o.precision))
-    else:
-        loss_fwd = loss_bwd = 0.0
-    t_compute = fwd + bwd + extra + 3 * head_fwd + loss_fwd + loss_bwd
-    if tp > 1:  # forward, backward and the recomputed forward through each sharded layer
-        t_compute += n_layers * (2 + recomputed) * o.tp_layer_dispatch_s
-    t_bwd = bwd + extra + 2 * head_fwd + loss_bwd
-
-    hsdp = lay.sharding == "hsdp"
-    order = HSDP_ORDER if hsdp else TRAFFIC_ORDER
-    sizes = dict(lay.dims)
-    if hsdp:
-        sizes |= {"dp_replicate": lay.dp // lay.dp_shard, "dp_shard": lay.dp_shard}
-        del sizes["dp"]
-
-    def cost(collective: str, nbytes: float, *axes: str) -> float:
-        """One collective call over the groups of ``axes``: transfer and call overhead."""
-        seconds = costs.time_s(collective, nbytes, sizes, order, axes)
-        return seconds + o.collective_overhead_s if seconds > 0 else 0.0
-
-    # Tensor parallel: with sequence parallelism 2 all-gathers + 2 reduce-scatters per layer
-    # pass; without, the framework's all-reduces of the replicated activations.
-    tp_bytes = tokens / cp * model.hidden * act
-    if fw.sequence_parallel:
-        tp_fwd = 2 * (cost("all_gather", tp_bytes, "tp") + cost("reduce_scatter", tp_bytes, "tp"))
-        tp_bwd = tp_fwd
-    else:
-        all_reduce = cost("all_reduce", tp_bytes, "tp")
-        tp_fwd = fw.tp_forward_all_reduces * all_reduce
-        tp_bwd = fw.tp_backward_all_reduces * all_reduce
-    tp_total = n_layers * ((1 + recomputed) * tp_fwd + tp_bwd)
-    if lay.recompute == "selective" and fw.sequence_parallel:
-        # The policy's recomputed forward gathers its sequence-parallel inputs again.
-        regathers = fw.selective.tp_all_gathers_recomputed
-        tp_total += n_layers * regathers * cost("all_gather", tp_bytes, "tp")
-    tp_exposed = (1 - o.tp_overlap) * tp_total
-
-    # Context parallel: ring attention hidden behind each layer's attention, or K/V gathered
-    # before it (and their gradients scattered after its backward) on the critical path.
-    kv_bytes = tokens * (model.kv_dim + model.v_dim) * act / tp
-    kv_gather, kv_scatter = (cost(c, kv_bytes, "cp") for c in ("all_gather", "reduce_scatter"))
-    if fw.cp_all_gather and str(costs.topology.library) == "gloo":
-        # cplib::flex_cp_allgather gathers K and V with a call each, and reduce-scatters their
-        # gradients with a call each.
-        k_v = [tokens * dim * act / tp for dim in (model.kv_dim, model.v_dim)]
-        gather = sum(cost("all_gather", nbytes, "cp") for nbytes in k_v)
-        scatter = sum(cost("reduce_scatter", nbytes, "cp") for nbytes in k_v)
-        cp_total = n_layers * ((1 + recomputed) * gather + scatter)
-        cp_exposed = cp_total
-    elif fw.cp_all_gather:  # torch's context_parallel: K and V in one buffer, again in backward
-        cp_total = n_layers * ((2 + recomputed) * kv_gather + kv_scatter)
-        cp_exposed = cp_total
-    else:
-        cp_layer = 2 * kv_gather + kv_scatter
-        cp_total = n_layers * cp_layer
-        cp_exposed = n_layers * max(0.0, cp_layer - o.overlap_efficiency * 3 * attn_fwd)
-
-    # Expert parallel: dispatch + combine, forward and backward (and recomputed forward).
-    ep_bytes = tokens / (cp * tp) * model.hidden * model.dispatch_copies * act
-    ep_passes = 4 + 2 * recomputed
-    ep_total = moe_per_stage * ep_passes * cost("all_to_all", ep_bytes, "ep")
-    ep_exposed = (1 - o.ep_overlap) * ep_total
-
-    # Pipeline: one activation forward and one gradient back per model chunk boundary.
-    pp_bytes = tokens / cp * model.hidden * act / tp
-    pp_total = 2 * v * cost("send_recv", pp_bytes, "pp") if pp > 1 else 0.0
-    tied = 0.0
-    if pp > 1 and model.tied_embeddings and fw.tied_embedding_all_reduce:
-        vocab_rows = model.vocab_size / (tp if fw.vocab_parallel else 1)
-        tied = cost("send_recv", vocab_rows * model.hidden * o.precision.grad_reduce_bytes, "pp")
-
-    # Data-parallel traffic of the heaviest stage's parameters (``autoplan.grad_sync``).
-    stage = stage_params(model, lay, stage=0, vocab_parallel=fw.vocab_parallel)
-    last = stage_params(model, lay, stage=pp - 1, vocab_parallel=fw.vocab_parallel)
-    dense_params = max(stage.dense, last.dense)
-    expert_params = max(stage.expert, last.expert)
+    rates = StepRates.of(options)
+    compute = micro_batch_compute(stage, options, rates)
+    collectives = LayoutCollectives(costs, layout, call_overhead_s=options.collective_overhead_s)
+    tp = tensor_parallel(stage, collectives, overlap=options.tp_overlap)
+    ring_window = options.overlap_efficiency * RING_WINDOW_FORWARDS * compute.attention_forward_s
+    cp = context_parallel(stage, collectives, ring_window_s=ring_window)
+    ep = expert_parallel(stage, collectives, overlap=options.ep_overlap)
+    pp_s, tied_s = pipeline_parallel(stage, collectives)
+    first, last = (
+        stage_params(model, layout, stage=i, vocab_parallel=framework.vocab_parallel)
+        for i in (0, layout.pp - 1)
+    )
+    dense_params, expert_params = max(first.dense, last.dense), max(first.expert, last.expert)
     sync = grad_sync(
-        lay,
-        stage=stage,
+        layout,
+        stage=first,
         dense_params=dense_params,
         expert_params=expert_params,
-        precision=o.precision,
-        framework=fw,
+        precision=options.precision,
+        framework=framework,
         windows=StepWindows(
-            compute_s=t_compute, backward_s=t_bwd, overlap_efficiency=o.overlap_efficiency
+            compute_s=compute.total_s,
+            backward_s=compute.backward_s,
+            overlap_efficiency=options.overlap_efficiency,
         ),
-        forward_s=fwd,
-        cost=cost,
+        forward_s=compute.forward_s,
+        collectives=collectives,
     )
-    fsdp_mb, dp_total, dp_exposed = sync.per_micro_batch_s, sync.total_s, sync.exposed_s
-
-    t_mb = t_compute + tp_exposed + cp_exposed + ep_exposed + pp_total + fsdp_mb
-    bubble = (pp - 1) / v * t_mb
-    pipeline = m * t_mb + bubble + tied
-
-    z_dense, z_expert = (
-        (1, 1)
-        if lay.sharding == "ddp"
-        else (lay.dp_shard, lay.dp_shard)
-        if hsdp
-        else (lay.dp * lay.ep * cp, lay.dp * cp)
+    micro_batch_s = (
+        compute.total_s + tp.exposed_s + cp.exposed_s + ep.exposed_s + pp_s + sync.per_micro_batch_s
     )
-    local = dense_params / z_dense + expert_params / z_expert
-    optimizer = 0.0
-    if o.optimizer_param_s is not None:
-        optimizer = local * o.optimizer_param_s
-    elif mm_rates.bytes_per_s:
-        optimizer = local * OPTIMIZER_BYTES_PER_PARAM / mm_rates.bytes_per_s
-    if o.optimizer_tensor_s or o.optimizer_dtensor_s:
-        optimizer += max(
-            plain * o.optimizer_tensor_s + dtensors * o.optimizer_dtensor_s
-            for plain, dtensors in (
-                parameter_tensors(model, lay, fw, layers=stage.layers, stage=0),
-                parameter_tensors(model, lay, fw, layers=last.layers, stage=pp - 1),
-            )
-        )
-
-    step = pipeline + dp_exposed + optimizer
-    global_tokens = lay.global_batch * s
-    model_flops = model.model_flops_per_token(s) * global_tokens
-    recompute_flops = {
-        "none": 0.0,
-        "selective": fw.selective.extra_flops_per_token(model, s),
-        "full": recomputed
-        * (model.model_flops_per_token(s) / 3 - 2.0 * model.hidden * model.vocab_size),
-    }[lay.recompute] * global_tokens
+    bubble = (layout.pp - 1) / layout.virtual_stages * micro_batch_s
+    local_params = _local_params(layout, dense_params, expert_params)
+    optimizer = optimizer_s(model, layout, options, local_params, (first, last), rates)
+    model_flops, hardware_flops = _step_flops(stage)
     return StepTime(
-        step_s=step,
-        compute_s=m * t_compute,
-        tp_s=m * tp_exposed,
-        cp_s=m * cp_exposed,
-        ep_s=m * ep_exposed,
-        pp_s=m * pp_total + tied,
-        fsdp_s=m * fsdp_mb,
-        dp_s=dp_exposed,
+        step_s=micro_batches * micro_batch_s + bubble + tied_s + sync.exposed_s + optimizer,
+        compute_s=micro_batches * compute.total_s,
+        tp_s=micro_batches * tp.exposed_s,
+        cp_s=micro_batches * cp.exposed_s,
+        ep_s=micro_batches * ep.exposed_s,
+        pp_s=micro_batches * pp_s + tied_s,
+        fsdp_s=micro_batches * sync.per_micro_batch_s,
+        dp_s=sync.exposed_s,
         bubble_s=bubble,
         optimizer_s=optimizer,
-        comm_total_s=m * (tp_total + cp_total + ep_total + pp_total) + tied + dp_total,
+        comm_total_s=micro_batches * (tp.total_s + cp.total_s + ep.total_s + pp_s)
+        + tied_s
+        + sync.total_s,
         model_flops=model_flops,
-        hardware_flops=model_flops + recompute_flops,
+        hardware_flops=hardware_flops,
     )
+
+
+def _local_params(layout: TrainingLayout, dense_params: float, expert_params: float) -> float:
+    """Parameters whose optimizer state one GPU steps: the heaviest stage's, divided by the ranks
+    that state is sharded over (``memory.sharding_groups``; none under ddp)."""
+    if layout.sharding == "ddp":
+        return dense_params + expert_params
+    dense_ranks, expert_ranks = sharding_groups(layout)
+    return dense_params / dense_ranks + expert_params / expert_ranks
+
+
+def optimizer_s(
+    model: ModelSpec,
+    layout: TrainingLayout,
+    options: StepOptions,
+    local_params: float,
+    stages: tuple[StageParams, StageParams],
+    rates: StepRates,
+) -> float:
+    """Seconds of the optimizer step on one GPU of ``local_params`` parameters.
+
+    ``options.optimizer_param_s`` per parameter where given; else memory-bound
+    (``OPTIMIZER_BYTES_PER_PARAM`` at the achievable memory bandwidth; 0 without one). Plus,
+    where the host steps tensor by tensor, the first or last stage's (``stages``) plain and
+    DTensor parameter tensors at ``optimizer_tensor_s`` and ``optimizer_dtensor_s``, the
+    slower of the two.
+    """
+    seconds = 0.0
+    if options.optimizer_param_s is not None:
+        seconds = local_params * options.optimizer_param_s
+    elif rates.matmul.bytes_per_s:
+        seconds = local_params * OPTIMIZER_BYTES_PER_PARAM / rates.matmul.bytes_per_s
+    if not (options.optimizer_tensor_s or options.optimizer_dtensor_s):
+        return seconds
+    framework, (first, last) = options.framework, stages
+    return seconds + max(
+        plain * options.optimizer_tensor_s + dtensors * options.optimizer_dtensor_s
+        for plain, dtensors in (
+            parameter_tensors(model, layout, framework, layers=first.layers, stage=0),
+            parameter_tensors(model, layout, framework, layers=last.layers, stage=layout.pp - 1),
+        )
+    )
+
+
+def _step_flops(stage: StageMicroBatch) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one step over all GPUs: 6N + attention per token, and that
+    plus what recomputation runs again."""
+    model, layout, seq_len = stage.model, stage.layout, stage.seq_len
+    global_tokens = layout.global_batch * seq_len
+    model_flops = model.model_flops_per_token(seq_len) * global_tokens
+    # Full recomputation reruns a layer's forward: a third of its 6N, less the output layer's.
+    full = model.model_flops_per_token(seq_len) / 3 - 2.0 * model.hidden * model.vocab_size
+    recompute_flops = {
+        "none": 0.0,
+        "selective": stage.framework.selective.extra_flops_per_token(model, seq_len),
+        "full": stage.recomputed * full,
+    }[layout.recompute] * global_tokens
+    return model_flops, model_flops + recompute_flops
 
 
 def parameter_tensors(

@@ -94,21 +94,21 @@ class Check:
         return self.within_tolerance or self.explained_miss
 
     def to_dict(self) -> dict:
-        m = self.measurement
+        measured = self.measurement
         return {
-            "id": m.id,
-            "split": m.split,
-            "system": m.system,
-            "topology": m.topology,
-            "gpus": m.gpus,
-            "collective": m.collective,
-            "bytes": m.nbytes,
-            "published_busbw_GBps": m.busbw_GBps,
+            "id": measured.id,
+            "split": measured.split,
+            "system": measured.system,
+            "topology": measured.topology,
+            "gpus": measured.gpus,
+            "collective": measured.collective,
+            "bytes": measured.nbytes,
+            "published_busbw_GBps": measured.busbw_GBps,
             "predicted_busbw_GBps": self.estimate.busbw_GBps,
             "algorithm": self.estimate.algorithm,
             "error": self.error,
             "explained_miss": self.explained_miss and not self.within_tolerance,
-            "source": m.source,
+            "source": measured.source,
         }
 
 
@@ -225,12 +225,13 @@ def render_checks(checks: list[Check]) -> str:
     )
     lines = [header, "-" * len(header)]
     for check in checks:
-        m, e = check.measurement, check.estimate
+        measured, predicted = check.measurement, check.estimate
         flag = "" if check.within_tolerance else " *" if check.explained_miss else " !"
         lines.append(
-            f"{m.id:<26} {m.gpus:>4} {m.collective:<14} {_size(m.nbytes):>6} {m.split:<8} "
-            f"{m.busbw_GBps:>9.1f} {e.busbw_GBps:>9.1f} {check.error:>+7.1%}{flag:<2} "
-            f"{e.algorithm:<9}  {m.source}"
+            f"{measured.id:<26} {measured.gpus:>4} {measured.collective:<14} "
+            f"{_size(measured.nbytes):>6} {measured.split:<8} {measured.busbw_GBps:>9.1f} "
+            f"{predicted.busbw_GBps:>9.1f} {check.error:>+7.1%}{flag:<2} "
+            f"{predicted.algorithm:<9}  {measured.source}"
         )
     worst = max(checks, key=lambda c: abs(c.error))
     inside = sum(c.within_tolerance for c in checks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +16,12 @@ from overlapkit.ddp import hooks
 from overlapkit.ddp.bucket_size import resolve_bucket_mb
 from overlapkit.ddp.comm_stats import CommRecorder, register_recorder
 from overlapkit.ddp.compile_guard import refuse_small_first_bucket_under_compile
-from overlapkit.ddp.finite import FiniteCheck, check_finite_wrapper, validate_finite_options
+from overlapkit.ddp.finite import (
+    FiniteCheck,
+    Hook,
+    check_finite_wrapper,
+    validate_finite_options,
+)
 from overlapkit.ddp.options import trainable_parameters
 from overlapkit.ddp.tuning import attach_ddp_tuner, wants_auto_bucket_mb
 from overlapkit.group.consistency import check_consistent
@@ -149,6 +155,67 @@ def ddp(
         on_nonfinite=on_nonfinite,
         gradient_as_bucket_view=gradient_as_bucket_view,
     )
+    _validate_options(
+        compress, powersgd_options, check_finite, on_nonfinite, gradient_as_bucket_view, ddp_kwargs
+    )
+    if isinstance(model, DistributedDataParallel):
+        target = _adopt(model, bucket_mb, process_group, gradient_as_bucket_view, ddp_kwargs)
+    else:
+        target = _resolve_new(model, bucket_mb, process_group, compress)
+    backend = backend_of(target.group)
+    if compress == "powersgd":
+        _check_powersgd_fits(target.params, target.bucket_mb, backend)
+    check_consistent(target.module, target.group, caller="ok.ddp", options=options)
+
+    wrapped = (
+        model
+        if target.adopted
+        else DistributedDataParallel(
+            model,
+            bucket_cap_mb=target.bucket_mb,
+            process_group=target.group,
+            gradient_as_bucket_view=gradient_as_bucket_view is not False,
+            **ddp_kwargs,
+        )
+    )
+    refuse_small_first_bucket_under_compile(wrapped, caller="ok.ddp")
+    recorder = CommRecorder(device=target.params[0].device)
+    state = _register_comm_hook(
+        wrapped,
+        target,
+        recorder,
+        compress=compress,
+        powersgd_options=powersgd_options,
+        check_finite=check_finite,
+        on_nonfinite=on_nonfinite,
+    )
+    state.relay.attach(wrapped)
+    register_recorder(wrapped, recorder)
+    register_recorder(target.module, recorder)
+    if target.auto:
+        attach_ddp_tuner(wrapped, target.params, target.group, recorder)
+    logger.info(
+        "ok.ddp: %d parameters, bucket_mb=%g, compress=%s, gradient_as_bucket_view=%s, "
+        "backend=%s, group size %d",
+        len(target.params),
+        target.bucket_mb,
+        compress,
+        wrapped.gradient_as_bucket_view,
+        backend,
+        target.group.size(),
+    )
+    return wrapped
+
+
+def _validate_options(
+    compress: str | None,
+    powersgd_options: Mapping[str, Any] | None,
+    check_finite: bool,
+    on_nonfinite: str,
+    gradient_as_bucket_view: bool | None,
+    ddp_kwargs: Mapping[str, Any],
+) -> None:
+    """Raise the TypeError or ValueError ``ok.ddp`` documents for an option out of range."""
     if gradient_as_bucket_view not in (None, True, False):
         raise TypeError(
             f"ok.ddp: gradient_as_bucket_view must be True, False or None (True unless the "
@@ -172,72 +239,97 @@ def ddp(
             "rebuilds the bucket from low-rank factors itself); use compress=None, 'bf16' or "
             "'fp16'"
         )
-    adopted = isinstance(model, DistributedDataParallel)
-    if adopted:
-        # Built by a framework (Accelerate, HF Trainer): its buckets and group are fixed.
-        given = {} if gradient_as_bucket_view is None else {"gradient_as_bucket_view": True}
-        _check_adoptable(model, bucket_mb, process_group, ddp_kwargs | given)
-        module = model.module
-        auto = False
-        bucket_mb = model.bucket_bytes_cap / MiB
-        group = model.process_group
-    else:
-        module = model
-        auto = wants_auto_bucket_mb(bucket_mb, caller="ok.ddp", compress=compress)
-    params = trainable_parameters(module, caller="ok.ddp")
-    if not adopted:
-        bucket_mb = resolve_bucket_mb(None if auto else bucket_mb, params, caller="ok.ddp")
-        group = resolve_process_group(process_group, caller="ok.ddp")
-    backend = backend_of(group)
-    if compress == "powersgd":
-        _check_powersgd_fits(params, bucket_mb, backend)
-    check_consistent(module, group, caller="ok.ddp", options=options)
 
-    wrapped = (
-        model
-        if adopted
-        else DistributedDataParallel(
-            model,
-            bucket_cap_mb=bucket_mb,
-            process_group=group,
-            gradient_as_bucket_view=gradient_as_bucket_view is not False,
-            **ddp_kwargs,
-        )
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What ``ok.ddp`` wraps: the local ``module``, its trainable ``params``, the resolved
+    ``bucket_mb`` (MiB) and ``group``; ``auto`` when the bucket size is tuned during the first
+    steps; ``adopted`` when the model already was a DistributedDataParallel."""
+
+    module: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    bucket_mb: float
+    group: torch.distributed.ProcessGroup
+    auto: bool
+    adopted: bool
+
+
+def _adopt(
+    model: DistributedDataParallel,
+    bucket_mb: float | str | None,
+    process_group: torch.distributed.ProcessGroup | None,
+    gradient_as_bucket_view: bool | None,
+    ddp_kwargs: Mapping[str, Any],
+) -> _Target:
+    """A DistributedDataParallel built by a framework (Accelerate, HF Trainer): its buckets and
+    group are fixed, so only the hook is added."""
+    given = {} if gradient_as_bucket_view is None else {"gradient_as_bucket_view": True}
+    _check_adoptable(model, bucket_mb, process_group, ddp_kwargs | given)
+    params = trainable_parameters(model.module, caller="ok.ddp")
+    return _Target(
+        model.module,
+        params,
+        model.bucket_bytes_cap / MiB,
+        model.process_group,
+        auto=False,
+        adopted=True,
     )
-    refuse_small_first_bucket_under_compile(wrapped, caller="ok.ddp")
-    recorder = CommRecorder(device=params[0].device)
+
+
+def _resolve_new(
+    model: torch.nn.Module,
+    bucket_mb: float | str | None,
+    process_group: torch.distributed.ProcessGroup | None,
+    compress: str | None,
+) -> _Target:
+    """A plain module that ``ok.ddp`` wraps itself: its bucket size and group resolved."""
+    auto = wants_auto_bucket_mb(bucket_mb, caller="ok.ddp", compress=compress)
+    params = trainable_parameters(model, caller="ok.ddp")
+    resolved_mb = resolve_bucket_mb(None if auto else bucket_mb, params, caller="ok.ddp")
+    group = resolve_process_group(process_group, caller="ok.ddp")
+    return _Target(model, params, resolved_mb, group, auto=auto, adopted=False)
+
+
+def _register_comm_hook(
+    wrapped: DistributedDataParallel,
+    target: _Target,
+    recorder: CommRecorder,
+    *,
+    compress: str | None,
+    powersgd_options: Mapping[str, Any] | None,
+    check_finite: bool,
+    on_nonfinite: str,
+) -> hooks.CommHookState | hooks.PowerSGDHookState:
+    """Register the hook ``compress`` names on ``wrapped``; return its state."""
     if compress == "powersgd":
-        state = hooks.PowerSGDHookState(
-            powersgd.PowerSGDState(process_group=group, **(powersgd_options or {})),
-            recorder,
-            params,
+        powersgd_state = powersgd.PowerSGDState(
+            process_group=target.group, **(powersgd_options or {})
         )
+        state = hooks.PowerSGDHookState(powersgd_state, recorder, target.params)
         wrapped.register_comm_hook(state, hooks.powersgd_hook)
-    else:
-        hook = {
-            None: hooks.allreduce_hook,
-            "bf16": hooks.bf16_allreduce_hook,
-            "fp16": hooks.fp16_allreduce_hook,
-        }[compress]
-        if check_finite:
-            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            check = FiniteCheck("ok.ddp", on_nonfinite, recorder, named)
-            hook = check_finite_wrapper(hook, check)
-        state = hooks.CommHookState(group, recorder, params)
-        wrapped.register_comm_hook(state, hook)
-    state.relay.attach(wrapped)
-    register_recorder(wrapped, recorder)
-    register_recorder(module, recorder)
-    if auto:
-        attach_ddp_tuner(wrapped, params, group, recorder)
-    logger.info(
-        "ok.ddp: %d parameters, bucket_mb=%g, compress=%s, gradient_as_bucket_view=%s, "
-        "backend=%s, group size %d",
-        len(params),
-        bucket_mb,
-        compress,
-        wrapped.gradient_as_bucket_view,
-        backend,
-        group.size(),
-    )
-    return wrapped
+        return state
+    comm_state = hooks.CommHookState(target.group, recorder, target.params)
+    hook = _allreduce_hook(compress, check_finite, on_nonfinite, recorder, target.module)
+    wrapped.register_comm_hook(comm_state, hook)
+    return comm_state
+
+
+def _allreduce_hook(
+    compress: str | None,
+    check_finite: bool,
+    on_nonfinite: str,
+    recorder: CommRecorder,
+    module: torch.nn.Module,
+) -> Hook:
+    """The all-reduce hook for ``compress`` (None, bf16, fp16), wrapped by the finite check."""
+    hook = {
+        None: hooks.allreduce_hook,
+        "bf16": hooks.bf16_allreduce_hook,
+        "fp16": hooks.fp16_allreduce_hook,
+    }[compress]
+    if not check_finite:
+        return hook
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    check = FiniteCheck("ok.ddp", on_nonfinite, recorder, named)
+    return check_finite_wrapper(hook, check)

@@ -13,6 +13,10 @@ import logging
 from overlapkit.doctor.check import CHECK_NAMES, exit_code, parse_only
 from overlapkit.doctor.render import render, to_json
 from overlapkit.doctor.runner import DoctorOptions, run_doctor
+from overlapkit.layout import PartialLayout
+
+PLACED = ("tp", "ep", "cp", "pp")
+"""The sizes the placement check takes (dp: the rest of the world)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,8 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a mismatch fails, and predictions use it",
     )
     sizes = parser.add_argument_group("layout for the placement check")
-    for name in ("tp", "ep", "cp", "pp"):
-        sizes.add_argument(f"--{name}", type=int, default=1, help=f"{name} size (1)")
+    for axis in PLACED:
+        sizes.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size (1)")
     parser.add_argument(
         "--bucket-mb", type=float, metavar="MB", help="your bucket size to judge (default: ours)"
     )
@@ -56,14 +60,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> DoctorOptions:
+    """The options the flags give.
+
+    Raises:
+        TypeError / ValueError: a bad value, naming its flag.
+    """
+    sizes = {axis: getattr(args, axis) for axis in PLACED}
     return DoctorOptions(
         only=parse_only(args.only),
         quick=args.quick,
         topology=args.topology,
-        tp=args.tp,
-        ep=args.ep,
-        cp=args.cp,
-        pp=args.pp,
+        sizes=PartialLayout.from_mapping(sizes, spell=lambda key: f"--{key}"),
         bucket_mb=args.bucket_mb,
         prefetch=args.prefetch,
         model=args.model,

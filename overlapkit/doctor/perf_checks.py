@@ -222,6 +222,11 @@ def check_tuned_setting(
     )
 
 
+TAIL_SHARE = 0.5
+"""``check_overlap`` blames the tail after backward (the last buckets) where it is at least this
+share of the exposed time: most of it."""
+
+
 def check_overlap(steps: Sequence[Mapping[str, float]]) -> Check:
     """Check 6: exposed communication and tail per step on a short profiled run.
 
@@ -267,7 +272,7 @@ def check_overlap(steps: Sequence[Mapping[str, float]]) -> Check:
         return Check("overlap", PASS, value, "communication is hidden behind compute", details)
     where = (
         "most of it is the tail after backward: smaller last buckets (bucket_mb='auto') help"
-        if tail_ms >= 0.5 * exposed_ms
+        if tail_ms >= TAIL_SHARE * exposed_ms
         else "it is exposed during backward: communication is slower than compute here; "
         "compress='bf16' halves the bytes, a faster link or fewer ranks per link help"
     )

@@ -21,7 +21,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from overlapkit.doctor import affinity, perf_checks, setup_checks
 from overlapkit.doctor.check import CHECK_NAMES, FAIL, Check
 from overlapkit.doctor.scaling import rank_counts
 from overlapkit.fsdp.wrap import fsdp
+from overlapkit.layout import PartialLayout
 from overlapkit.profiling import profile
 from overlapkit.topology.detect import detect_topology, local_view
 from overlapkit.topology.loading import load_topology
@@ -61,10 +62,9 @@ class DoctorOptions:
     """Fewer sizes and steps: seconds instead of a minute."""
     topology: str | None = None
     """Expected topology (preset name or YAML file); None: compare with the detected one."""
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
-    pp: int = 1
+    sizes: PartialLayout = field(default_factory=PartialLayout)
+    """The layout the placement check places (``--tp --ep --cp --pp``; a size not given is 1,
+    dp the rest)."""
     bucket_mb: float | None = None
     """The bucket size to judge (MiB); None: overlapkit's default for the model."""
     prefetch: int | None = None
@@ -77,8 +77,6 @@ class DoctorOptions:
     """Timed steps per rank count (check 8); None: 5 quick, 15 otherwise."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "cp", "pp"):
-            check_int(f"--{name}", getattr(self, name), 1)
         if self.model not in ("mlp", "gpt_tiny"):
             raise ValueError(f"--model must be 'mlp' or 'gpt_tiny', got {self.model!r}")
         if self.bucket_mb is not None and not self.bucket_mb > 0:
@@ -398,8 +396,7 @@ def _check_overlap(ctx: _Context) -> Check:
 
 
 def _check_placement(ctx: _Context) -> Check:
-    o = ctx.options
-    return setup_checks.check_placement(ctx.reference, tp=o.tp, ep=o.ep, cp=o.cp, pp=o.pp)
+    return setup_checks.check_placement(ctx.reference, ctx.options.sizes)
 
 
 def _check_scaling(ctx: _Context) -> Check:

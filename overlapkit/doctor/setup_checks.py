@@ -14,6 +14,7 @@ from typing import Any
 
 from overlapkit.cost.estimate import estimate
 from overlapkit.doctor.check import FAIL, PASS, WARN, Check, worst
+from overlapkit.layout import PartialLayout
 from overlapkit.planner.explain import where
 from overlapkit.planner.grid import rail_aligned
 from overlapkit.planner.placement import PlacementError, plan
@@ -206,6 +207,11 @@ def parse_nccl_list(value: str, valid: Sequence[str]) -> tuple[set[str], list[st
     return allowed, unknown
 
 
+FORCED_SLOWDOWN_SHOWN = 1.005
+"""A forced algorithm is reported as slower only beyond this ratio of the unforced time: a
+fraction of a percent is below what the cost model can tell apart (and prints as +0%)."""
+
+
 def check_algorithms(
     topology: Topology,
     *,
@@ -218,6 +224,31 @@ def check_algorithms(
     ``NCCL_ALGO`` / ``NCCL_PROTO`` with an unknown name fail; a valid one warns, with the
     predicted slowdown against the unforced choice; other restricting ``NCCL_*`` settings warn.
     """
+    findings, algos, protos = _nccl_env_findings(env)
+    rows = _algorithm_rows(topology, sizes, algos, protos)
+    if algos is not None or protos is not None:
+        forcing = ", ".join(f"{k}={env[k]}" for k in ("NCCL_ALGO", "NCCL_PROTO") if k in env)
+        if not any(s == FAIL for s, _ in findings):
+            findings.append((WARN, f"{forcing} forces the choice{_forced_slowdowns(rows)}"))
+        if backend != "nccl":
+            findings.append((PASS, f"(the {backend} backend ignores NCCL_* settings)"))
+    value = f"{topology.library} all_reduce over {topology.world_size} ranks: " + ", ".join(
+        f"{format_bytes(r['bytes'])} -> {r['algorithm']}/{r['protocol']}" for r in rows
+    )
+    status = worst(s for s, _ in findings)
+    advice = "; ".join(t for _, t in findings) or (
+        "nothing forces the algorithm; the library picks per message size"
+    )
+    if status != PASS:
+        advice += ". Unset NCCL_ALGO/NCCL_PROTO unless a measurement shows they help"
+    return Check("algorithms", status, value, advice, {"sizes": rows})
+
+
+def _nccl_env_findings(
+    env: Mapping[str, str],
+) -> tuple[list[tuple[str, str]], set[str] | None, set[str] | None]:
+    """(findings, the algorithms ``NCCL_ALGO`` allows, the protocols ``NCCL_PROTO`` allows):
+    an unknown name fails, a restricting ``NCCL_*`` setting warns; None where not set."""
     findings: list[tuple[str, str]] = []
     algos = protos = None
     if "NCCL_ALGO" in env:
@@ -243,7 +274,17 @@ def check_algorithms(
     for variable, (bad, what) in RESTRICTING.items():
         if variable in env and (bad is None or env[variable].strip() == bad):
             findings.append((WARN, f"{variable}={env[variable]}: {what}"))
+    return findings, algos, protos
 
+
+def _algorithm_rows(
+    topology: Topology,
+    sizes: Sequence[int],
+    algos: set[str] | None,
+    protos: set[str] | None,
+) -> list[dict]:
+    """Per message size, the cost model's all-reduce choice and time, and where ``algos`` or
+    ``protos`` restrict the choice, the fastest candidate they allow (``forced``; None if none)."""
     modelled = {NCCL_ALGOS[a] for a in algos or ()} - {None}
     rows = []
     for size in sizes:
@@ -260,44 +301,27 @@ def check_algorithms(
                 for c in auto.candidates
                 if (algos is None or c[0] in modelled) and (protos is None or c[1] in protos)
             ]
+            row["forced"] = None
             if allowed:
-                row["forced"] = {
-                    "algorithm": allowed[0][0],
-                    "protocol": allowed[0][1],
-                    "time_s": allowed[0][2],
-                }
-            else:
-                row["forced"] = None
+                algorithm, protocol, time_s = allowed[0]
+                row["forced"] = {"algorithm": algorithm, "protocol": protocol, "time_s": time_s}
         rows.append(row)
-    forced_text = []
-    for row in rows:
-        forced = row.get("forced")
-        if forced and forced["time_s"] > row["time_s"] * 1.005:
-            forced_text.append(
-                f"{format_bytes(row['bytes'])}: {forced['algorithm']}/{forced['protocol']} "
-                f"{forced['time_s'] / row['time_s'] - 1:+.0%} vs {row['algorithm']}"
-            )
-    if algos is not None or protos is not None:
-        forcing = ", ".join(f"{k}={env[k]}" for k in ("NCCL_ALGO", "NCCL_PROTO") if k in env)
-        if not any(s == FAIL for s, _ in findings):
-            slow = (
-                "; predicted " + "; ".join(forced_text)
-                if forced_text
-                else ("; the cost model predicts no slowdown at these sizes")
-            )
-            findings.append((WARN, f"{forcing} forces the choice{slow}"))
-        if backend != "nccl":
-            findings.append((PASS, f"(the {backend} backend ignores NCCL_* settings)"))
-    value = f"{topology.library} all_reduce over {topology.world_size} ranks: " + ", ".join(
-        f"{format_bytes(r['bytes'])} -> {r['algorithm']}/{r['protocol']}" for r in rows
-    )
-    status = worst(s for s, _ in findings)
-    advice = "; ".join(t for _, t in findings) or (
-        "nothing forces the algorithm; the library picks per message size"
-    )
-    if status != PASS:
-        advice += ". Unset NCCL_ALGO/NCCL_PROTO unless a measurement shows they help"
-    return Check("algorithms", status, value, advice, {"sizes": rows})
+    return rows
+
+
+def _forced_slowdowns(rows: list[dict]) -> str:
+    """What forcing costs, per size where the forced choice is slower than
+    ``FORCED_SLOWDOWN_SHOWN``, for the warning's tail."""
+    slower = [
+        f"{format_bytes(row['bytes'])}: {forced['algorithm']}/{forced['protocol']} "
+        f"{forced['time_s'] / row['time_s'] - 1:+.0%} vs {row['algorithm']}"
+        for row in rows
+        if (forced := row.get("forced"))
+        and forced["time_s"] > row["time_s"] * FORCED_SLOWDOWN_SHOWN
+    ]
+    if not slower:
+        return "; the cost model predicts no slowdown at these sizes"
+    return "; predicted " + "; ".join(slower)
 
 
 # ----------------------------------------------------------------------------------------
@@ -307,27 +331,26 @@ INNER_AXES = ("tp", "cp", "ep")
 OUTER_AXES = ("dp", "pp")
 
 
-def check_placement(
-    topology: Topology, *, tp: int = 1, ep: int = 1, cp: int = 1, pp: int = 1
-) -> Check:
+def check_placement(topology: Topology, sizes: PartialLayout) -> Check:
     """Check 7: tp/cp/ep inside one scale-up domain, dp/pp rail-aligned, for a layout.
 
-    Uses ``ok.plan`` (its validation refuses a layout that splits a domain) and
-    ``explain.where`` for where each axis's groups live.
+    Uses ``ok.plan`` on ``sizes`` (a size not given is 1, dp the rest; its validation refuses
+    a layout that splits a domain) and ``explain.where`` for where each axis's groups live.
     """
-    sizes = f"tp={tp} ep={ep} cp={cp} pp={pp}"
+    placed = sizes.placement_sizes()
+    given = " ".join(f"{axis}={placed[axis]}" for axis in ("tp", "ep", "cp", "pp"))
     try:
-        placement = plan(topology, tp=tp, ep=ep, cp=cp, pp=pp)
+        placement = plan(topology, **placed)
     except PlacementError as err:
         return Check(
             "placement",
             FAIL,
-            f"{sizes} on {topology.name!r}: refused",
+            f"{given} on {topology.name!r}: refused",
             str(err),
             {"suggestions": err.suggestions},
         )
     except ValueError as err:
-        return Check("placement", FAIL, f"{sizes} on {topology.name!r}: invalid", str(err))
+        return Check("placement", FAIL, f"{given} on {topology.name!r}: invalid", str(err))
     findings: list[tuple[str, str]] = []
     lines = []
     for axis, size in placement.dims.items():

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -22,7 +23,7 @@ from overlapkit.fsdp.reduce_scatter import (
     PendingReductions,
 )
 from overlapkit.fsdp.replica_all_reduce import explain_replica_all_reduce
-from overlapkit.fsdp.state import OverlapState, is_registered, register_state, state_of
+from overlapkit.fsdp.state import OverlapState, is_registered, register_state
 from overlapkit.fsdp.stats import ROOT, UnshardRecorder
 from overlapkit.fsdp.tuning import attach_prefetch_tuner
 from overlapkit.fsdp.zero import resolve_reshard_after_forward
@@ -204,8 +205,8 @@ def fsdp(
         >>> loss = model(x).sum(); loss.backward(); optimizer.step()
         >>> ok.fsdp_stats(model).steps[-1].forward_peak_blocks   # <= 1 + prefetch
     """
-    # As given (before "auto" is resolved), for the cross-rank consistency check.
-    options = dict(
+    # As given ("auto" unresolved), for the cross-rank consistency check.
+    options: dict[str, object] = dict(
         prefetch=prefetch,
         mixed_precision=mixed_precision,
         reshard_after_forward=reshard_after_forward,
@@ -213,14 +214,7 @@ def fsdp(
         max_memory=max_memory,
         zero=zero,
     )
-    auto_prefetch = prefetch == AUTO
-    max_memory = check_max_memory(max_memory, auto=auto_prefetch)
-    prefetch = 0 if auto_prefetch else _validate_prefetch(prefetch)
-    reshard_after_forward = _check_bool(
-        resolve_reshard_after_forward(zero, reshard_after_forward), "reshard_after_forward"
-    )
-    overlap_reduce_scatter = _check_bool(overlap_reduce_scatter, "overlap_reduce_scatter")
-    policy = resolve_mixed_precision(mixed_precision)
+    settings = _resolve_settings(**options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"ok.fsdp: model must be an nn.Module, got {type(model).__name__}")
     _check_not_wrapped(model)
@@ -228,94 +222,226 @@ def fsdp(
     device_type = _device_type(model)
     resolve_process_group(None, caller="ok.fsdp")
     mesh = resolve_mesh(mesh, device_type)
+    names = {id(module): name for name, module in model.named_modules()}
+    block_names = tuple(names[id(block)] for block in block_list)
+    block_bytes = tuple(_unsharded_bytes(block, settings.policy) for block in block_list)
+    mesh_options = dict(blocks=block_names, mesh=(tuple(mesh.shape), mesh.mesh_dim_names))
+    _check_ranks_agree(model, mesh, options | mesh_options)
+    candidates = settings.prefetch_candidates(block_bytes)
+    prefetch = max(candidates)  # comms are set up for the deepest candidate
 
-    names = {id(m): name for name, m in model.named_modules()}
-    block_names = tuple(names[id(b)] for b in block_list)
-    block_bytes = tuple(_unsharded_bytes(b, policy) for b in block_list)
-    own_params = _own_parameters(model, block_list)
-    options.update(blocks=block_names, mesh=(tuple(mesh.shape), mesh.mesh_dim_names))
-    # Over the mesh's ranks, one group per axis (together they connect all of them): ranks
-    # outside the mesh, such as other pipeline stages, wrap other modules.
+    apply_fully_shard(model, block_list, mesh, settings, prefetch)
+    state = OverlapState(
+        root=model,
+        blocks=block_list,
+        block_names=block_names,
+        block_bytes=block_bytes,
+        prefetch=prefetch,
+        device_type=device_type,
+        reshard_after_forward=settings.reshard_after_forward,
+        recorder=UnshardRecorder(block_list, block_bytes),
+        pending=PendingReductions(),
+        zero=zero,
+    )
+    comms = _install_overlap(state, mesh, settings.overlap_reduce_scatter)
+    register_state(model, state)
+    if settings.auto_prefetch:
+        attach_prefetch_tuner(model, state, candidates, settings.max_memory)
+    _log_wrapped(state, mesh, mixed_precision, settings.policy, comms)
+    return model
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    """``ok.fsdp``'s options, checked; ``prefetch`` is 0 while ``auto_prefetch`` is set."""
+
+    prefetch: int
+    auto_prefetch: bool
+    max_memory: int | None
+    reshard_after_forward: bool
+    overlap_reduce_scatter: bool
+    policy: MixedPrecisionPolicy
+
+    def prefetch_candidates(self, block_bytes: tuple[int, ...]) -> tuple[int, ...]:
+        """The depths to try: those that fit ``max_memory`` under ``"auto"``, else the one given."""
+        if not self.auto_prefetch:
+            return (self.prefetch,)
+        return tuple(
+            prefetch_candidates(
+                block_bytes, self.max_memory, reshard_after_forward=self.reshard_after_forward
+            )
+        )
+
+
+def _resolve_settings(
+    *,
+    prefetch: int | str,
+    mixed_precision: str | MixedPrecisionPolicy | None,
+    reshard_after_forward: bool | None,
+    overlap_reduce_scatter: bool,
+    max_memory: int | None,
+    zero: int | None,
+) -> _Settings:
+    """Check ``ok.fsdp``'s options (raising as its docstring says) and resolve their defaults."""
+    auto_prefetch = prefetch == AUTO
+    max_memory = check_max_memory(max_memory, auto=auto_prefetch)
+    return _Settings(
+        prefetch=0 if auto_prefetch else _validate_prefetch(prefetch),
+        auto_prefetch=auto_prefetch,
+        max_memory=max_memory,
+        reshard_after_forward=_check_bool(
+            resolve_reshard_after_forward(zero, reshard_after_forward), "reshard_after_forward"
+        ),
+        overlap_reduce_scatter=_check_bool(overlap_reduce_scatter, "overlap_reduce_scatter"),
+        policy=resolve_mixed_precision(mixed_precision),
+    )
+
+
+def _check_ranks_agree(model: nn.Module, mesh: DeviceMesh, options: dict[str, object]) -> None:
+    """Raise ``ConfigMismatch`` unless the mesh's ranks passed the same options and model.
+
+    Over the mesh's ranks, one group per axis (together they connect all of them): ranks outside
+    the mesh, such as other pipeline stages, wrap other modules.
+    """
     for axis in range(mesh.ndim):
         check_consistent(model, mesh.get_group(axis), caller="ok.fsdp", options=options)
-    if auto_prefetch:
-        candidates = prefetch_candidates(
-            block_bytes, max_memory, reshard_after_forward=reshard_after_forward
-        )
-        prefetch = max(candidates)  # comms are set up for the deepest candidate
 
+
+def apply_fully_shard(
+    model: nn.Module,
+    block_list: list[nn.Module],
+    mesh: DeviceMesh,
+    settings: _Settings,
+    prefetch: int,
+) -> None:
+    """``fully_shard`` each block, then the root, and set FSDP2's explicit prefetch to ``prefetch``.
+
+    The root keeps FSDP2's automatic choice of resharding (not resharded: backward needs it at
+    once).
+    """
     for block in block_list:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    # The root keeps FSDP2's automatic choice (not resharded: backward needs it at once).
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=settings.reshard_after_forward,
+            mp_policy=settings.policy,
+        )
+    fully_shard(model, mesh=mesh, mp_policy=settings.policy)
     set_explicit_prefetch(model, block_list, prefetch)
 
-    recorder = UnshardRecorder(block_list, block_bytes)
-    pending = PendingReductions()
-    host = device_type == "cpu"
-    async_gather = host and prefetch > 0
-    host_reduce = async_gather and overlap_reduce_scatter
-    comm_targets = [(i, b, b.parameters) for i, b in enumerate(block_list)]
-    comm_targets.append((ROOT, model, own_params))
+
+@dataclass(frozen=True, slots=True)
+class _HostComms:
+    """Which of overlapkit's own collectives replace FSDP2's.
+
+    ``async_gather``: all-gathers issued asynchronously (host devices with prefetch, where FSDP2's
+    streams are no-ops). ``host_reduce``: overlapkit's reduce-scatter as well.
+    """
+
+    async_gather: bool
+    host_reduce: bool
+
+    @classmethod
+    def choose(cls, device_type: str, prefetch: int, overlap_reduce_scatter: bool) -> _HostComms:
+        async_gather = device_type == "cpu" and prefetch > 0
+        return cls(async_gather, async_gather and overlap_reduce_scatter)
+
+
+@dataclass(frozen=True, slots=True)
+class _CommTarget:
+    """One ``fully_shard``-ed module: a block (``index >= 0``) or the root (``ROOT``).
+
+    ``params`` returns the parameters it reduces, as registered when called.
+    """
+
+    index: int
+    module: nn.Module
+    where: str
+    name: str
+    params: Callable[[], Iterable[nn.Parameter]]
+
+
+def _install_overlap(
+    state: OverlapState, mesh: DeviceMesh, overlap_reduce_scatter: bool
+) -> _HostComms:
+    """Install the recorder's comms and hooks on every sharded module of ``state``.
+
+    Returns which of overlapkit's own collectives replaced FSDP2's.
+    """
+    model, block_list, block_names = state.root, state.blocks, state.block_names
+    recorder, pending = state.recorder, state.pending
     # A failed collective drops the step's gradients before it is raised (fsdp.failed_step).
     failed_step = FailedStep(model)
     failures = FailureScope("ok.fsdp", lambda: recorder.step, on_failure=failed_step)
-    for index, module, params in comm_targets:
-        where = f"block {index} ({block_names[index]!r})" if index >= 0 else "the root"
-        module.set_custom_all_gather(
-            BlockAllGather(
-                index, recorder, force_async=async_gather, failures=failures, where=where
-            )
-        )
-        if host_reduce:
-            reduce_scatter = BlockReduceScatter(
-                lambda params=params: list(params()),
-                pending,
-                block_names[index] if index >= 0 else "root",
-                # On a 2-D mesh FSDP2 all-reduces the output at once, even over 1 replica.
-                allow_async=mesh.ndim == 1,
-                failures=failures,
-                where=where,
-            )
-        else:  # FSDP2's own reduce-scatter, only explained when it fails
-            reduce_scatter = ExplainedReduceScatter(failures=failures, where=where)
-        module.set_custom_reduce_scatter(reduce_scatter)
-        if mesh.ndim == 2:
-            explain_replica_all_reduce(
-                module, reduce_scatter, mesh.get_group(0), failures=failures, where=where
-            )
+    comms = _HostComms.choose(state.device_type, state.prefetch, overlap_reduce_scatter)
+    targets = [
+        _CommTarget(i, block, f"block {i} ({block_names[i]!r})", block_names[i], block.parameters)
+        for i, block in enumerate(block_list)
+    ]
+    targets.append(_CommTarget(ROOT, model, "the root", "root", _own_parameters(model, block_list)))
+    for target in targets:
+        _install_comms(target, comms, mesh, recorder, pending, failures)
     _install_hooks(model, block_list, recorder, pending, failed_step)
+    return comms
 
-    register_state(
-        model,
-        OverlapState(
-            root=model,
-            blocks=block_list,
-            block_names=block_names,
-            block_bytes=block_bytes,
-            prefetch=prefetch,
-            device_type=device_type,
-            reshard_after_forward=reshard_after_forward,
-            recorder=recorder,
-            pending=pending,
-            zero=zero,
-        ),
-    )
-    if auto_prefetch:
-        attach_prefetch_tuner(model, state_of(model, caller="ok.fsdp"), candidates, max_memory)
+
+def _log_wrapped(
+    state: OverlapState,
+    mesh: DeviceMesh,
+    mixed_precision: str | MixedPrecisionPolicy | None,
+    policy: MixedPrecisionPolicy,
+    comms: _HostComms,
+) -> None:
     logger.info(
         "ok.fsdp: %d blocks (%s), prefetch=%d, mesh %s, mixed_precision=%s, zero=%s, "
         "async all-gather=%s, overlapkit reduce-scatter=%s",
-        len(block_list),
-        type(block_list[0]).__name__,
-        prefetch,
+        len(state.blocks),
+        type(state.blocks[0]).__name__,
+        state.prefetch,
         tuple(mesh.shape),
-        mixed_precision if not isinstance(mixed_precision, MixedPrecisionPolicy) else policy,
-        zero,
-        async_gather,
-        host_reduce,
+        policy if isinstance(mixed_precision, MixedPrecisionPolicy) else mixed_precision,
+        state.zero,
+        comms.async_gather,
+        comms.host_reduce,
     )
-    return model
+
+
+def _install_comms(
+    target: _CommTarget,
+    comms: _HostComms,
+    mesh: DeviceMesh,
+    recorder: UnshardRecorder,
+    pending: PendingReductions,
+    failures: FailureScope,
+) -> None:
+    """Set ``target``'s all-gather and reduce-scatter; explain its replica all-reduce (HSDP)."""
+    module, where = target.module, target.where
+    module.set_custom_all_gather(
+        BlockAllGather(
+            target.index,
+            recorder,
+            force_async=comms.async_gather,
+            failures=failures,
+            where=where,
+        )
+    )
+    if comms.host_reduce:
+        reduce_scatter = BlockReduceScatter(
+            lambda: list(target.params()),
+            pending,
+            target.name,
+            # On a 2-D mesh FSDP2 all-reduces the output at once, even over 1 replica.
+            allow_async=mesh.ndim == 1,
+            failures=failures,
+            where=where,
+        )
+    else:  # FSDP2's own reduce-scatter, only explained when it fails
+        reduce_scatter = ExplainedReduceScatter(failures=failures, where=where)
+    module.set_custom_reduce_scatter(reduce_scatter)
+    if mesh.ndim == 2:
+        explain_replica_all_reduce(
+            module, reduce_scatter, mesh.get_group(0), failures=failures, where=where
+        )
 
 
 def _install_hooks(

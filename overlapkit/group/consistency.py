@@ -35,7 +35,6 @@ from overlapkit.group.process_group import all_gather_single
 
 logger = logging.getLogger(__name__)
 
-DIGEST_BYTES = 32
 ABSENT = "(absent)"
 # Options that legitimately differ per rank (each rank's own device).
 PER_RANK_OPTIONS = frozenset({"device_ids", "output_device"})

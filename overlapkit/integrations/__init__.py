@@ -1,4 +1,6 @@
-"""Thin adapters for the frameworks people train with; each calls overlapkit's public API only.
+"""Adapters for the frameworks people train with, through each framework's public extension
+points (docs/integrations.md names the few private details they rely on, and the versions the
+``integrations`` extra is bounded to); each calls overlapkit's public API only.
 
 - ``overlapkit.integrations.lightning``: ``OverlapDDPStrategy`` (``strategy="overlapkit_ddp"``)
   wraps with ``ok.ddp`` on every backend; ``ok.fsdp`` goes in ``configure_model`` under

@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs
-from accelerate.utils.dataclasses import DDPCommunicationHookType
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
 from overlapkit.ddp.wrap import ddp
 from overlapkit.integrations.accelerate_per_bucket import PerBucketPreparation
@@ -111,7 +110,7 @@ def use_ok_ddp(
         forward_order_tail (int | None): with ``optimizer_overlap``, as in ``ok.GradBucketer``.
         norm_ready_at_step (bool): with ``optimizer_overlap``: whether the norm
             ``accelerator.clip_grad_norm_`` returns is final when ``optimizer.step()`` returns
-            (True, the default) or only after ``bucketer.total_norm()`` (False: the all-reduce
+            (True, the default) or only after ``make_norm_final()`` (False: the all-reduce
             tail stays overlapped on steps that do not read it).
 
     Returns:

@@ -4,24 +4,27 @@ No DDP is built: ``prepare`` hands the trainable model to Accelerate's own ``pre
 evaluation_mode=True)`` (device placement, autocast, no wrapper; what the HF Trainer does for a
 model sharded at load time), broadcasts its parameters and buffers from rank 0 (as DDP's
 constructor does), and once ``prepare`` has seen both the model and its optimizer (in one call or
-two) builds ``ok.GradBucketer(model, optimizer=opt)``. Where Accelerate 1.15 plugs in, and what
-each piece becomes (the accelerator's methods below are replaced on that instance only):
+two) builds ``ok.GradBucketer(model, optimizer=opt)``. What each piece of Accelerate 1.15 becomes:
 
-- ``AcceleratedOptimizer.step`` steps only when ``gradient_state.sync_gradients``, as it does;
-  then ``bucketer.step(scaler=accelerator.scaler)``. With a GradScaler it sets
-  ``optimizer._is_overflow`` (which ``optimizer_step_was_skipped`` and the LR scheduler read)
-  from ``bucketer.step_skipped()``, one host read of ``found_inf`` per step (on CUDA a device
-  sync waiting for the last bucket's all-reduce; ``scaler.step`` itself reads it for any
-  optimizer that is not ``fused``), then calls ``scaler.update()``.
+- the optimizer ``prepare`` returns is a ``PerBucketOptimizer``, Accelerate's
+  ``AcceleratedOptimizer`` whose ``step`` is, on sync steps only as Accelerate's,
+  ``bucketer.step(scaler=accelerator.scaler)``. With a GradScaler its ``step_was_skipped``
+  (which ``optimizer_step_was_skipped`` and the prepared LR scheduler read) is
+  ``bucketer.step_skipped()``, one host read of ``found_inf`` per step (on CUDA a device sync
+  waiting for the last bucket's all-reduce; ``scaler.step`` itself reads it for any optimizer
+  that is not ``fused``), then ``scaler.update()``.
 - ``accelerator.clip_grad_norm_(parameters, max_norm, norm_type)`` records the clip
   (``bucketer.clip_grad_norm_``, over those parameters in that order) and returns the tensor
   the step writes the norm into. ``norm_ready_at_step=True`` (the default) makes it final when
   ``optimizer.step()`` returns (on CPU the step waits for every bucket's all-reduce; on CUDA the
   current stream waits for the norm, no host sync); ``False`` leaves it to whoever reads it to
-  call ``bucketer.total_norm()`` first (``OverlapTrainer`` does, on logging steps only), so other
+  call ``make_norm_final()`` first (``OverlapTrainer`` does, on logging steps only), so other
   steps keep the all-reduce tail overlapped. ``clip_grad_value_`` is refused.
 - ``accelerator.no_sync(model)`` (and so ``accumulate()``, and the HF Trainer's accumulation) is
   the bucketer's ``no_sync()``: without DDP, Accelerate's own does nothing.
+
+Accelerate has no public extension point for these on an ``Accelerator`` that exists already:
+``PerBucketPreparation`` replaces the ``ACCELERATOR_METHODS`` on that instance, in one place.
 
 Refused (``ValueError``, at ``use_ok_ddp`` or ``prepare``): DeepSpeed, FSDP, XLA, Megatron and
 ``torch.compile`` through Accelerate, ``sync_each_batch=True``, a second trainable model or
@@ -30,7 +33,6 @@ optimizer, a model whose buffers change during training (``overlapkit.ddp.replic
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,10 +45,19 @@ from accelerate.utils import DistributedType, DynamoBackend
 from overlapkit.ddp.bucketer import GradBucketer
 from overlapkit.ddp.replicas import BufferCheck, broadcast_module_state
 
-__all__ = ["PerBucketPreparation"]
+__all__ = ["PerBucketOptimizer", "PerBucketPreparation"]
 
 CALLER = "use_ok_ddp(optimizer_overlap=True)"
 _DDP_INSTEAD = "use use_ok_ddp(accelerator) without optimizer_overlap (DDP) instead"
+ACCELERATOR_METHODS = (
+    "prepare_model",
+    "prepare_optimizer",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "no_sync",
+)
+"""The ``Accelerator`` methods ``PerBucketPreparation`` replaces on its accelerator (its own
+methods of the same names)."""
 
 
 class PerBucketPreparation:
@@ -70,20 +81,21 @@ class PerBucketPreparation:
         self.accelerator = accelerator
         self.norm_ready_at_step = norm_ready_at_step
         self.model: torch.nn.Module | None = None
-        self.optimizer: AcceleratedOptimizer | None = None
+        self.optimizer: PerBucketOptimizer | None = None
         self.bucketer: GradBucketer | None = None
         """Built once ``prepare`` has seen the model and its optimizer."""
         self._bucketer_options = bucketer_options
         self._buffers: BufferCheck | None = None
         self._clip_asked = False
-        self._prepare_model: Callable[..., torch.nn.Module] = accelerator.prepare_model
-        self._prepare_optimizer: Callable[..., AcceleratedOptimizer] = accelerator.prepare_optimizer
-        self._no_sync: Callable[..., Any] = accelerator.no_sync
-        accelerator.prepare_model = self.prepare_model
-        accelerator.prepare_optimizer = self.prepare_optimizer
-        accelerator.clip_grad_norm_ = self.clip_grad_norm_
-        accelerator.clip_grad_value_ = self.clip_grad_value_
-        accelerator.no_sync = self.no_sync
+        self._norm_pending = False
+        # Accelerate offers no public way to build no DDP in prepare, to clip or accumulate
+        # otherwise, or to choose the optimizer class prepare builds: its methods are replaced
+        # on this instance, here only; its own stay in `_accelerate` for what they still do.
+        self._accelerate: dict[str, Callable[..., Any]] = {
+            name: getattr(accelerator, name) for name in ACCELERATOR_METHODS
+        }
+        for name in ACCELERATOR_METHODS:
+            setattr(accelerator, name, getattr(self, name))
 
     def prepare_model(
         self,
@@ -93,7 +105,7 @@ class PerBucketPreparation:
     ) -> torch.nn.Module:
         """``Accelerator.prepare_model``, without the DDP wrapper for the trained model."""
         trains = not evaluation_mode and any(p.requires_grad for p in model.parameters())
-        prepared = self._prepare_model(
+        prepared = self._accelerate["prepare_model"](
             model, device_placement=device_placement, evaluation_mode=True
         )
         if trains:
@@ -105,18 +117,23 @@ class PerBucketPreparation:
 
     def prepare_optimizer(
         self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
-    ) -> AcceleratedOptimizer:
-        """``Accelerator.prepare_optimizer``; its ``step`` becomes the bucketer's."""
-        prepared = self._prepare_optimizer(optimizer, device_placement=device_placement)
+    ) -> PerBucketOptimizer:
+        """``Accelerator.prepare_optimizer``, returning a ``PerBucketOptimizer``."""
+        if not isinstance(optimizer, PerBucketOptimizer):
+            if device_placement is None:
+                device_placement = self.accelerator.device_placement
+            optimizer = PerBucketOptimizer(
+                optimizer, self, device_placement=device_placement, scaler=self.accelerator.scaler
+            )
+            # Accelerate has no public way to register an optimizer of another class
+            # (prepare_optimizer builds its AcceleratedOptimizer itself); with its marker of an
+            # optimizer it prepared already, prepare_optimizer registers this one as it is (for
+            # save_state, load_state and optimizer_step_was_skipped).
+            optimizer._is_accelerate_prepared = True
+        prepared = self._accelerate["prepare_optimizer"](optimizer, device_placement)
         if self.optimizer is not None and prepared is not self.optimizer:
             raise ValueError(f"{CALLER}: prepare got a second optimizer; train with one")
         self.optimizer = prepared
-
-        def step(_optimizer: AcceleratedOptimizer, closure: Callable[[], Any] | None = None):
-            self.step(closure)
-
-        # Bound to the optimizer: an LR scheduler re-binds ``step.__func__`` to it.
-        prepared.step = types.MethodType(step, prepared)
         self._build_when_ready()
         return prepared
 
@@ -141,22 +158,30 @@ class PerBucketPreparation:
             )
         return self.bucketer
 
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
-        """``AcceleratedOptimizer.step``: on sync steps, the bucketer's step (module docstring)."""
-        if closure is not None:
-            raise ValueError(f"{CALLER}: optimizer.step(closure) cannot run per bucket")
-        if not self.accelerator.gradient_state.sync_gradients:
-            return
+    def step(self, scaler: torch.amp.GradScaler | None) -> bool:
+        """The bucketer's step, for ``PerBucketOptimizer.step`` on a sync step.
+
+        Returns:
+            bool: whether the GradScaler skipped the step (False without a scaler).
+        """
         bucketer = self._ready()
         self._buffers.check()
-        scaler = self.accelerator.scaler
         bucketer.step(scaler=scaler)
+        skipped = False
         if scaler is not None:
-            self.optimizer._is_overflow = bucketer.step_skipped()
+            skipped = bucketer.step_skipped()
             scaler.update()
-        if self._clip_asked and self.norm_ready_at_step:
-            bucketer.total_norm()
-        self._clip_asked = False
+        self._norm_pending, self._clip_asked = self._clip_asked, False
+        if self.norm_ready_at_step:
+            self.make_norm_final()
+        return skipped
+
+    def make_norm_final(self) -> None:
+        """Make the norm ``clip_grad_norm_`` returned for the last step final (waits for that
+        step's all-reduces); no-op when it is final already or that step did not clip."""
+        if self._norm_pending:
+            self._norm_pending = False
+            self.bucketer.total_norm()
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type=2
@@ -181,8 +206,49 @@ class PerBucketPreparation:
             with self.bucketer.no_sync():
                 yield
         else:
-            with self._no_sync(model):
+            with self._accelerate["no_sync"](model):
                 yield
+
+
+class PerBucketOptimizer(AcceleratedOptimizer):
+    """The optimizer ``prepare`` returns under per-bucket updates (module docstring).
+
+    Args:
+        optimizer (torch.optim.Optimizer): the user's optimizer.
+        preparation (PerBucketPreparation): holds the bucketer that steps it.
+        device_placement (bool), scaler (GradScaler | None): as in ``AcceleratedOptimizer``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        preparation: PerBucketPreparation,
+        *,
+        device_placement: bool,
+        scaler: torch.amp.GradScaler | None,
+    ):
+        super().__init__(optimizer, device_placement=device_placement, scaler=scaler)
+        self.preparation = preparation
+        self.skipped = False
+        """Whether the GradScaler skipped the last sync step's update."""
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """On sync steps (``accelerator.sync_gradients``), the bucketer's step with the
+        accelerator's GradScaler; nothing on the others, as Accelerate's.
+
+        Raises:
+            ValueError: a ``closure`` (a step per bucket cannot run one).
+        """
+        if closure is not None:
+            raise ValueError(f"{CALLER}: optimizer.step(closure) cannot run per bucket")
+        if self.gradient_state.sync_gradients:
+            self.skipped = self.preparation.step(self.scaler)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the GradScaler skipped the last update (what ``Accelerator.
+        optimizer_step_was_skipped`` and the prepared LR scheduler read)."""
+        return self.skipped
 
 
 def _refuse_untested(accelerator: Accelerator) -> None:

@@ -14,11 +14,13 @@ model.parameters(), max_grad_norm)`` only when ``max_grad_norm > 0``, and at 0
 ``_get_grad_norm`` measures with ``max_norm=inf`` (so no step is ever asked to clip to 0.0,
 which would zero the gradients); both are folded into the next ``optimizer.step()``; the LR
 scheduler is stepped unless ``accelerator.optimizer_step_was_skipped``; accumulation goes through
-``accelerator.no_sync``. The norm is read (``grad_norm.item()``) only in
-``_maybe_log_save_evaluate`` on logging steps, so the trainer makes it final there
-(``bucketer.total_norm()``) and nowhere else: the other steps keep the all-reduce tail
+``accelerator.no_sync``. The norm is read (``grad_norm.item()``) only when the trainer logs,
+right after the callbacks' ``on_step_end`` (or ``on_epoch_end``) have set
+``control.should_log``; ``OverlapTrainer``'s callback, run after every other, makes it final
+there (``make_norm_final()``) and nowhere else: the other steps keep the all-reduce tail
 overlapped. The optimizer may be the default ``create_optimizer`` one (two param groups) or the
-user's, made before or after the model is prepared.
+user's, made before or after the model is prepared. Everything goes through the Trainer's public
+extension points (``create_accelerator_and_postprocess``, a ``TrainerCallback``, ``train``).
 
 Example:
     >>> trainer = OverlapTrainer(model=model, args=args, train_dataset=data,
@@ -35,12 +37,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from overlapkit.integrations.accelerate import use_ok_ddp
 from overlapkit.integrations.accelerate_per_bucket import PerBucketPreparation
 
-__all__ = ["OverlapTrainer"]
+__all__ = ["OverlapTrainer", "PerBucketCallback"]
 
 
 class OverlapTrainer(Trainer):
@@ -64,9 +66,14 @@ class OverlapTrainer(Trainer):
         self._overlapkit_options = dict(overlapkit_options or {})
         self.overlap: PerBucketPreparation | None = None
         """With ``optimizer_overlap``: what holds the bucketer (``self.overlap.bucketer``)."""
+        self._per_bucket_callback: PerBucketCallback | None = None
         super().__init__(*args, **kwargs)
+        if self.overlap is not None:
+            self._per_bucket_callback = PerBucketCallback(self.overlap)
+            self.add_callback(self._per_bucket_callback)
 
     def create_accelerator_and_postprocess(self) -> None:
+        """``Trainer``'s, then ``use_ok_ddp`` on the accelerator it created."""
         super().create_accelerator_and_postprocess()
         options = self._overlapkit_options
         if options.get("optimizer_overlap"):
@@ -75,7 +82,32 @@ class OverlapTrainer(Trainer):
         else:
             use_ok_ddp(self.accelerator, **options)
 
-    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any):
-        if self.overlap is not None and grad_norm is not None and self.control.should_log:
-            self.overlap.bucketer.total_norm()  # writes the tensor grad_norm is
-        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; with per-bucket updates, ``PerBucketCallback`` moved after the
+        callbacks added since, so that it sees ``control.should_log`` as they leave it."""
+        if self._per_bucket_callback is not None:
+            self.pop_callback(self._per_bucket_callback)
+            self.add_callback(self._per_bucket_callback)
+        return super().train(*args, **kwargs)
+
+
+class PerBucketCallback(TrainerCallback):
+    """``OverlapTrainer``'s part in the Trainer's loop under per-bucket updates: the clipped norm
+    made final where the Trainer reads it, on the steps it logs, and nowhere else.
+
+    Args:
+        overlap (PerBucketPreparation): what ``use_ok_ddp`` installed on the Trainer's
+            accelerator.
+    """
+
+    def __init__(self, overlap: PerBucketPreparation):
+        self.overlap = overlap
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """The Trainer logs right after this event when ``control.should_log``."""
+        if control.should_log:
+            self.overlap.make_norm_final()
+
+    on_epoch_end = on_step_end  # the Trainer also logs right after on_epoch_end

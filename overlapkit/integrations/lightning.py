@@ -1,27 +1,24 @@
 """Lightning: a DDP strategy built by ``ok.ddp``, or per-bucket optimizer updates without DDP.
 
-Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` only when the device is CUDA
-(``DDPStrategy._register_ddp_hooks``), so on CPU/gloo a hook passed to it is silently dropped.
-``OverlapDDPStrategy`` builds the DDP model with ``ok.ddp`` instead (its hook, ``bucket_mb``,
-``compress`` including bf16 on gloo, ``check_finite``); everything else is Lightning's
-``DDPStrategy``. Importing this module registers the names ``"overlapkit_ddp"`` and
-``"overlapkit_ddp_spawn"`` with Lightning's strategy registry.
+Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` only when the device is CUDA, so on
+CPU/gloo a hook passed to it is silently dropped. ``OverlapDDPStrategy`` builds the DDP model with
+``ok.ddp`` instead, in ``configure_ddp`` (its hook, ``bucket_mb``, ``compress`` including bf16 on
+gloo, ``check_finite``); everything else is Lightning's ``DDPStrategy``. Importing this module
+registers the names ``"overlapkit_ddp"`` and ``"overlapkit_ddp_spawn"`` with Lightning's strategy
+registry.
 
 ``OverlapDDPStrategy(optimizer_overlap=True)`` builds no DDP: parameters and buffers are
 broadcast from rank 0 (as DDP's constructor does), and ``ok.GradBucketer(module,
 optimizer=opt)`` over the LightningModule and its configured optimizer applies each bucket's
-update once its all-reduce is done (``overlapkit.optim.per_bucket``). Where Lightning 2.6 plugs
-in: ``Precision.optimizer_step`` would hand the closure to ``optimizer.step(closure=...)``
-(whose pre-hooks run before backward) and, under 16-mixed, ``unscale_`` the gradients before
-``_after_closure``; the strategy instead runs the closure itself, then the precision plugin's
-``_after_closure`` (``on_before_optimizer_step`` and ``configure_gradient_clipping``, with
-Lightning's own checks), whose norm clip ``clip_grad_by_norm(optimizer, value)`` is turned into
-``bucketer.clip_grad_norm_(main_params(optimizer), value)`` (Lightning's parameter list and
-order), and ``bucketer.step(scaler=...)`` in place of ``optimizer.step`` (16-mixed: then
-``scaler.update()``). ``accumulate_grad_batches`` goes through ``bucketer.no_sync()``
-(``block_backward_sync``); the LightningModule's own parameters are made final before
-``training_step`` / ``validation_step`` (``bucketer.before_forward``), since Lightning calls
-those, not ``forward``; teardown applies what is pending and detaches the bucketer.
+update once its all-reduce is done (``overlapkit.optim.per_bucket``). The strategy's public
+hooks in Lightning 2.6: ``configure_ddp`` builds no DDP; ``setup`` builds the bucketer;
+``optimizer_step`` runs the closure, Lightning's hooks before the step with the norm clip
+deferred into the bucketer (``_hooks_before_step``, the one use of Lightning's private API), and
+``bucketer.step(scaler=...)`` in place of ``optimizer.step`` (16-mixed: then ``scaler.update()``);
+``block_backward_sync`` (``accumulate_grad_batches``) is ``bucketer.no_sync()``;
+``training_step`` / ``validation_step`` make the LightningModule's own parameters final first
+(``bucketer.before_forward``), since Lightning calls those, not ``forward``; ``teardown`` applies
+what is pending and detaches the bucketer.
 
 FSDP2 needs no strategy of its own: Lightning's ``ModelParallelStrategy`` leaves sharding to
 ``LightningModule.configure_model``, where one line applies ``ok.fsdp``::
@@ -39,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -57,6 +55,11 @@ from overlapkit.ddp.wrap import ddp
 __all__ = ["OverlapDDPStrategy"]
 
 _HOOK_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
+_STRATEGY_ARGUMENTS = frozenset(inspect.signature(DDPStrategy.__init__).parameters) - {
+    "self",
+    "kwargs",
+}
+"""``DDPStrategy``'s own arguments; it passes every other keyword to DDP, and so does this one."""
 _PER_BUCKET = "OverlapDDPStrategy(optimizer_overlap=True)"
 _USE_DDP = "use OverlapDDPStrategy() (DDP with ok.ddp's hook) instead"
 
@@ -105,13 +108,14 @@ class OverlapDDPStrategy(DDPStrategy):
                 f"OverlapDDPStrategy: {given} cannot be combined with overlapkit's hook; choose "
                 "the hook with compress=None|'bf16'|'fp16'|'powersgd', or use DDPStrategy"
             )
-        super().__init__(**kwargs)
+        super().__init__(**{k: v for k, v in kwargs.items() if k in _STRATEGY_ARGUMENTS})
+        self._ddp_options = {k: v for k, v in kwargs.items() if k not in _STRATEGY_ARGUMENTS}
         self.bucketer: GradBucketer | None = None
         """With ``optimizer_overlap``: the bucketer of the current (or last) fit."""
         self._buffers: BufferCheck | None = None
         if optimizer_overlap:
             not_here = {"compress": compress, "powersgd_options": powersgd_options}
-            not_here.update(self._ddp_kwargs)
+            not_here.update(self._ddp_options)
             named = sorted(k for k, v in not_here.items() if v is not None)
             if named:
                 raise ValueError(
@@ -140,18 +144,20 @@ class OverlapDDPStrategy(DDPStrategy):
             on_nonfinite=on_nonfinite,
         )
 
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def configure_ddp(self) -> None:
+        """``DDPStrategy.configure_ddp``: the DDP model built by ``ok.ddp``, which registers its
+        hook on every backend; with ``optimizer_overlap``, no DDP: the parameters and buffers
+        broadcast from rank 0, as DDP's constructor does."""
         if self._bucketer_options is not None:
-            broadcast_module_state(model)  # what DDP's constructor does
-            return model
+            broadcast_module_state(self.model)
+            return
         device_ids = self.determine_ddp_device_ids()
         # As DDPStrategy does: build DDP on a side stream on CUDA (PyTorch's CUDA notes).
         ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with ctx:
-            return ddp(model, device_ids=device_ids, **self._overlap_options, **self._ddp_kwargs)
-
-    def _register_ddp_hooks(self) -> None:
-        """Nothing to add: ``ok.ddp`` registered its hook when it built the model."""
+            self.model = ddp(
+                self.model, device_ids=device_ids, **self._overlap_options, **self._ddp_options
+            )
 
     def setup(self, trainer: pl.Trainer) -> None:
         """``DDPStrategy.setup`` (which configures the model, then the optimizers); with
@@ -175,8 +181,8 @@ class OverlapDDPStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """DDP: Lightning's. Per-bucket: the closure, ``_after_closure`` with the norm clip
-        deferred into the bucketer, ``bucketer.step(scaler=...)`` (module docstring)."""
+        """DDP: Lightning's. Per-bucket: the closure, Lightning's hooks before the step with the
+        norm clip deferred into the bucketer, ``bucketer.step(scaler=...)`` (module docstring)."""
         if self.bucketer is None or self._buffers is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         if kwargs:
@@ -194,8 +200,7 @@ class OverlapDDPStrategy(DDPStrategy):
             )
         self._buffers.check()
         precision = self.precision_plugin
-        with _norm_clip_into(self.bucketer, precision):
-            precision._after_closure(model, optimizer)
+        _hooks_before_step(precision, model, optimizer, self.bucketer)
         scaler = getattr(precision, "scaler", None)
         self.bucketer.step(scaler=scaler)
         if scaler is not None:
@@ -271,10 +276,25 @@ def _value_clip_refused(clip_val: object) -> str:
     )
 
 
-@contextmanager
-def _norm_clip_into(bucketer: GradBucketer, precision: Precision) -> Iterator[None]:
-    """While ``_after_closure`` runs: the plugin's norm clip becomes the bucketer's deferred one
-    (over ``main_params(optimizer)``, in that order); its value clip is refused."""
+def _hooks_before_step(
+    precision: Precision,
+    model: pl.LightningModule,
+    optimizer: torch.optim.Optimizer,
+    bucketer: GradBucketer,
+) -> None:
+    """Lightning's hooks between backward and the optimizer step (``on_before_optimizer_step``,
+    then ``configure_gradient_clipping`` with Lightning's checks), the precision plugin's norm clip
+    deferred into ``bucketer`` (over ``main_params(optimizer)``, in that order) and its value
+    clip refused.
+
+    The one place this adapter uses Lightning's private API, for want of a public path:
+    Lightning runs these hooks only inside ``Precision.optimizer_step``, which hands the closure
+    to ``optimizer.step`` and under 16-mixed first ``unscale_``-s the local gradients;
+    ``Precision._after_closure`` is its part that runs them. A plugin's clipping
+    (``clip_grad_by_norm``) is public to the plugin's own subclasses only, and the strategy keeps
+    the user's plugin (whose class names its state in checkpoints), so its two clip methods are
+    shadowed on that instance while the hooks run.
+    """
 
     def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         bucketer.clip_grad_norm_(list(precision.main_params(optimizer)), clip_val)
@@ -285,7 +305,7 @@ def _norm_clip_into(bucketer: GradBucketer, precision: Precision) -> Iterator[No
     precision.clip_grad_by_norm = clip_grad_by_norm
     precision.clip_grad_by_value = clip_grad_by_value
     try:
-        yield
+        precision._after_closure(model, optimizer)
     finally:
         del precision.clip_grad_by_norm, precision.clip_grad_by_value
 

@@ -28,15 +28,56 @@ bucket is left ready for the next backward.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from overlapkit.optim.overlap_checks import refuse_host_synced_lr
+from overlapkit.optim.pending_step import PendingStep
 from overlapkit.optim.protocols import BucketReduction
 
-if TYPE_CHECKING:
-    from overlapkit.optim.per_bucket import PerBucketStep
+
+class BucketWork(Protocol):
+    """What an issue path asks of the step's owner (``PerBucketStep``): the pending step and the
+    work on each bucket, which the path runs when, and on which stream, its device allows.
+
+    ``land``, ``decide`` and ``update`` are called only while ``job`` is not None; ``update(b)``
+    only after ``land(b)``, and with a gate only after ``decide()``.
+    """
+
+    @property
+    def job(self) -> PendingStep | None:
+        """The step whose updates are pending; None between steps."""
+        ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer (its ``state`` holds what an update created)."""
+        ...
+
+    def land(self, b: int) -> None:
+        """Finish bucket ``b``'s reduction and take its gradients."""
+        ...
+
+    def decide(self) -> None:
+        """Every bucket has landed: the total norm, the clip and the skip."""
+        ...
+
+    def update(self, b: int) -> None:
+        """Update bucket ``b``'s parameters (it has landed)."""
+        ...
+
+    def finish(self) -> None:
+        """Every update is applied: forget the step, run the post-hooks."""
+        ...
+
+    def abandon(self) -> None:
+        """After an error: forget the step, leave every bucket ready for the next backward."""
+        ...
+
+    def synchronize(self) -> None:
+        """Apply every pending update."""
+        ...
 
 
 class IssuePath(Protocol):
@@ -80,7 +121,7 @@ class IssuePath(Protocol):
         ...
 
 
-def _guarded(scheduler: PerBucketStep, work: Callable[[], None]) -> None:
+def _guarded(scheduler: BucketWork, work: Callable[[], None]) -> None:
     """Run ``work`` outside inference mode; on any error, forget the step before it propagates.
 
     Deferred updates run wherever the next forward or a checkpoint needs them, which may be
@@ -99,11 +140,11 @@ class CpuIssuePath:
     """The training thread runs every update, at ``step()`` or in a forward pre-hook.
 
     Args:
-        scheduler (PerBucketStep): the step's owner.
+        scheduler (BucketWork): the step's owner (``PerBucketStep``).
         reduction (BucketReduction): its reducer (whose all-reduces have completed).
     """
 
-    def __init__(self, scheduler: PerBucketStep, reduction: BucketReduction):
+    def __init__(self, scheduler: BucketWork, reduction: BucketReduction):
         self._scheduler = scheduler
         self._reduction = reduction
         self._norm: torch.Tensor | None = None
@@ -186,12 +227,12 @@ class CudaIssuePath:
     ``stream``; the compute stream waits for ``stream`` only through events.
 
     Args:
-        scheduler (PerBucketStep): the step's owner.
+        scheduler (BucketWork): the step's owner (``PerBucketStep``).
         reduction (BucketReduction): its reducer (which buckets' flags need a host read).
         device (torch.device): the parameters' CUDA device.
     """
 
-    def __init__(self, scheduler: PerBucketStep, reduction: BucketReduction, device: torch.device):
+    def __init__(self, scheduler: BucketWork, reduction: BucketReduction, device: torch.device):
         self._scheduler = scheduler
         self._reduction = reduction
         self._device = device

@@ -1,57 +1,20 @@
-"""``GradBucketer(model, optimizer=opt)``: the optimizer applied bucket by bucket, overlapping the
-all-reduce tail with the next forward.
+"""``GradBucketer(model, optimizer=opt)``'s optimizer side: ``PerBucketStep`` applies the user's
+optimizer bucket by bucket, each as its all-reduce lands, overlapping the tail with the next
+forward. How, why and what was measured: docs/optimizer-overlap.md.
 
-The loop::
+The contract (``GradBucketer`` builds one over its reducer, seen only as ``BucketReduction``):
 
-    loss.backward()      # buckets are all-reduced asynchronously as their gradients are ready
-    bucketer.step()      # replaces wait(); optimizer.step(); optimizer.zero_grad()
-    model(next_x)        # each module first waits for (and applies) the buckets of the
-                         # parameters it reads; the rest of the all-reduces keep running
-
-``GradBucketer`` builds a ``PerBucketStep`` over its bucket reducer and forwards ``step()``,
-``synchronize()`` and ``total_norm()`` to it; the scheduler sees the reducer only through the
-``BucketReduction`` Protocol (``overlapkit.optim.protocols``).
-
-**Clipping and GradScaler.** ``step(clip_grad_norm=max_norm, norm_type=2.0,
-error_if_nonfinite=False, scaler=None)`` is bitwise ``wait(); scaler.unscale_(optimizer);
-clip_grad_norm_(model.parameters(), max_norm, norm_type, error_if_nonfinite);
-scaler.step(optimizer); optimizer.zero_grad()`` (the user then calls ``scaler.update()`` as
-usual). Every update then waits for every bucket (``overlapkit.optim.gate``): as each bucket's
-all-reduce lands its gradients are unscaled and their per-tensor norms taken; once the last one
-has landed the total norm (in ``clip_grad_norm_``'s order), the clip coefficient and the skip
-decision follow, and the updates still run bucket by bucket, each module of the next forward
-waiting only for its own. What stays exposed: the last bucket's all-reduce, the norm, and the
-first update the next forward needs. ``check_finite=True`` gates the same way, so
-``on_nonfinite="skip"`` drops a whole step and ``"raise"`` raises before any update.
-
-**What runs where.** ``step()`` snapshots every param group's hyper-parameters (so an LR
-scheduler stepped right after it changes the *next* step, as with ``optimizer.step()``), then
-hands the step to the issue path of the parameters' device (``overlapkit.optim.issue_paths``):
-on CUDA the updates are issued at once on a side stream, and each module's forward waits for
-its buckets' events; on CPU (gloo) they run on the training thread, at ``step()`` for the
-buckets already reduced, later in the forward pre-hook of the module that needs them. The first
-step (the bucket rebuild) lands and applies every bucket inside ``step()``, on either device.
-
-The forward pre-hook is one global module hook (``register_module_forward_pre_hook``): a
-module-level hook would make ``nn.TransformerEncoderLayer`` leave its eval fast path. Which
-parameters each module reads, children's included, is ``overlapkit.optim.forward_reads``'s.
-Anything else that reads parameters sees every update applied: ``model.state_dict()``,
-``load_state_dict()``, ``optimizer.state_dict()`` / ``load_state_dict()`` (so DCP checkpoints
-too) call ``synchronize()`` through pre-hooks; so does ``bucketer.synchronize()``, and so does
-the interpreter's exit. Code that reads ``param`` tensors directly between ``step()`` and the
-next forward must call ``synchronize()``.
-
-**The optimizer is the user's.** A bucket is updated by ``overlapkit.optim.subset.step_subset``:
-the optimizer class's own ``step`` on a view restricted to the bucket's parameters, with the
-hyper-parameters snapshotted at ``step()`` and the user's ``optimizer.state``. Its step hooks,
-and the global ones (``register_optimizer_step_pre_hook`` / ``_post_hook``), run once per
-``step()``: the pre-hooks in ``step()``, the post-hooks once every update is applied (on CUDA
-that makes ``step()`` wait for them, so register none where overlap matters).
-
-What cannot be overlapped is refused (``overlapkit.optim.overlap_checks``): ``optimizer.step()``
-called directly, gradients edited between backward and ``step()`` (version counters), LBFGS,
-``bucket_mb="auto"``, DTensor parameters, parameters on several devices, a compiled
-``optimizer.step``, and on CUDA a tensor ``lr`` torch would read on the host.
+- ``step()`` equals ``wait(); optimizer.step(); optimizer.zero_grad()`` bitwise (with its
+  clip and scaler: ``PerBucketStep.step``); the hyper-parameters are those at ``step()``.
+- Every update of a step is applied before anything reads its parameters or state: a module's
+  forward (one global forward pre-hook: ``overlapkit.optim.forward_reads``), ``state_dict()`` /
+  ``load_state_dict()`` of the model or the optimizer, ``synchronize()``, the interpreter's
+  exit. Code that reads ``param`` tensors directly before the next forward calls
+  ``synchronize()``.
+- The optimizer's and the global step hooks run once per ``step()``: pre-hooks in it,
+  post-hooks once every update is applied.
+- Where the work runs (training thread, CUDA side stream): ``overlapkit.optim.issue_paths``;
+  what cannot be overlapped is refused: ``overlapkit.optim.overlap_checks``.
 """
 
 from __future__ import annotations
@@ -104,6 +67,18 @@ def _synchronize_at_exit() -> None:
             scheduler.synchronize()
         except Exception as error:  # a dead peer at exit: report, do not abort the exit
             logger.warning("%s: the last step's updates failed at exit: %s", CALLER, error)
+
+
+def _update_gate(clip: ClipRequest | None, scaled: ScaledStep | None) -> UpdateGate:
+    """What holds every update until every bucket has landed: the clip's norm, the scaler's
+    unscale and inf check, or the bucketer's NaN/Inf check."""
+    return UpdateGate(
+        max_norm=None if clip is None else clip.max_norm,
+        norm_type=2.0 if clip is None else clip.norm_type,
+        error_if_nonfinite=clip is not None and clip.error_if_nonfinite,
+        scaled=scaled,
+        caller="ok.GradBucketer.step",
+    )
 
 
 class PerBucketStep:
@@ -213,23 +188,34 @@ class PerBucketStep:
         error_if_nonfinite: bool = False,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        """Hand this step's buckets over for per-bucket updates and return (see module doc)."""
+        """Hand this step's buckets over for per-bucket updates, and return.
+
+        Bitwise ``wait(); scaler.unscale_(optimizer); clip_grad_norm_(model.parameters(),
+        clip_grad_norm, norm_type, error_if_nonfinite); scaler.step(optimizer);
+        optimizer.zero_grad()``, leaving out what is not passed; each bucket's update runs once
+        its all-reduce has landed (with a clip, a scaler or ``check_finite``: once every bucket
+        has), at the latest when something reads its parameters.
+
+        Args:
+            clip_grad_norm (float | None): clip the global norm of every reduced gradient to
+                this; None: no clip (or the one ``clip_grad_norm_()`` asked for).
+            norm_type (float): the norm's type, as ``clip_grad_norm_``'s. Defaults to 2.0.
+            error_if_nonfinite (bool): raise, in ``step()``, where the norm is NaN or inf.
+            scaler (GradScaler | None): unscale, skip an inf step, as ``scaler.step``; the
+                caller calls ``scaler.update()`` after.
+
+        Raises:
+            RuntimeError: no backward produced gradients since the last ``step()``.
+            ValueError: a clip asked twice, or ``scaler`` with ``check_finite``.
+            OverlapConflict: what per-bucket updates cannot overlap (``overlap_checks``).
+        """
         reduction = self._reduction
         if not reduction.in_step:
             raise RuntimeError(
                 "ok.GradBucketer.step() was called but no backward has produced gradients since "
                 "the last step() (or all ran inside no_sync()); call loss.backward() first"
             )
-        clip, self._clip = self._clip, None
-        if clip_grad_norm is not None:
-            if clip is not None:
-                raise ValueError(
-                    f"ok.GradBucketer.step: clip_grad_norm={clip_grad_norm!r} was given, but "
-                    "bucketer.clip_grad_norm_() already asked for a clip in this step; clip once"
-                )
-            clip = whole_model_clip(
-                clip_grad_norm, norm_type, error_if_nonfinite, caller="ok.GradBucketer.step"
-            )
+        clip = self._take_clip(clip_grad_norm, norm_type, error_if_nonfinite)
         scaler = scaler_in_use(scaler, caller="ok.GradBucketer.step")
         if scaler is not None and reduction.checks_finite:
             raise ValueError(
@@ -243,32 +229,13 @@ class PerBucketStep:
         hyper = hyper_parameters(optimizer)
         groups = group_of(optimizer)
         self._path.refuse(hyper)
-        scaled = None
-        if scaler is not None:
-            takes_flags = getattr(optimizer, "_step_supports_amp_scaling", False)
-            scaled = ScaledStep(
-                scaler,
-                optimizer,
-                self._device,
-                unscale=clip is not None or not takes_flags,
-                caller="ok.GradBucketer.step",
-            )
-            mine = [i for i, p in enumerate(reduction.params) if id(p) in groups]
-            scaled.check_gradients(
-                [reduction.names[i] for i in mine], [reduction.params[i] for i in mine]
-            )
+        scaled = None if scaler is None else self._scaled_step(scaler, clip, groups)
         pre_hooks, post_hooks = step_hooks(optimizer, skip=self._own_hook_ids)
         run_step_hooks(optimizer, pre_hooks)
         mark_stepped(optimizer)
         gate = None
         if clip is not None or scaled is not None or reduction.checks_finite:
-            gate = UpdateGate(
-                max_norm=None if clip is None else clip.max_norm,
-                norm_type=2.0 if clip is None else clip.norm_type,
-                error_if_nonfinite=clip is not None and clip.error_if_nonfinite,
-                scaled=scaled,
-                caller="ok.GradBucketer.step",
-            )
+            gate = _update_gate(clip, scaled)
         self._found_inf = None if scaled is None else scaled.found_inf
         self._dropped = False
         missing, step = reduction.end_backward()
@@ -278,6 +245,50 @@ class PerBucketStep:
         )
         if scaled is not None:
             scaled.hand_to_scaler()
+        self._start(step)
+
+    def _take_clip(
+        self, clip_grad_norm: float | None, norm_type: float, error_if_nonfinite: bool
+    ) -> ClipRequest | None:
+        """The step's clip: the one ``clip_grad_norm_()`` asked for, or ``clip_grad_norm``'s
+        over the whole model (not both)."""
+        clip, self._clip = self._clip, None
+        if clip_grad_norm is None:
+            return clip
+        if clip is not None:
+            raise ValueError(
+                f"ok.GradBucketer.step: clip_grad_norm={clip_grad_norm!r} was given, but "
+                "bucketer.clip_grad_norm_() already asked for a clip in this step; clip once"
+            )
+        return whole_model_clip(
+            clip_grad_norm, norm_type, error_if_nonfinite, caller="ok.GradBucketer.step"
+        )
+
+    def _scaled_step(
+        self, scaler: torch.amp.GradScaler, clip: ClipRequest | None, groups: dict[int, int]
+    ) -> ScaledStep:
+        """GradScaler's part of the step: unscale where a clip needs it or the optimizer
+        cannot take ``found_inf`` itself; the optimizer's gradients checked first."""
+        optimizer, reduction = self.optimizer, self._reduction
+        takes_flags = getattr(optimizer, "_step_supports_amp_scaling", False)
+        scaled = ScaledStep(
+            scaler,
+            optimizer,
+            self._device,
+            unscale=clip is not None or not takes_flags,
+            caller="ok.GradBucketer.step",
+        )
+        mine = [i for i, p in enumerate(reduction.params) if id(p) in groups]
+        scaled.check_gradients(
+            [reduction.names[i] for i in mine], [reduction.params[i] for i in mine]
+        )
+        return scaled
+
+    def _start(self, step: int) -> None:
+        """Run the pending step's first work: the bucket rebuild step all of it, now (every
+        update lands first); otherwise what the issue path runs at ``step()``. An error
+        forgets the step before it propagates."""
+        reduction = self._reduction
         try:
             if reduction.rebuild_pending:
                 # The first step rebuilds the buckets in rank 0's order: every update lands first.

@@ -6,7 +6,6 @@ above this package; ``plan`` here places the sizes it is given.
 """
 
 from overlapkit.planner.axes import MeshAxis
-from overlapkit.planner.layout import TrainingLayout
 from overlapkit.planner.placement import Placement, PlacementError, naive_placement, plan
 from overlapkit.planner.traffic import CollectiveCost, Workload
 
@@ -15,7 +14,6 @@ __all__ = [
     "MeshAxis",
     "Placement",
     "PlacementError",
-    "TrainingLayout",
     "Workload",
     "naive_placement",
     "plan",

@@ -4,28 +4,25 @@ Per axis: group size, where the groups live (inside a domain, across domains, on
 the collectives a step runs and the cost model's time; the penalty of a forced split or of an
 order override; a small rank-grid picture for up to ``PICTURE_MAX_RANKS`` ranks.
 
-Rendering only: the figures come from ``Placement`` and ``overlapkit.planner.penalties``, and
-``Placement`` is imported for type hints alone, so ``placement`` can call these renderers.
+Rendering only: the figures come from the placement (seen as a ``PlacementView``) and
+``overlapkit.planner.penalties``.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from overlapkit.planner.grid import rail_aligned
 from overlapkit.planner.penalties import split_penalties
+from overlapkit.planner.placement_view import PlacementView
 from overlapkit.topology.model import FabricKind
 from overlapkit.topology.units import format_bytes, format_seconds, rank_ranges, text_table
-
-if TYPE_CHECKING:
-    from overlapkit.planner.placement import Placement
 
 PICTURE_MAX_RANKS = 64
 
 
-def where(placement: Placement, axis: str) -> str:
+def where(placement: PlacementView, axis: str) -> str:
     """Where the groups of ``axis`` live, for people."""
     topology = placement.topology
     groups = placement.groups(axis)
@@ -54,7 +51,7 @@ def where(placement: Placement, axis: str) -> str:
     return text + f"; {hops} switch hop(s) between neighbours"
 
 
-def _summary(placement: Placement) -> list[str]:
+def _summary(placement: PlacementView) -> list[str]:
     topology = placement.topology
     domain_sizes = sorted({len(d.ranks) for d in topology.domains})
     kinds = sorted({str(d.kind) for d in topology.domains})
@@ -75,14 +72,14 @@ def _summary(placement: Placement) -> list[str]:
 
 
 def explain(
-    placement: Placement, *, algorithm: str | None = None, planned: Placement | None = None
+    placement: PlacementView, *, algorithm: str | None = None, planned: PlacementView | None = None
 ) -> str:
     """The readable explanation (see module doc).
 
     Args:
-        placement (Placement): what to explain.
+        placement (PlacementView): what to explain.
         algorithm (str | None): force a collective algorithm (like ``NCCL_ALGO``).
-        planned (Placement | None): with ``layout == "user"`` (an ``order=`` override), the
+        planned (PlacementView | None): with ``layout == "user"`` (an ``order=`` override), the
             planner's own layout of the same sizes, to price the override against; None when
             the traffic order cannot place them without a split.
     """
@@ -112,7 +109,7 @@ def explain(
     return "\n".join(lines)
 
 
-def collectives_table(placement: Placement, *, algorithm: str | None = None) -> list[str]:
+def collectives_table(placement: PlacementView, *, algorithm: str | None = None) -> list[str]:
     """Predicted collectives per step, per rank, with nothing overlapped."""
     costs = placement.collectives(algorithm)
     lines = [
@@ -143,7 +140,7 @@ def collectives_table(placement: Placement, *, algorithm: str | None = None) -> 
     return lines
 
 
-def rank_grid_picture(placement: Placement) -> list[str]:
+def rank_grid_picture(placement: PlacementView) -> list[str]:
     """One row per node: each device's rank and its coordinates on the axes larger than 1."""
     topology = placement.topology
     axes = [(i, a) for i, (a, n) in enumerate(placement.sizes.items()) if n > 1]
@@ -168,7 +165,7 @@ def rank_grid_picture(placement: Placement) -> list[str]:
 
 
 def compare_table(
-    placement: Placement, naive: Placement, *, algorithm: str | None = None
+    placement: PlacementView, naive: PlacementView, *, algorithm: str | None = None
 ) -> list[str]:
     """Per dimension: predicted seconds per step of the plan beside the naive arange layout."""
     totals: dict[str, list[float]] = {}
@@ -201,14 +198,14 @@ def compare_table(
     return lines
 
 
-def same_layout(a: Placement, b: Placement) -> bool:
+def same_layout(a: PlacementView, b: PlacementView) -> bool:
     """Whether every axis has the same groups in both placements."""
     return a.sizes.keys() == b.sizes.keys() and all(
         set(a.groups(axis)) == set(b.groups(axis)) for axis in a.sizes
     )
 
 
-def placement_dict(placement: Placement, *, algorithm: str | None = None) -> dict:
+def placement_dict(placement: PlacementView, *, algorithm: str | None = None) -> dict:
     """``overlapkit plan --json`` (the keys of docs/json-contracts.md, plus extra ones)."""
     costs = placement.collectives(algorithm)
     groups = {axis: [list(g) for g in placement.groups(axis)] for axis in placement.sizes}

@@ -7,13 +7,9 @@ group of the same size; ``ok.plan``'s refusal quotes it, ``Placement.explain()``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from overlapkit.cost.estimate import estimate
 from overlapkit.planner.grid import physical_order
-
-if TYPE_CHECKING:
-    from overlapkit.planner.placement import Placement
+from overlapkit.planner.placement_view import PlacementView
 
 
 def dim_of(axis: str) -> str:
@@ -21,7 +17,9 @@ def dim_of(axis: str) -> str:
     return "dp" if axis.startswith("dp") else axis
 
 
-def split_penalties(placement: Placement, algorithm: str | None = None) -> list[tuple[str, float]]:
+def split_penalties(
+    placement: PlacementView, algorithm: str | None = None
+) -> list[tuple[str, float]]:
     """Per dimension with a domain-integrity break: predicted extra seconds per step.
 
     The reference is the same collectives on the most compact group of the same size (the

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlapkit.group.process_group import backend_device_type, inherit_timeout
+from overlapkit.layout import TrainingLayout
 from overlapkit.planner.axes import (
     AXES,
     HSDP_AXES,
@@ -54,7 +55,6 @@ from overlapkit.planner.axes import (
 from overlapkit.planner.explain import explain as render_explanation
 from overlapkit.planner.explain import placement_dict
 from overlapkit.planner.grid import BlockViolation, axis_groups, physical_order, rank_grid
-from overlapkit.planner.layout import TrainingLayout
 from overlapkit.planner.penalties import split_penalties
 from overlapkit.planner.traffic import CollectiveCost, Workload, step_collectives
 from overlapkit.topology.model import Topology
@@ -308,23 +308,9 @@ def plan(
             if chosen == candidates[0]
             else _reorder_notes(candidates[0], chosen, violations, sizes)
         )
-        return Placement(
-            topology,
-            chosen,
-            tuple(sizes[a] for a in chosen),
-            physical,
-            workload,
-            layout,
-            notes,
-        )
-    forced = Placement(
-        topology,
-        candidates[0],
-        tuple(sizes[a] for a in candidates[0]),
-        physical,
-        workload,
-        layout,
-        violations=tuple(violations),
+        return _placed(topology, sizes, chosen, physical, workload, layout, notes=notes)
+    forced = _placed(
+        topology, sizes, candidates[0], physical, workload, layout, violations=tuple(violations)
     )
     if allow_split:
         logger.warning(
@@ -333,13 +319,22 @@ def plan(
             ", ".join(v.axis for v in violations),
         )
         return forced
-    suggestions = nearest_valid(topology, sizes, dp_shard=dp_shard)
-    traffic_order = None
-    if order is not None:
-        traffic_order = search(topology, sizes, candidate_orders(names, sizes), physical)[0]
-    raise PlacementError(
-        _refusal(topology, sizes, violations, forced, suggestions, traffic_order), suggestions
-    )
+    own_orders = candidate_orders(names, sizes) if order is not None else None
+    raise _refusal(forced, sizes, violations, dp_shard=dp_shard, own_orders=own_orders)
+
+
+def _placed(
+    topology: Topology,
+    sizes: dict[str, int],
+    order: tuple[str, ...],
+    physical: tuple[int, ...],
+    workload: Workload,
+    layout: str,
+    **extra: object,
+) -> Placement:
+    """The axes of ``sizes`` in ``order`` over the topology's ``physical`` order."""
+    shape = tuple(sizes[a] for a in order)
+    return Placement(topology, order, shape, physical, workload, layout, **extra)
 
 
 def _traffic_placement(placement: Placement) -> Placement | None:
@@ -396,13 +391,18 @@ def _block_text(violation: BlockViolation, sizes: dict[str, int]) -> str:
 
 
 def _refusal(
-    topology: Topology,
+    forced: Placement,
     sizes: dict[str, int],
     violations: list[BlockViolation],
-    forced: Placement,
-    suggestions: list[dict[str, int]],
-    traffic_order: tuple[str, ...] | None,
-) -> str:
+    *,
+    dp_shard: int | None,
+    own_orders: list[tuple[str, ...]] | None,
+) -> PlacementError:
+    """Why ``sizes`` cannot be placed whole, the nearest valid sizes, the penalty of forcing
+    them (``forced``) and, for an ``order=`` override (``own_orders``: the planner's own
+    candidates), how the planner would place them."""
+    topology = forced.topology
+    suggestions = nearest_valid(topology, sizes, dp_shard=dp_shard)
     first = violations[0]
     spread = ", ".join(f"{n} in domain {d}" for d, n, _ in first.domain_counts)
     lines = [
@@ -410,6 +410,9 @@ def _refusal(
         f"scale-up domain: {_block_text(first, sizes)} {first.reason} "
         f"(ranks {_short(first.block)}: {spread})."
     ]
+    traffic_order = None
+    if own_orders is not None:
+        traffic_order = search(topology, sizes, own_orders, forced.ranks)[0]
     if traffic_order is not None:
         lines.append(f"Without order=, the planner places them as ({', '.join(traffic_order)}).")
     if suggestions:
@@ -422,7 +425,7 @@ def _refusal(
         f"penalty {penalty * 1e3:+.4g} ms of communication per step for "
         f"{forced.workload.describe()}."
     )
-    return " ".join(lines)
+    return PlacementError(" ".join(lines), suggestions)
 
 
 def _short(ranks: Sequence[int], limit: int = 8) -> str:

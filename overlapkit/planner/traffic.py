@@ -206,73 +206,122 @@ def step_collectives(
             can run that collective on that group (like ``NCCL_ALGO``); elsewhere, and by
             default, the cost model's fastest.
     """
-    w = workload
-    tp, cp, ep, pp = (sizes[a] for a in ("tp", "cp", "ep", "pp"))
-    b = w.bytes_per_element
-    steps = math.ceil(w.layers / pp) * w.microbatches
-    activations = w.micro_batch * w.seq_len / cp * w.hidden * b
-    out: list[CollectiveCost] = []
-
-    def add(dim: str, collective: str, what: str, nbytes: float, count: int, axes) -> None:
-        axes = tuple(a for a in axes if sizes[a] > 1)
-        if axes:
-            groups = groups_of(axes)
-            if collective == "send_recv":
-                groups = [pair for g in groups for pair in itertools.pairwise(g)]
-            estimate = _slowest(collective, nbytes, topology, groups, algorithm)
-            out.append(CollectiveCost(dim, collective, what, nbytes, count, axes, estimate))
-
-    add(
-        "tp", "all_reduce", "layer outputs, 2 fwd + 2 bwd per layer", activations, 4 * steps, ["tp"]
-    )
-    kv = 2 * w.micro_batch * w.seq_len * w.hidden / tp * b
-    add("cp", "all_gather", "K and V, fwd + bwd per layer", kv, 2 * steps, ["cp"])
-    add("cp", "reduce_scatter", "dK and dV, bwd per layer", kv, steps, ["cp"])
-    add(
-        "ep",
-        "all_to_all",
-        "tokens, dispatch + combine fwd + bwd",
-        activations * w.topk,
-        4 * steps,
-        ["ep"],
-    )
-    expert = w.expert_fraction if ep > 1 else 0.0
-    dense_grads = w.params * (1 - expert) / (tp * pp) * b
-    expert_grads = w.params * expert / (tp * pp * ep) * b
-    shards = [("dense", dense_grads, ("ep", "cp"))]
-    if expert:
-        shards.append(("expert", expert_grads, ("cp",)))
-    for kind, nbytes, others in shards:
-        if "dp_shard" in sizes:
-            shard = sizes["dp_shard"]
-            add("dp", "reduce_scatter", f"{kind} gradients", nbytes, 1, ["dp_shard"])
-            add(
-                "dp",
-                "all_gather",
-                f"{kind} parameters, fwd + bwd",
-                nbytes,
-                2 * w.microbatches,
-                ["dp_shard"],
-            )
-            add(
-                "dp",
-                "all_reduce",
-                f"{kind} gradient shards",
-                nbytes / shard,
-                1,
-                ["dp_replicate", *others],
-            )
-        else:
-            add("dp", "all_reduce", f"{kind} gradients", nbytes, 1, ["dp", *others])
-    add(
+    step = _Priced(topology, sizes, groups_of, algorithm)
+    activations = _activation_bytes(workload, sizes)
+    layer_passes = math.ceil(workload.layers / sizes["pp"]) * workload.microbatches
+    _model_parallel(step, workload, layer_passes, activations)
+    _data_parallel(step, workload)
+    step.add(
         "pp",
         "send_recv",
         "activations fwd + gradients bwd",
         activations,
-        2 * w.microbatches,
+        2 * workload.microbatches,
         ["pp"],
     )
-    return out
+    return step.collectives
+
+
+class _Priced:
+    """Collects a step's collectives, each priced on the slowest group of its axes."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        sizes: Mapping[str, int],
+        groups_of: GroupsOf,
+        algorithm: str | None,
+    ) -> None:
+        self.topology = topology
+        self.sizes = sizes
+        self.groups_of = groups_of
+        self.algorithm = algorithm
+        self.collectives: list[CollectiveCost] = []
+
+    def add(
+        self, dim: str, collective: str, what: str, nbytes: float, count: int, axes: Sequence[str]
+    ) -> None:
+        """``count`` calls per step of ``collective`` over the axes of ``axes`` above size 1;
+        nothing where all are size 1."""
+        axes = tuple(a for a in axes if self.sizes[a] > 1)
+        if not axes:
+            return
+        groups = self.groups_of(axes)
+        if collective == "send_recv":
+            groups = [pair for g in groups for pair in itertools.pairwise(g)]
+        estimate = _slowest(collective, nbytes, self.topology, groups, self.algorithm)
+        self.collectives.append(
+            CollectiveCost(dim, collective, what, nbytes, count, axes, estimate)
+        )
+
+
+def _activation_bytes(workload: Workload, sizes: Mapping[str, int]) -> float:
+    """One micro-batch's activations of one layer on a rank (its cp share of the sequence)."""
+    return (
+        workload.micro_batch
+        * workload.seq_len
+        / sizes["cp"]
+        * workload.hidden
+        * workload.bytes_per_element
+    )
+
+
+def _model_parallel(
+    step: _Priced, workload: Workload, layer_passes: int, activations: float
+) -> None:
+    """tp's all-reduces, cp's K/V gathers and gradient scatters, ep's all-to-alls, each per
+    layer and micro-batch of the stage (``layer_passes``)."""
+    step.add(
+        "tp",
+        "all_reduce",
+        "layer outputs, 2 fwd + 2 bwd per layer",
+        activations,
+        4 * layer_passes,
+        ["tp"],
+    )
+    kv = (
+        2
+        * workload.micro_batch
+        * workload.seq_len
+        * workload.hidden
+        / step.sizes["tp"]
+        * workload.bytes_per_element
+    )
+    step.add("cp", "all_gather", "K and V, fwd + bwd per layer", kv, 2 * layer_passes, ["cp"])
+    step.add("cp", "reduce_scatter", "dK and dV, bwd per layer", kv, layer_passes, ["cp"])
+    step.add(
+        "ep",
+        "all_to_all",
+        "tokens, dispatch + combine fwd + bwd",
+        activations * workload.topk,
+        4 * layer_passes,
+        ["ep"],
+    )
+
+
+def _data_parallel(step: _Priced, workload: Workload) -> None:
+    """Per step, the dense and (with ep) the expert gradients' reduction over their replicas:
+    an all-reduce, or under HSDP a reduce-scatter and the parameters' all-gathers over
+    ``dp_shard`` and the shards' all-reduce over the replicas."""
+    sizes = step.sizes
+    tp, ep, pp = sizes["tp"], sizes["ep"], sizes["pp"]
+    element = workload.bytes_per_element
+    expert = workload.expert_fraction if ep > 1 else 0.0
+    dense_grads = workload.params * (1 - expert) / (tp * pp) * element
+    expert_grads = workload.params * expert / (tp * pp * ep) * element
+    shards = [("dense", dense_grads, ("ep", "cp"))]
+    if expert:
+        shards.append(("expert", expert_grads, ("cp",)))
+    for kind, nbytes, others in shards:
+        if "dp_shard" not in sizes:
+            step.add("dp", "all_reduce", f"{kind} gradients", nbytes, 1, ["dp", *others])
+            continue
+        gathers = 2 * workload.microbatches
+        step.add("dp", "reduce_scatter", f"{kind} gradients", nbytes, 1, ["dp_shard"])
+        step.add("dp", "all_gather", f"{kind} parameters, fwd + bwd", nbytes, gathers, ["dp_shard"])
+        shard = nbytes / sizes["dp_shard"]
+        replicas = ["dp_replicate", *others]
+        step.add("dp", "all_reduce", f"{kind} gradient shards", shard, 1, replicas)
 
 
 def _slowest(

@@ -176,37 +176,37 @@ def match(programs: list[RankProgram]) -> Matching:
     return matching
 
 
-def align(m: Matching) -> None:
+def align(matching: Matching) -> None:
     """Estimate every rank's clock offset from the matched collectives' ends (in place)."""
     host_of = {}
-    for p in sorted(m.programs, key=lambda p: p.rank):
+    for p in sorted(matching.programs, key=lambda p: p.rank):
         host_of.setdefault(p.rank, p.host if p.host is not None else f"rank {p.rank}")
     ranks = sorted(host_of)
     hosts = list(dict.fromkeys(host_of[r] for r in ranks))  # in order of their lowest rank
     host_index = {h: i for i, h in enumerate(hosts)}
     rank_index = {r: i for i, r in enumerate(ranks)}
-    matched = m.instance >= 0
+    matched = matching.instance >= 0
     if not matched.any():
-        m.offsets_us = {r: 0.0 for r in ranks}
+        matching.offsets_us = {r: 0.0 for r in ranks}
         return
-    ends = m.column("end")[matched]
-    inst = m.instance[matched]
-    who = np.array([rank_index[int(r)] for r in m.row_rank[matched]])
-    where = np.array([host_index[host_of[int(r)]] for r in m.row_rank[matched]])
+    ends = matching.column("end")[matched]
+    inst = matching.instance[matched]
+    who = np.array([rank_index[int(r)] for r in matching.row_rank[matched]])
+    where = np.array([host_index[host_of[int(r)]] for r in matching.row_rank[matched]])
     offsets = np.zeros(len(hosts))
-    anchors = _component_anchors(where, inst, len(hosts), m.instances)
+    anchors = _component_anchors(where, inst, len(hosts), matching.instances)
     for _ in range(_ALIGN_ROUNDS if len(hosts) > 1 else 0):
-        common = group_median(ends - offsets[where], inst, m.instances)
+        common = group_median(ends - offsets[where], inst, matching.instances)
         shift = group_median(ends - common[inst] - offsets[where], where, len(hosts))
         offsets += np.nan_to_num(shift)
         offsets -= offsets[anchors]
-    common = group_median(ends - offsets[where], inst, m.instances)
+    common = group_median(ends - offsets[where], inst, matching.instances)
     residual = np.abs(ends - offsets[where] - common[inst])
-    m.offsets_us = {r: float(offsets[host_index[host_of[r]]]) for r in ranks}
+    matching.offsets_us = {r: float(offsets[host_index[host_of[r]]]) for r in ranks}
     med = group_median(residual, who, len(ranks))
     largest = np.zeros(len(ranks))
     np.maximum.at(largest, who, residual)
-    m.residual_us = {
+    matching.residual_us = {
         r: (float(np.nan_to_num(med[i])), float(largest[i])) for r, i in rank_index.items()
     }
 
@@ -243,19 +243,19 @@ class CollectiveView:
     """Per global row: the latest start of its collective less its own (0 when unmatched)."""
 
 
-def view(m: Matching) -> CollectiveView:
+def view(matching: Matching) -> CollectiveView:
     """Last arrivers, transfers and waits of every matched collective."""
-    start, end = m.aligned("start"), m.aligned("end")
-    n = m.instances
-    matched = m.instance >= 0
-    inst = m.instance[matched]
-    latest = np.full(n, -np.inf)
+    start, end = matching.aligned("start"), matching.aligned("end")
+    count = matching.instances
+    matched = matching.instance >= 0
+    inst = matching.instance[matched]
+    latest = np.full(count, -np.inf)
     np.maximum.at(latest, inst, start[matched])
-    last = np.full(n, -1, np.int64)
+    last = np.full(count, -1, np.int64)
     is_last = start[matched] >= latest[inst]
     rows = np.flatnonzero(matched)[is_last]
-    last[m.instance[rows]] = m.row_rank[rows]
-    transfer = group_median(end[matched] - latest[inst], inst, n)
+    last[matching.instance[rows]] = matching.row_rank[rows]
+    transfer = group_median(end[matched] - latest[inst], inst, count)
     wait = np.zeros(len(start))
     wait[matched] = latest[inst] - start[matched]
     return CollectiveView(

@@ -177,11 +177,11 @@ def _segment_ops(trace: RankTrace, bounds: np.ndarray) -> tuple[np.ndarray, np.n
         if trace.device == "cpu":
             rows = rows[rows["thread"] == trace.main_thread]
         seg = np.searchsorted(bounds, rows["start"], side="right") - 1
-        ok = (seg >= 0) & (seg < n)
-        key = seg[ok].astype(np.int64) * (1 << 32) + rows["name"][ok]
+        in_segment = (seg >= 0) & (seg < n)
+        key = seg[in_segment].astype(np.int64) * (1 << 32) + rows["name"][in_segment]
         unique, inverse = np.unique(key, return_inverse=True)
         keys.append(unique)
-        sums.append(np.bincount(inverse, weights=(rows["end"] - rows["start"])[ok]))
+        sums.append(np.bincount(inverse, weights=(rows["end"] - rows["start"])[in_segment]))
     top_op = np.full((n, TOP_OPS), -1, np.int32)
     top_us = np.zeros((n, TOP_OPS))
     if not keys:

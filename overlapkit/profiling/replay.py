@@ -33,6 +33,19 @@ from overlapkit.profiling.collectives import Matching
 WORK = ("busy_pre", "gap_pre", "busy_post", "gap_post")
 """The per-row work a scenario may change (µs); with ``transfer``, the values of a row."""
 VALUES = (*WORK, "transfer")
+SETTLED_SHIFT = 1e-6
+"""``delta`` stops replaying once every live row is shifted by the same amount, to this share of
+the shift (of 1 µs at least): what float64 sums of µs round away, far below any delay a trace
+can show."""
+
+
+@dataclass(slots=True)
+class _Times:
+    """Per row, replayed: arrival (enqueued), start and end of its collective, µs."""
+
+    arrival: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
 
 
 @dataclass(slots=True)
@@ -77,41 +90,44 @@ class ReplayGraph:
             total += float(ends[mine].max() - self.program_start[mine].min())
         return total
 
-    def _group(self, rows, g, a, s, e, v) -> None:
-        p = self.prev[rows]
-        base = np.where(p >= 0, a[np.maximum(p, 0)], self.row_start[rows])
-        post = v["busy_post"][rows] + v["gap_post"][rows]
-        arrival = base + v["busy_pre"][rows] + v["gap_pre"][rows] + post
-        w = self.wait_on[rows]
-        has = w >= 0
-        if has.any():
-            waited = e[w[has]] + post[has]
-            arrival[has] = np.maximum(arrival[has], waited)
-        f = self.fifo[rows]
+    def _group(self, rows: np.ndarray, group: int, times: _Times, values: dict) -> None:
+        """Replay the rows of ``group`` (one collective, or one unmatched row) into ``times``."""
+        prev = self.prev[rows]
+        base = np.where(prev >= 0, times.arrival[np.maximum(prev, 0)], self.row_start[rows])
+        post = values["busy_post"][rows] + values["gap_post"][rows]
+        arrival = base + values["busy_pre"][rows] + values["gap_pre"][rows] + post
+        wait_on = self.wait_on[rows]
+        waits = wait_on >= 0
+        if waits.any():
+            waited = times.end[wait_on[waits]] + post[waits]
+            arrival[waits] = np.maximum(arrival[waits], waited)
+        fifo = self.fifo[rows]
         begin = arrival.copy()
-        hf = f >= 0
-        if hf.any():
-            begin[hf] = np.maximum(begin[hf], e[f[hf]])
+        queued = fifo >= 0
+        if queued.any():
+            begin[queued] = np.maximum(begin[queued], times.end[fifo[queued]])
         begin += self.latency[rows]
-        a[rows], s[rows] = arrival, begin
-        e[rows] = (begin.max() if self.synced[g] else begin) + v["transfer"][rows]
+        times.arrival[rows], times.start[rows] = arrival, begin
+        last_start = begin.max() if self.synced[group] else begin
+        times.end[rows] = last_start + values["transfer"][rows]
 
-    def _ends(self, a: np.ndarray, e: np.ndarray, tail: dict[str, np.ndarray]) -> np.ndarray:
+    def _ends(self, times: _Times, tail: dict[str, np.ndarray]) -> np.ndarray:
+        """Per program, the end of its tail work after its last row."""
         last = self.tail_row
         post = tail["busy_post"] + tail["gap_post"]
-        base = np.where(last >= 0, a[np.maximum(last, 0)], self.program_start)
+        base = np.where(last >= 0, times.arrival[np.maximum(last, 0)], self.program_start)
         ends = base + tail["busy_pre"] + tail["gap_pre"] + post
-        w = self.tail_wait
-        has = w >= 0
-        ends[has] = np.maximum(ends[has], e[w[has]] + post[has])
+        wait_on = self.tail_wait
+        waits = wait_on >= 0
+        ends[waits] = np.maximum(ends[waits], times.end[wait_on[waits]] + post[waits])
         return ends
 
-    def _timeline(self, values: dict[str, np.ndarray]):
-        n = len(self.prev)
-        a, s, e = np.zeros(n), np.zeros(n), np.zeros(n)
-        for g, rows in enumerate(self.order):
-            self._group(rows, g, a, s, e, values)
-        return a, s, e
+    def _timeline(self, values: dict[str, np.ndarray]) -> _Times:
+        rows = len(self.prev)
+        times = _Times(np.zeros(rows), np.zeros(rows), np.zeros(rows))
+        for group, members in enumerate(self.order):
+            self._group(members, group, times, values)
+        return times
 
     def with_changes(self, changes: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
         """The per-row values with ``changes`` (full arrays by name) put in."""
@@ -123,78 +139,89 @@ class ReplayGraph:
         tail: dict[str, np.ndarray] | None = None,
     ) -> float:
         """The run's time (µs) with these per-row values and tail work (default: observed)."""
-        a, _, e = self._timeline(self.with_changes(changes))
-        return self.total(self._ends(a, e, {**self.tail, **(tail or {})}))
+        times = self._timeline(self.with_changes(changes))
+        return self.total(self._ends(times, {**self.tail, **(tail or {})}))
 
     def check(self) -> float:
         """The largest difference (µs) between the replayed and the observed timeline."""
-        a, s, e = self._timeline(self.values)
-        oa, os_, oe, ends = self.observed
+        times = self._timeline(self.values)
+        arrival, start, end, ends = self.observed
+        pairs = ((times.arrival, arrival), (times.start, start), (times.end, end))
         worst = max(
-            (float(np.abs(x - y).max()) for x, y in ((a, oa), (s, os_), (e, oe)) if len(x)),
+            (float(np.abs(replayed - seen).max()) for replayed, seen in pairs if len(replayed)),
             default=0.0,
         )
-        return max(worst, float(np.abs(self._ends(a, e, self.tail) - ends).max()))
+        return max(worst, float(np.abs(self._ends(times, self.tail) - ends).max()))
 
     def delta(self, rows: np.ndarray, changes: dict[str, np.ndarray]) -> float:
         """How much shorter (µs) the run is with ``rows`` given these values (by name, one per
         row); replays from the first changed row until every dependency is shifted alike."""
-        oa, os_, oe, ends = self.observed
-        a, s, e = oa.copy(), os_.copy(), oe.copy()
+        arrival, start, end, ends = self.observed
+        times = _Times(arrival.copy(), start.copy(), end.copy())
         values = dict(self.values)
         for name, new in changes.items():
             values[name] = values[name].copy()
             values[name][rows] = new
         first, last = int(self.position[rows].min()), int(self.position[rows].max())
-        for g in range(first, len(self.order)):
-            members = self.order[g]
-            self._group(members, g, a, s, e, values)
-            if not self.full[g] or g < last:
+        for group in range(first, len(self.order)):
+            members = self.order[group]
+            self._group(members, group, times, values)
+            if not self.full[group] or group < last:
                 continue
-            live = np.concatenate((members, self.crossing.get(g, np.empty(0, np.int64))))
-            shift = np.concatenate((a[members] - oa[members], e[live] - oe[live]))
-            if np.ptp(shift) <= 1e-6 * max(1.0, abs(float(shift[0]))):
+            live = np.concatenate((members, self.crossing.get(group, np.empty(0, np.int64))))
+            shift = np.concatenate(
+                (times.arrival[members] - arrival[members], times.end[live] - end[live])
+            )
+            if np.ptp(shift) <= SETTLED_SHIFT * max(1.0, abs(float(shift[0]))):
                 return -float(shift[0])
-        return self.total(ends) - self.total(self._ends(a, e, self.tail))
+        return self.total(ends) - self.total(self._ends(times, self.tail))
 
 
-def build_replay_graph(m: Matching) -> ReplayGraph:
+def build_replay_graph(matching: Matching) -> ReplayGraph:
     """The dependency graph of the matched programs (see the module docstring)."""
-    programs = m.programs
-    first = m.first_row
-    n = len(m.row_rank)
-    offsets = {p: m.offsets_us.get(prog.rank, 0.0) for p, prog in enumerate(programs)}
-    shift = np.array([offsets[p] for p in m.row_program.tolist()]) if n else np.zeros(0)
-    a, s, e = m.column("arrival") - shift, m.column("start") - shift, m.column("end") - shift
-    local = np.arange(n) - first[m.row_program] if n else np.zeros(0, np.int64)
-    prev = np.where(local > 0, np.arange(n) - 1, -1)
-    wait_on = _global(m.column("wait_on"), m.row_program, first)
-    fifo = _global(m.column("fifo_prev"), m.row_program, first)
-    ready = np.where(fifo >= 0, np.maximum(a, e[np.maximum(fifo, 0)]), a)
-    latency = s - ready
-    matched = m.instance >= 0
-    latest = np.full(max(m.instances, 1), -np.inf)
+    programs = matching.programs
+    first = matching.first_row
+    n_rows = len(matching.row_rank)
+    offsets = {p: matching.offsets_us.get(prog.rank, 0.0) for p, prog in enumerate(programs)}
+    shift = np.array([offsets[p] for p in matching.row_program.tolist()]) if n_rows else np.zeros(0)
+    arrival, start, end = (
+        matching.column("arrival") - shift,
+        matching.column("start") - shift,
+        matching.column("end") - shift,
+    )
+    local = np.arange(n_rows) - first[matching.row_program] if n_rows else np.zeros(0, np.int64)
+    prev = np.where(local > 0, np.arange(n_rows) - 1, -1)
+    wait_on = _global(matching.column("wait_on"), matching.row_program, first)
+    fifo = _global(matching.column("fifo_prev"), matching.row_program, first)
+    ready = np.where(fifo >= 0, np.maximum(arrival, end[np.maximum(fifo, 0)]), arrival)
+    latency = start - ready
+    matched = matching.instance >= 0
+    latest = np.full(max(matching.instances, 1), -np.inf)
     if matched.any():
-        np.maximum.at(latest, m.instance[matched], s[matched])
-    transfer = np.where(matched, e - latest[np.maximum(m.instance, 0)], e - s)
-    values = {name: m.column(name) for name in WORK} | {"transfer": transfer}
-    wait_on = _settle_waits(m, wait_on, m.column("confirmed"), m.column("wait"), values)
-    row_start = np.array([programs[p].cycle_start - offsets[p] for p in m.row_program.tolist()])
+        np.maximum.at(latest, matching.instance[matched], start[matched])
+    transfer = np.where(matched, end - latest[np.maximum(matching.instance, 0)], end - start)
+    values = {name: matching.column(name) for name in WORK} | {"transfer": transfer}
+    wait_on = _settle_waits(
+        matching, wait_on, matching.column("confirmed"), matching.column("wait"), values
+    )
+    row_start = np.array(
+        [programs[p].cycle_start - offsets[p] for p in matching.row_program.tolist()]
+    )
     groups, synced, keys = [], [], []
-    for rows in m.members:
+    for rows in matching.members:
         groups.append(rows)
         synced.append(True)
-        keys.append(float(s[rows].max()))
+        keys.append(float(start[rows].max()))
     for row in np.flatnonzero(~matched).tolist():
         groups.append(np.array([row]))
         synced.append(False)
-        keys.append(float(s[row]))
-    order = _dependency_order(groups, keys, (prev, wait_on, fifo), n)
+        keys.append(float(start[row]))
+    order = _dependency_order(groups, keys, (prev, wait_on, fifo), n_rows)
     groups = [groups[i] for i in order]
     synced = np.array([synced[i] for i in order], bool)
-    position = np.zeros(n, np.int64)
-    for g, rows in enumerate(groups):
-        position[rows] = g
+    position = np.zeros(n_rows, np.int64)
+    for group, rows in enumerate(groups):
+        position[rows] = group
     tail_row = np.array(
         [first[p] + len(prog.rows) - 1 if len(prog.rows) else -1 for p, prog in enumerate(programs)]
     )
@@ -204,7 +231,7 @@ def build_replay_graph(m: Matching) -> ReplayGraph:
         np.int64,
     )
     tail = {name: np.array([t[name] for t in tails], float) for name in WORK}
-    tail_wait = _settle_tail_waits(m, programs, tails, tail_wait, tail)
+    tail_wait = _settle_tail_waits(matching, programs, tails, tail_wait, tail)
     program_start = np.array([prog.cycle_start - offsets[p] for p, prog in enumerate(programs)])
     ends = np.array([prog.cycle_end - offsets[p] for p, prog in enumerate(programs)])
     cycle_ids = {}
@@ -223,12 +250,12 @@ def build_replay_graph(m: Matching) -> ReplayGraph:
         tail_wait=tail_wait,
         program_start=program_start,
         cycle=cycle,
-        observed=(a, s, e, ends),
+        observed=(arrival, start, end, ends),
         position=position,
         full=np.zeros(len(groups), bool),
         crossing={},
     )
-    _barriers(graph, m)
+    _barriers(graph, matching)
     return graph
 
 
@@ -245,25 +272,30 @@ def _structural(groups: list, target: list[int], confirmed: list[bool], size: di
     wait on the same collective and one of them, or itself, is confirmed."""
     candidates: dict[tuple, int] = {}
     sure: dict[tuple, int] = {}
-    for g, w, ok in zip(groups, target, confirmed, strict=True):
-        if w >= 0:
-            candidates[(g, w)] = candidates.get((g, w), 0) + 1
-            sure[(g, w)] = sure.get((g, w), 0) + int(ok)
+    for group, waited, is_confirmed in zip(groups, target, confirmed, strict=True):
+        if waited >= 0:
+            candidates[(group, waited)] = candidates.get((group, waited), 0) + 1
+            sure[(group, waited)] = sure.get((group, waited), 0) + int(is_confirmed)
     keep = []
-    for g, w in zip(groups, target, strict=True):
-        others = candidates.get((g, w), 0) - 1
-        keep.append(w >= 0 and others >= 1 and 2 * others >= size[g] - 1 and sure[(g, w)] >= 1)
+    for group, waited in zip(groups, target, strict=True):
+        others = candidates.get((group, waited), 0) - 1
+        keep.append(
+            waited >= 0
+            and others >= 1
+            and 2 * others >= size[group] - 1
+            and sure[(group, waited)] >= 1
+        )
     return keep
 
 
-def _settle_waits(m: Matching, wait_on, confirmed, wait, values) -> np.ndarray:
+def _settle_waits(matching: Matching, wait_on, confirmed, wait, values) -> np.ndarray:
     """Keep a rank's wait where it is structural (``_structural``: the collective's ranks
     wait there too), fold the others (see the module docstring)."""
-    inst = m.instance
+    inst = matching.instance
     has = (wait_on >= 0) & (inst >= 0)
     waited = np.where(has, inst[np.maximum(wait_on, 0)], -1)
     waited = np.where(has, waited, -1)
-    size = {i: len(rows) for i, rows in enumerate(m.members)}
+    size = {i: len(rows) for i, rows in enumerate(matching.members)}
     size[-1] = 0
     keep = np.array(_structural(inst.tolist(), waited.tolist(), confirmed.tolist(), size), bool)
     keep &= has
@@ -271,10 +303,10 @@ def _settle_waits(m: Matching, wait_on, confirmed, wait, values) -> np.ndarray:
     return np.where(keep, wait_on, -1)
 
 
-def _settle_tail_waits(m: Matching, programs, tails, tail_wait, tail) -> np.ndarray:
+def _settle_tail_waits(matching: Matching, programs, tails, tail_wait, tail) -> np.ndarray:
     """``_settle_waits`` for the programs' tails, the programs of a cycle voting."""
     cycle = [tuple(p.steps) for p in programs]
-    target = np.where(tail_wait >= 0, m.instance[np.maximum(tail_wait, 0)], -1)
+    target = np.where(tail_wait >= 0, matching.instance[np.maximum(tail_wait, 0)], -1)
     confirmed = [bool(t["confirmed"]) for t in tails]
     size: dict[tuple, int] = {}
     for c in cycle:
@@ -330,13 +362,13 @@ def _global(local: np.ndarray, row_program: np.ndarray, first: np.ndarray) -> np
     return np.where(local >= 0, first[row_program] + local, -1).astype(np.int64)
 
 
-def _barriers(graph: ReplayGraph, m: Matching) -> None:
+def _barriers(graph: ReplayGraph, matching: Matching) -> None:
     """Mark the groups every program of their cycle takes part in, and the earlier rows still
     read after each (``ReplayGraph.delta`` stops at such a group once all of them shift alike)."""
     programs_of_cycle = {c: int((graph.cycle == c).sum()) for c in np.unique(graph.cycle)}
     for g, rows in enumerate(graph.order):
         if graph.synced[g]:
-            progs = m.row_program[rows]
+            progs = matching.row_program[rows]
             cycle = graph.cycle[progs[0]]
             graph.full[g] = len(np.unique(progs)) == programs_of_cycle[cycle]
     src, dst = [], []

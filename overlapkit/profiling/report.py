@@ -121,14 +121,14 @@ def _where(s) -> str:
 
 def format_stragglers(found: StragglerReport) -> list[str]:
     """The ``--stragglers`` sections (times in ms)."""
-    m = found.matching
-    offsets = sorted(m.offsets_us.items())
-    residual = sorted(m.residual_us.items())
+    matching = found.matching
+    offsets = sorted(matching.offsets_us.items())
+    residual = sorted(matching.residual_us.items())
     moved = [f"{r}: {o / 1e3:+.3f}" for r, o in offsets if o != 0.0]
     lines = [
         "",
-        f"collectives matched across ranks: {m.instances}"
-        + "".join(f"; unmatched {n} ({why})" for why, n in m.unmatched.items()),
+        f"collectives matched across ranks: {matching.instances}"
+        + "".join(f"; unmatched {n} ({why})" for why, n in matching.unmatched.items()),
         "clock offsets (ms, by host): "
         + (", ".join(moved) if moved else "none (one clock)")
         + (
@@ -166,18 +166,18 @@ def format_stragglers(found: StragglerReport) -> list[str]:
                 f"  rank {r['rank']}: {r['count']} stragglers, "
                 f"cost {r['cost_ms']:.2f} ms ({causes})"
             )
-    w = found.what_if
-    if w is not None:
-        kinds = ", ".join(f"{k} {v:.3f}" for k, v in w.per_kind.items())
-        worst = sorted(w.per_rank.items(), key=lambda kv: -kv[1])[:RANKS_SHOWN]
-        m_w = "-" if w.m_w is None else f"{w.m_w:.2f}"
+    what_if = found.what_if
+    if what_if is not None:
+        kinds = ", ".join(f"{k} {v:.3f}" for k, v in what_if.per_kind.items())
+        worst = sorted(what_if.per_rank.items(), key=lambda kv: -kv[1])[:RANKS_SHOWN]
+        m_w = "-" if what_if.m_w is None else f"{what_if.m_w:.2f}"
         lines += [
             "",
-            f"what-if: S = {w.slowdown:.3f} (replayed {w.t_ms:.2f} ms, ideal "
-            f"{w.t_ideal_ms:.2f} ms; replay error {w.replay_error_us:.3f} us); "
+            f"what-if: S = {what_if.slowdown:.3f} (replayed {what_if.t_ms:.2f} ms, ideal "
+            f"{what_if.t_ideal_ms:.2f} ms; replay error {what_if.replay_error_us:.3f} us); "
             f"S by kind: {kinds}",
             "  S per rank (highest): "
             + ", ".join(f"{r}: {v:.3f}" for r, v in worst)
-            + f"; M_W (worst 3% of ranks {w.worst_ranks}) = {m_w}",
+            + f"; M_W (worst 3% of ranks {what_if.worst_ranks}) = {m_w}",
         ]
     return lines

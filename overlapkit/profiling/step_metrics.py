@@ -204,9 +204,9 @@ def _windows(trace: RankTrace, compute: RecordTable) -> Iterator[tuple[int, int]
 
 def _assign(anchor: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Index of the step window holding each anchor, or -1."""
-    i = np.searchsorted(starts, anchor, side="right") - 1
-    ok = (i >= 0) & (anchor < ends[np.maximum(i, 0)])
-    return np.where(ok, i, -1)
+    window = np.searchsorted(starts, anchor, side="right") - 1
+    inside = (window >= 0) & (anchor < ends[np.maximum(window, 0)])
+    return np.where(inside, window, -1)
 
 
 def step_rows(

@@ -44,7 +44,6 @@ __all__ = ["MAX_DEPTH", "EventError", "TraceFormatError", "read_trace", "read_tr
 
 CHUNK_BYTES = 1 << 22
 _WHITESPACE = re.compile(rb"[ \t\n\r]*")
-_TEXT_WHITESPACE = re.compile(r"[ \t\n\r]*")
 _SEPARATOR = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 _TAIL_MARGIN = 64

@@ -73,6 +73,16 @@ class Library(_Choice):
     GLOO = "gloo"
     IDEAL = "ideal"  # line rate, no protocol overhead: a bare link
 
+    @property
+    def moves_host_tensors(self) -> bool:
+        """The library reduces tensors in host memory: gloo, torch's backend for CPU ranks.
+
+        A framework runs its host-device code there, its CUDA code on the others, and the two
+        may issue different collectives for the same work (overlapkit-train's context
+        parallelism gathers K and V with a call each on host devices, in one buffer on CUDA).
+        """
+        return self is Library.GLOO
+
 
 @dataclass(frozen=True, slots=True)
 class Device:

@@ -6,8 +6,6 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-KNOBS = ("bucket_mb", "prefetch")
-
 
 @dataclass
 class Trial:

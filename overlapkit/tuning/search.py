@@ -100,14 +100,14 @@ class Tuner:
         self._apply(self.current)
 
     def report(self) -> TuningReport:
-        r = self._report
+        current = self._report
         return TuningReport(
-            knob=r.knob,
-            trials=[replace(t) for t in r.trials],
-            chosen=r.chosen,
-            settled=r.settled,
-            settled_at_step=r.settled_at_step,
-            reason=r.reason,
+            knob=current.knob,
+            trials=[replace(t) for t in current.trials],
+            chosen=current.chosen,
+            settled=current.settled,
+            settled_at_step=current.settled_at_step,
+            reason=current.reason,
         )
 
     def step_ended(self, tag: int) -> None:
@@ -136,15 +136,17 @@ class Tuner:
 
     def _end_trial(self) -> None:
         exposed, peak = self._extras(self._tags) if self._extras else (None, None)
-        m = self._measure
-        values = list(self._samples) + (exposed or [0.0] * m) + [float(peak or 0)]
+        measured = self._measure
+        values = list(self._samples) + (exposed or [0.0] * measured) + [float(peak or 0)]
         combined = torch.tensor(values, dtype=torch.float64, device=self._device)
         dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self._group)
         combined = combined.tolist()
         trial = Trial(
             value=self.current,
-            step_ms=round(statistics.median(combined[:m]), 3),
-            exposed_ms=None if exposed is None else round(statistics.median(combined[m:-1]), 3),
+            step_ms=round(statistics.median(combined[:measured]), 3),
+            exposed_ms=None
+            if exposed is None
+            else round(statistics.median(combined[measured:-1]), 3),
             peak_bytes=None if peak is None else int(combined[-1]),
         )
         self._report.trials.append(trial)

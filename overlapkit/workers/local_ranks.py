@@ -161,40 +161,88 @@ def run_on_ranks(
     ]
     for proc in procs:
         proc.start()
+    try:
+        outcomes = _collect(results, procs, total_timeout_s, collective_timeout_s)
+    finally:
+        killed = _stop(procs)
+        del store
+    failures = _failures(procs, outcomes, killed)
+    if failures:
+        raise RankFailure(
+            "\n".join(failures),
+            results={r: pickle.loads(v) for r, (st, v) in outcomes.items() if st == "ok"},
+            errors={r: v for r, (st, v) in outcomes.items() if st == "error"},
+        )
+    return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
 
+
+FAILURE_GRACE_S = 5.0
+"""After a rank fails, the others get one collective timeout plus this long to report: the time
+to notice a dead peer, unwind and send their own failure through the queue."""
+RESULT_DELAY_S = 1.0
+"""A process found dead gets this long for a result it sent to arrive through the queue before
+it is judged to have died without one."""
+POLL_S = 0.1
+"""How often the parent looks for results and dead processes."""
+
+
+def _collect(
+    results: mp.Queue,
+    procs: list[mp.Process],
+    total_timeout_s: float,
+    collective_timeout_s: float,
+) -> dict[int, tuple[str, Any]]:
+    """Per rank that reported, its ``("ok", pickled value)`` or ``("error", traceback)``.
+
+    Returns once every rank reported, the run is past ``total_timeout_s``, a failure is older
+    than a collective timeout (plus ``FAILURE_GRACE_S``), or every rank either reported or died.
+    """
+    world_size = len(procs)
     outcomes: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + total_timeout_s
     first_failure_at: float | None = None
-    try:
-        while len(outcomes) < world_size:
-            now = time.monotonic()
-            if now > deadline:
-                break
-            if first_failure_at is not None and now > first_failure_at + collective_timeout_s + 5:
-                break
-            try:
-                rank, status, value = results.get(timeout=0.1)
-                outcomes[rank] = (status, value)
-                if status == "error" and first_failure_at is None:
-                    first_failure_at = time.monotonic()
-                continue
-            except queue.Empty:
-                pass
-            dead = [r for r, p in enumerate(procs) if r not in outcomes and not p.is_alive()]
-            if dead and first_failure_at is None:
-                # Give its result a moment to arrive through the queue before judging it dead.
+    while len(outcomes) < world_size:
+        now = time.monotonic()
+        if now > deadline:
+            break
+        grace = collective_timeout_s + FAILURE_GRACE_S
+        if first_failure_at is not None and now > first_failure_at + grace:
+            break
+        try:
+            rank, status, value = results.get(timeout=POLL_S)
+            outcomes[rank] = (status, value)
+            if status == "error" and first_failure_at is None:
                 first_failure_at = time.monotonic()
-            if dead and len(outcomes) + len(dead) == world_size and now > first_failure_at + 1:
-                break  # everyone else has reported: nothing more can arrive
-    finally:
-        killed = set()
-        for rank, proc in enumerate(procs):
-            if proc.is_alive():
-                proc.kill()
-                killed.add(rank)
-            proc.join(timeout=5)
-        del store
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in outcomes and not p.is_alive()]
+        if dead and first_failure_at is None:
+            first_failure_at = time.monotonic()
+        if (
+            dead
+            and len(outcomes) + len(dead) == world_size
+            and now > first_failure_at + RESULT_DELAY_S
+        ):
+            break  # everyone else has reported: nothing more can arrive
+    return outcomes
 
+
+def _stop(procs: list[mp.Process]) -> set[int]:
+    """Kill the ranks still running and reap every process; the ranks killed."""
+    killed = set()
+    for rank, proc in enumerate(procs):
+        if proc.is_alive():
+            proc.kill()
+            killed.add(rank)
+        proc.join(timeout=5)
+    return killed
+
+
+def _failures(
+    procs: list[mp.Process], outcomes: dict[int, tuple[str, Any]], killed: set[int]
+) -> list[str]:
+    """One section per failed rank: its traceback, or why it returned nothing."""
     failures = []
     for rank, proc in enumerate(procs):
         status, value = outcomes.get(rank, (None, None))
@@ -208,10 +256,4 @@ def run_on_ranks(
             else:
                 why = f"exit code {proc.exitcode}"
             failures.append(f"--- rank {rank} returned nothing: {why} ---")
-    if failures:
-        raise RankFailure(
-            "\n".join(failures),
-            results={r: pickle.loads(v) for r, (st, v) in outcomes.items() if st == "ok"},
-            errors={r: v for r, (st, v) in outcomes.items() if st == "error"},
-        )
-    return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
+    return failures

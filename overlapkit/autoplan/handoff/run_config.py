@@ -1,8 +1,9 @@
 """How to run a chosen layout: ``overlapkit-train`` overrides (torchtitan's arguments are
 ``autoplan.handoff.torchtitan``'s), and the layout priced as another framework runs it.
 
-overlapkit-train runs what ``autoplan.framework.OVERLAPKIT_TRAIN`` does not refuse
-(``lacks`` / ``refusal``). ``train_overrides`` spells a layout with its config groups:
+overlapkit-train runs what ``overlapkit.layout.overlapkit_train``'s table does not refuse
+(``autoplan.framework.OVERLAPKIT_TRAIN.refusal``). ``train_overrides`` spells a layout with its
+config groups:
 
 =====================  ===============================================================
 the layout             the overrides
@@ -12,8 +13,9 @@ tp > 1                 ``parallel=tp_dp parallel.plan.tp=T`` (``ok.GradBucketer`
 otherwise, by sharding ``parallel=ddp``, ``fsdp``, ``zero1``, ``zero2``, ``hsdp
                        parallel.plan.dp_shard=Z``; pp with ddp ``parallel=pp_dp``, cp with
                        ddp ``parallel=cp_dp``
-pp > 1                 ``parallel.plan.pp=P`` (``Interleaved1F1B`` with
-                       ``parallel.plan.virtual_stages=v`` for v > 1, 1F1B otherwise)
+pp > 1                 ``parallel.plan.pp=P`` (the schedule the planner prices:
+                       ``Interleaved1F1B`` with ``parallel.plan.virtual_stages=v`` for v > 1,
+                       1F1B otherwise)
 cp > 1                 ``parallel.plan.cp=C``
 =====================  ===============================================================
 
@@ -30,12 +32,11 @@ import dataclasses
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN, Framework
 from overlapkit.autoplan.ok_plan import AutoPlan
 from overlapkit.autoplan.search import price
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
+from overlapkit.layout.overlapkit_train import planned_schedule
 
 TRAIN_MODELS = ("gpt_tiny", "moe_tiny", "mlp")
 """overlapkit-train's model zoo (``conf/model``)."""
-INTERLEAVED_SCHEDULE = "Interleaved1F1B"
-"""The schedule a layout with ``virtual_stages > 1`` runs (the planner prices interleaved 1F1B)."""
 _GROUP_PLAN_KEYS = {
     "ep_dp": ("ep",),
     "tp_dp": ("tp",),
@@ -67,7 +68,8 @@ def plan_overrides(layout: TrainingLayout, group: str) -> list[str]:
         "dp_shard": layout.dp_shard,
     }
     if layout.pp > 1 and layout.virtual_stages > 1:
-        sizes |= {"schedule": INTERLEAVED_SCHEDULE, "virtual_stages": layout.virtual_stages}
+        schedule = planned_schedule(layout.virtual_stages).name
+        sizes |= {"schedule": schedule, "virtual_stages": layout.virtual_stages}
     own = _GROUP_PLAN_KEYS.get(group, ())
     out = []
     for key, value in sizes.items():

@@ -1,46 +1,14 @@
 """The hand-off of a layout to torchtitan: the ``torchtitan.train`` arguments that run it, and
 what of it torchtitan cannot express.
 
-Checked against torchtitan ``TORCHTITAN_VERSION`` (its ``ConfigManager().parse_args``, its
-``ParallelDims`` and mesh under a fake process group, its pipeline split and start-up checks:
-``tests/test_torchtitan_handoff.py``). That release has no TOML job file: a run is
-``--module <m> --config <function>`` (a registered ``Trainer.Config``) plus ``--section.key
-value`` overrides, and any unknown key is an error. So every choice the planner made is passed,
-and the named config's own choices never leak in:
-
-- **degrees**, torchtitan's convention: ``world = pp x dp_replicate x dp_shard x cp x tp``, with
-  ep carved out of ``dp_shard x cp x tp``. ``ok.plan``'s ``dp x ep`` replicas (``planner.layout``)
-  become ``dp_replicate x dp_shard``: fsdp ``1 x dp*ep``, hsdp ``dp/dp_shard x dp_shard*ep``,
-  ddp ``dp x ep`` (``dp_shard = ep``: FSDP's shard group is where ep comes from), zero1/zero2
-  as fsdp (torchtitan has none of them);
-- **batch**: ``local_batch_size`` is sequences per data-parallel rank per forward-backward:
-  the micro-batch with pp = 1 (torchtitan accumulates ``global / (local x dp)`` of them),
-  micro-batch x micro-batches with pp > 1 (its schedule splits them into
-  ``pipeline_parallel_microbatch_size`` pieces); ``global_batch_size`` and ``seq_len``;
-- **pipeline**: the schedule (``1F1B``, or ``Interleaved1F1B`` with virtual stages) and
-  ``pipeline_parallel_layers_per_stage`` with the first and last stage's weights: torchtitan
-  counts the embedding and the head as that many layers each and makes
-  ``ceil((layers + weights) / layers_per_stage)`` stages (``torchtitan_stage_split``); where
-  no value makes ``pp x v`` of them, the same split as ``module_fqns_per_model_part``;
-  ``disable_cuda_graphs`` where torchtitan requires it (pp > 1; ep > 1 with the default token
-  dispatcher);
-- **recomputation** as the ``activation-checkpoint:none|selective|full`` subcommand, and FSDP's
-  ``fsdp_reshard_after_forward`` (``always`` with pp = 1, ``never`` under pp: torchtitan's own
-  default resolved, so that a named config cannot change it; ``never`` for zero1/zero2, the
-  nearest torchtitan has).
-
-``--module/--config`` name a config torchtitan registers for the model's shape
-(``REGISTERED``); for any other model the arguments carry the degrees, batch and
-recomputation only, and a warning says so. What torchtitan's start-up checks would refuse
-(``seq_len`` not divisible by ``tp x 2cp``, tp not dividing the heads) is a warning, and so is
-what does not transfer:
-full recomputation of some layers (torchtitan's full AC wraps every block), experts split
-over tp (0.3.0 has no expert tensor parallelism), ZeRO-1/2, ep or cp with ddp or hsdp (the
-shard group torchtitan then uses), a named config that trains at another precision, a stage
-split other than the planner's, and the placement: torchtitan builds its mesh in rank order
-``pp, dp_replicate, dp_shard, cp, tp`` with ep the innermost ranks of ``dp_shard x cp x tp``,
-so only the degrees transfer (the same groups only where the planner's rank grid is in rank
-order and ep does not meet cp or tp).
+``torchtitan_run`` gives the arguments (``--module``/``--config`` of a registered config where
+one matches the model's shape, then every choice of the plan as ``--section.key value``
+overrides, so that the named config's own choices never leak in) and warnings for what
+torchtitan would refuse at start-up or runs otherwise than planned. ``degrees`` and
+``torchtitan_stage_split`` convert the planner's sizes and pipeline stages to torchtitan's
+conventions. Everything here is checked against torchtitan ``TORCHTITAN_VERSION`` itself
+(``tests/test_torchtitan_handoff.py``); what each argument carries and why:
+docs/auto-planner.md, "Handing the plan to torchtitan".
 """
 
 from __future__ import annotations
@@ -50,7 +18,7 @@ from dataclasses import dataclass, field
 
 from overlapkit.autoplan.memory import layers_per_stage
 from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.planner.placement import Placement
 
 TORCHTITAN_VERSION = "0.3.0"
@@ -197,7 +165,13 @@ def _distribute(layers: int, stages: int, first: int, last: int) -> tuple[int, .
 
 
 def degrees(layout: TrainingLayout) -> dict[str, int]:
-    """torchtitan's ``--parallelism.*_degree`` values for ``layout`` (see module doc)."""
+    """torchtitan's ``--parallelism.*_degree`` values for ``layout``.
+
+    torchtitan's world is ``pp x dp_replicate x dp_shard x cp x tp`` with ep carved out of
+    ``dp_shard x cp x tp``, so ``ok.plan``'s ``dp x ep`` replicas become ``dp_replicate x
+    dp_shard``: fsdp (and zero1/zero2, which torchtitan lacks) ``1 x dp*ep``, hsdp
+    ``dp/dp_shard x dp_shard*ep``, ddp ``dp x ep``.
+    """
     if layout.sharding == "hsdp":
         replicate, shard = layout.dp // layout.dp_shard, layout.dp_shard * layout.ep
     elif layout.sharding == "ddp":
@@ -243,28 +217,24 @@ def torchtitan_run(
     precision: str = "bf16",
     placement: Placement | None = None,
 ) -> TorchtitanRun:
-    """The ``torchtitan.train`` arguments that run ``layout`` of ``model`` (see module doc).
+    """The ``torchtitan.train`` arguments that run ``layout`` of ``model``.
 
-    ``precision``: what the plan priced (``bf16``, ``fp8``); ``placement``: the planner's
-    (``ok.plan``), for the warning where torchtitan's rank order differs from it.
+    Args:
+        layout (TrainingLayout): the plan's sizes, micro-batching, recomputation, sharding.
+        model (ModelSpec): the model; a registered config of its shape is named.
+        seq_len (int): tokens per sequence (``--training.seq_len``).
+        global_batch (int): sequences per step (``--training.global_batch_size``).
+        precision (str): what the plan priced (``bf16``, ``fp8``). Defaults to ``bf16``.
+        placement (Placement | None): the planner's (``ok.plan``), for the warning where
+            torchtitan's rank order differs from it.
+
+    Returns:
+        TorchtitanRun: the arguments in order (``--module``/``--config`` first where a config
+        matches, the ``activation-checkpoint:`` subcommand last), the config, and one warning
+        per thing torchtitan refuses at start-up or runs otherwise than planned.
     """
     config = next((c for c in REGISTERED if c.matches(model)), None)
-    warnings: list[str] = []
-    args = ["--module", config.module, "--config", config.config] if config else []
-    if config is None:
-        names = ", ".join(c.config for c in REGISTERED)
-        warnings.append(
-            f"torchtitan {TORCHTITAN_VERSION} registers no config for {model.name} (its configs "
-            f"for the planner's models: {names}; model_spec cannot be set on its command line): "
-            "the arguments carry the degrees, batch and recomputation only; put --module and "
-            "--config of a config_registry of your own in front of them"
-        )
-    elif config.precision != precision:
-        warnings.append(
-            f"{config.config} trains in {config.precision}"
-            + (f" with {config.trains}" if config.trains else "")
-            + f"; the plan priced {precision}: price it with --precision {config.precision}"
-        )
+    args, warnings = _model_args(config, model, precision)
     for key, value in degrees(layout).items():
         args += [f"--parallelism.{key}", str(value)]
     pipelined = layout.pp > 1
@@ -277,32 +247,9 @@ def torchtitan_run(
         str(layout.micro_batch),
     ]
     if pipelined:
-        stages = layout.pp * layout.virtual_stages
-        split = torchtitan_stage_split(model.layers, stages)
-        if split is None:
-            warnings.append(
-                f"torchtitan cannot split {model.layers} layers into {stages} stages (pp x v)"
-            )
-        else:
-            if split.layers_per_stage is None:
-                args += ["--parallelism.module_fqns_per_model_part", *split.module_names()]
-            else:
-                args += [
-                    "--parallelism.pipeline_parallel_layers_per_stage",
-                    str(split.layers_per_stage),
-                    "--parallelism.pipeline_parallel_first_stage_less_layers",
-                    str(split.first_weight),
-                    "--parallelism.pipeline_parallel_last_stage_less_layers",
-                    str(split.last_weight),
-                ]
-            planned = layers_per_stage(model, layout)
-            fullest = max(split.rank_layers(layout.pp))
-            if fullest > planned:
-                warnings.append(
-                    f"torchtitan's stage split puts up to {fullest} layers on a pipeline rank "
-                    f"(stages of {', '.join(map(str, split.stage_layers))}); the plan priced "
-                    f"{planned}"
-                )
+        stage_args, stage_warnings = _stage_args(layout, model)
+        args += stage_args
+        warnings += stage_warnings
     local = layout.micro_batch * (layout.num_micro_batches if pipelined else 1)
     args += [
         "--training.local_batch_size",
@@ -318,6 +265,59 @@ def torchtitan_run(
     warnings += _refused_at_start(layout, model, seq_len)
     warnings += _untransferred(layout, model, placement)
     return TorchtitanRun(args, config, warnings)
+
+
+def _model_args(
+    config: RegisteredConfig | None, model: ModelSpec, precision: str
+) -> tuple[list[str], list[str]]:
+    """(``--module``/``--config`` of the registered ``config``, warnings): where none matches
+    ``model``, no arguments and a warning; where it trains at another precision than the plan
+    priced, a warning."""
+    if config is None:
+        names = ", ".join(c.config for c in REGISTERED)
+        return [], [
+            f"torchtitan {TORCHTITAN_VERSION} registers no config for {model.name} (its configs "
+            f"for the planner's models: {names}; model_spec cannot be set on its command line): "
+            "the arguments carry the degrees, batch and recomputation only; put --module and "
+            "--config of a config_registry of your own in front of them"
+        ]
+    args = ["--module", config.module, "--config", config.config]
+    if config.precision == precision:
+        return args, []
+    return args, [
+        f"{config.config} trains in {config.precision}"
+        + (f" with {config.trains}" if config.trains else "")
+        + f"; the plan priced {precision}: price it with --precision {config.precision}"
+    ]
+
+
+def _stage_args(layout: TrainingLayout, model: ModelSpec) -> tuple[list[str], list[str]]:
+    """(the stage split's arguments, warnings) for ``pp x v`` stages: layers per stage with the
+    embedding's and head's weights, or module by module; a warning where torchtitan cannot
+    split them or puts more layers on a rank than the plan priced."""
+    stages = layout.pp * layout.virtual_stages
+    split = torchtitan_stage_split(model.layers, stages)
+    if split is None:
+        return [], [f"torchtitan cannot split {model.layers} layers into {stages} stages (pp x v)"]
+    if split.layers_per_stage is None:
+        args = ["--parallelism.module_fqns_per_model_part", *split.module_names()]
+    else:
+        args = [
+            "--parallelism.pipeline_parallel_layers_per_stage",
+            str(split.layers_per_stage),
+            "--parallelism.pipeline_parallel_first_stage_less_layers",
+            str(split.first_weight),
+            "--parallelism.pipeline_parallel_last_stage_less_layers",
+            str(split.last_weight),
+        ]
+    planned = layers_per_stage(model, layout)
+    fullest = max(split.rank_layers(layout.pp))
+    if fullest <= planned:
+        return args, []
+    return args, [
+        f"torchtitan's stage split puts up to {fullest} layers on a pipeline rank "
+        f"(stages of {', '.join(map(str, split.stage_layers))}); the plan priced {planned}"
+    ]
 
 
 def _refused_at_start(layout: TrainingLayout, model: ModelSpec, seq_len: int) -> list[str]:
@@ -340,7 +340,9 @@ def _refused_at_start(layout: TrainingLayout, model: ModelSpec, seq_len: int) ->
 def _untransferred(
     layout: TrainingLayout, model: ModelSpec, placement: Placement | None
 ) -> list[str]:
-    """What of ``layout`` torchtitan runs otherwise than planned (module doc)."""
+    """What of ``layout`` torchtitan runs otherwise than planned: ``full:K`` recomputation,
+    experts split over tp, ZeRO-1/2, ep or cp with ddp or hsdp, and the placement where its
+    rank order differs from the planner's."""
     out = []
     if layout.recompute_layers is not None:
         out.append(

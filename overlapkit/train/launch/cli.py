@@ -29,6 +29,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
@@ -36,16 +37,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from overlapkit.fsdp.zero import resolve_reshard_after_forward
 from overlapkit.planner import plan as place
 from overlapkit.train.launch.elastic import LauncherConfig, launch
 from overlapkit.train.launch.slurm import task_index
 from overlapkit.train.launch.worker_init import resolve_worker_init
-from overlapkit.train.parallel.context_parallel import check_sequence_split
-from overlapkit.train.parallel.mesh import check_plan, split_parallel
-from overlapkit.train.parallel.pipeline_stages import check_pipeline
-from overlapkit.train.parallel.recompute import check_recompute_fits
-from overlapkit.train.parallel.wrappers import check_run_optimizer
+from overlapkit.train.parallel.mesh import PlanConfig, split_parallel
+from overlapkit.train.parallel.run_layout import check_parallel
 from overlapkit.train.planning.parallel_auto import is_auto, resolve_auto
 from overlapkit.train.run.checkpoint import latest_checkpoint
 from overlapkit.train.run.data import check_compatible
@@ -114,49 +111,52 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
         )
     for spec in launcher.worker_init:
         resolve_worker_init(spec)
+    train, model_config, source = _checked_components(cfg)
+    world_size = launcher.nnodes * launcher.nproc_per_node
+    plan, factory = split_parallel(cfg.parallel)
+    check_parallel(
+        plan,
+        factory,
+        train,
+        world_size=world_size,
+        model_config=model_config,
+        seq_len=getattr(source, "seq_len", None),
+    )
+    _check_topology(cfg.get("topology"), plan, world_size)
+
+
+def _checked_components(cfg: DictConfig) -> tuple[Any, Any, Any]:
+    """The ``train`` config, the model's config and the data source, instantiated, with the
+    optimizer, its schedule and the profiler built once to check them."""
     train = instantiate(cfg.train)
     model_config = instantiate(cfg.model.config)
     source = instantiate(cfg.data)
     check_compatible(source, model_config)
-    train_steps = cfg.train.steps
     probe = [torch.zeros(1, requires_grad=True)]
     optimizer = instantiate(cfg.optim.optimizer)(probe)
-    instantiate(cfg.optim.scheduler)(optimizer, total_steps=train_steps)
+    instantiate(cfg.optim.scheduler)(optimizer, total_steps=cfg.train.steps)
     if cfg.get("profiler") is not None:
         instantiate(cfg.profiler)(logdir="unused")  # checks the schedule; starts nothing
-    world_size = launcher.nnodes * launcher.nproc_per_node
-    plan, factory = split_parallel(cfg.parallel)
-    check_plan(
-        plan, world_size=world_size, model_config=model_config, target=factory.get("_target_")
-    )
-    check_sequence_split(plan.cp, getattr(source, "seq_len", None))
-    if factory.get("_target_") == "overlapkit.fsdp":  # zero=, before the workers build it
-        resolve_reshard_after_forward(factory.get("zero"), factory.get("reshard_after_forward"))
-    check_run_optimizer(factory, plan=plan)
-    check_pipeline(
-        plan, model_config=model_config, grad_accum=cfg.train.grad_accum, factory_cfg=factory
-    )
-    check_recompute_fits(
-        train.recompute,
-        train.recompute_layers,
-        blocks_per_stage=model_config.n_layer // (plan.pp * plan.virtual_stages),
-        has_attention=hasattr(model_config, "n_head"),
-    )
-    topology = cfg.get("topology")
+    return train, model_config, source
+
+
+def _check_topology(topology: DictConfig | None, plan: PlanConfig, world_size: int) -> None:
+    """The topology holds the job's ranks and places its sizes (the planner's own refusals)."""
     if topology is None and not plan.trivial:
         raise ValueError(
             "parallel.plan needs a topology to place tp/ep/cp/pp/dp_shard on; use topology=detect "
             "or topology=preset (topology is null)"
         )
-    if topology is not None and topology.get("_target_") != _DETECT:
-        described = instantiate(topology)()
-        if described.world_size != world_size:
-            raise ValueError(
-                f"topology {described.name!r} describes {described.world_size} ranks, but "
-                f"launcher.nnodes * launcher.nproc_per_node = {world_size}; choose a preset of "
-                "that size (NAMExN for N nodes) or topology=detect"
-            )
-        place(described, **plan.plan_kwargs())  # the planner's own refusals, before launch
+    if topology is None or topology.get("_target_") == _DETECT:
+        return
+    described = instantiate(topology)()
+    if described.world_size != world_size:
+        raise ValueError(
+            f"topology {described.name!r} describes {described.world_size} ranks, but "
+            f"launcher.nnodes * launcher.nproc_per_node = {world_size}; choose a preset of "
+            "that size (NAMExN for N nodes) or topology=detect"
+        )
+    place(described, **plan.sizes.placement_sizes(), order=plan.order)
 
 
 def check_fresh_start(cfg: DictConfig, run_dir: Path) -> None:

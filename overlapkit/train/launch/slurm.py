@@ -177,71 +177,11 @@ class SlurmStep:
         Raises:
             ValueError: naming the variable that is missing, malformed or inconsistent.
         """
-        if "SLURM_JOB_ID" not in env:
-            raise ValueError(
-                "launcher=slurm, but SLURM_JOB_ID is unset: this is not a Slurm job; run it "
-                "inside an allocation as `srun overlapkit-train launcher=slurm ...`"
-            )
-        if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
-            raise ValueError(
-                "launcher=slurm, but SLURM_STEP_ID is unset: this is the batch script itself, "
-                "not a task of a job step; start overlapkit-train with srun (one task per node "
-                "or one per rank), as recipes/slurm/train.sbatch does"
-            )
+        _check_in_step(env)
         job_id = _int(env, "SLURM_JOB_ID", 0)
-        # A step may use part of the allocation: its own variables win over the job's.
-        nodes_var = _first_set(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-        nodes = tuple(expand_hostlist(env[nodes_var], variable=nodes_var))
-        nnodes_var = _first_set(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
-        nnodes = _int(env, nnodes_var, 1)
-        if len(nodes) != nnodes:
-            raise ValueError(
-                f"{nodes_var}={env[nodes_var]!r} names {len(nodes)} node(s), but "
-                f"{nnodes_var}={nnodes}"
-            )
-        if len(set(nodes)) != len(nodes):
-            raise ValueError(f"{nodes_var}={env[nodes_var]!r} names a node twice")
-        tasks_var = _first_set(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-        tasks = tuple(expand_tasks_per_node(env[tasks_var], variable=tasks_var))
-        if len(tasks) != nnodes:
-            raise ValueError(
-                f"{tasks_var}={env[tasks_var]!r} gives {len(tasks)} node(s), but "
-                f"{nnodes_var}={nnodes}"
-            )
-        ntasks_var = _first_set(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
-        if _int(env, ntasks_var, 1) != sum(tasks):
-            raise ValueError(
-                f"{ntasks_var}={env[ntasks_var]} but {tasks_var}={env[tasks_var]!r} adds up to "
-                f"{sum(tasks)} tasks"
-            )
-        if len(set(tasks)) != 1:
-            raise ValueError(
-                f"{tasks_var}={env[tasks_var]!r}: the nodes run different numbers of tasks "
-                "(--ntasks without a per-node count?); overlapkit needs the same number on "
-                "every node: use --ntasks-per-node"
-            )
-        per_node = env.get("SLURM_NTASKS_PER_NODE")
-        if per_node is not None and per_node.strip() != str(tasks[0]):
-            raise ValueError(
-                f"SLURM_NTASKS_PER_NODE={per_node} but {tasks_var}={env[tasks_var]!r}: srun "
-                "started another number of tasks per node than the allocation asked for"
-            )
-        node_id = _int(env, "SLURM_NODEID", 0)
-        proc_id = _int(env, "SLURM_PROCID", 0)
-        local_id = _int(env, "SLURM_LOCALID", 0)
-        if node_id >= nnodes:
-            raise ValueError(f"SLURM_NODEID={node_id} must be < {nnodes_var}={nnodes}")
-        if local_id >= tasks[node_id]:
-            raise ValueError(
-                f"SLURM_LOCALID={local_id} must be < the {tasks[node_id]} task(s) of node "
-                f"{node_id} ({tasks_var}={env[tasks_var]!r})"
-            )
-        if proc_id != node_id * tasks[0] + local_id:
-            raise ValueError(
-                f"SLURM_PROCID={proc_id} is not node {node_id}'s task {local_id} in block order "
-                f"(expected {node_id * tasks[0] + local_id}): ranks must be numbered node by "
-                "node; use srun --distribution=block"
-            )
+        nodes, nnodes = _step_nodes(env)
+        tasks = _step_tasks(env, nnodes)
+        node_id, proc_id, local_id = _task_position(env, nnodes, tasks)
         gpus = env.get("SLURM_GPUS_ON_NODE")
         return cls(
             job_id=job_id,
@@ -252,6 +192,99 @@ class SlurmStep:
             local_id=local_id,
             gpus_on_node=_int(env, "SLURM_GPUS_ON_NODE", 0) if gpus is not None else None,
         )
+
+
+def _check_in_step(env: Mapping[str, str]) -> None:
+    """Refuse to run outside a task of a Slurm job step (outside a job, or in its batch script)."""
+    if "SLURM_JOB_ID" not in env:
+        raise ValueError(
+            "launcher=slurm, but SLURM_JOB_ID is unset: this is not a Slurm job; run it "
+            "inside an allocation as `srun overlapkit-train launcher=slurm ...`"
+        )
+    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+        raise ValueError(
+            "launcher=slurm, but SLURM_STEP_ID is unset: this is the batch script itself, "
+            "not a task of a job step; start overlapkit-train with srun (one task per node "
+            "or one per rank), as recipes/slurm/train.sbatch does"
+        )
+
+
+_NODE_LISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+_NODE_COUNTS = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+_TASK_COUNTS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+"""Where a step's hosts, their count and their tasks are read, the step's own first: a step may
+use part of the allocation, so its variables win over the job's."""
+
+
+def _step_nodes(env: Mapping[str, str]) -> tuple[tuple[str, ...], int]:
+    """The step's hosts in node-id order and their count, checked against each other."""
+    nodes_var = _first_set(env, *_NODE_LISTS)
+    nodes = tuple(expand_hostlist(env[nodes_var], variable=nodes_var))
+    nnodes_var = _first_set(env, *_NODE_COUNTS)
+    nnodes = _int(env, nnodes_var, 1)
+    if len(nodes) != nnodes:
+        raise ValueError(
+            f"{nodes_var}={env[nodes_var]!r} names {len(nodes)} node(s), but {nnodes_var}={nnodes}"
+        )
+    if len(set(nodes)) != len(nodes):
+        raise ValueError(f"{nodes_var}={env[nodes_var]!r} names a node twice")
+    return nodes, nnodes
+
+
+def _step_tasks(env: Mapping[str, str], nnodes: int) -> tuple[int, ...]:
+    """Tasks per node, the same on every node of the ``nnodes``, checked against the task count
+    and the allocation's per-node count."""
+    nnodes_var = _first_set(env, *_NODE_COUNTS)
+    tasks_var = _first_set(env, *_TASK_COUNTS)
+    tasks = tuple(expand_tasks_per_node(env[tasks_var], variable=tasks_var))
+    if len(tasks) != nnodes:
+        raise ValueError(
+            f"{tasks_var}={env[tasks_var]!r} gives {len(tasks)} node(s), but {nnodes_var}={nnodes}"
+        )
+    ntasks_var = _first_set(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    if _int(env, ntasks_var, 1) != sum(tasks):
+        raise ValueError(
+            f"{ntasks_var}={env[ntasks_var]} but {tasks_var}={env[tasks_var]!r} adds up to "
+            f"{sum(tasks)} tasks"
+        )
+    if len(set(tasks)) != 1:
+        raise ValueError(
+            f"{tasks_var}={env[tasks_var]!r}: the nodes run different numbers of tasks "
+            "(--ntasks without a per-node count?); overlapkit needs the same number on "
+            "every node: use --ntasks-per-node"
+        )
+    per_node = env.get("SLURM_NTASKS_PER_NODE")
+    if per_node is not None and per_node.strip() != str(tasks[0]):
+        raise ValueError(
+            f"SLURM_NTASKS_PER_NODE={per_node} but {tasks_var}={env[tasks_var]!r}: srun "
+            "started another number of tasks per node than the allocation asked for"
+        )
+    return tasks
+
+
+def _task_position(
+    env: Mapping[str, str], nnodes: int, tasks: tuple[int, ...]
+) -> tuple[int, int, int]:
+    """This task's (node, index in the step, index on its node), numbered node by node."""
+    nnodes_var = _first_set(env, *_NODE_COUNTS)
+    tasks_var = _first_set(env, *_TASK_COUNTS)
+    node_id = _int(env, "SLURM_NODEID", 0)
+    proc_id = _int(env, "SLURM_PROCID", 0)
+    local_id = _int(env, "SLURM_LOCALID", 0)
+    if node_id >= nnodes:
+        raise ValueError(f"SLURM_NODEID={node_id} must be < {nnodes_var}={nnodes}")
+    if local_id >= tasks[node_id]:
+        raise ValueError(
+            f"SLURM_LOCALID={local_id} must be < the {tasks[node_id]} task(s) of node "
+            f"{node_id} ({tasks_var}={env[tasks_var]!r})"
+        )
+    if proc_id != node_id * tasks[0] + local_id:
+        raise ValueError(
+            f"SLURM_PROCID={proc_id} is not node {node_id}'s task {local_id} in block order "
+            f"(expected {node_id * tasks[0] + local_id}): ranks must be numbered node by "
+            "node; use srun --distribution=block"
+        )
+    return node_id, proc_id, local_id
 
 
 def _first_set(env: Mapping[str, str], *names: str) -> str:

@@ -1,8 +1,9 @@
 """The run's mesh: the ``parallel.plan`` sizes checked, placed by ``ok.plan``, turned into groups.
 
-The ``parallel`` group's ``plan`` section holds ``ok.plan``'s keyword arguments (``tp``, ``ep``,
-``cp``, ``pp``, ``dp``, ``dp_shard``, ``order``) and the pipeline's ``schedule`` and
-``virtual_stages``; the rest of the group is the wrapper's factory. Every worker plans on the run's
+The ``parallel`` group's ``plan`` section holds the run's parallel sizes (``tp``, ``ep``, ``cp``,
+``pp``, ``dp``, ``dp_shard``, ``virtual_stages``: ``PlanConfig.sizes``, the layout's own
+description) and what only overlapkit-train adds (the pipeline's ``schedule``, the mesh
+``order``); the rest of the group is the wrapper's factory. Every worker plans on the run's
 topology and builds ``placement.device_mesh()``; the wrappers take their sub-meshes and groups
 from it (``Layout``):
 
@@ -37,69 +38,79 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlapkit.group.process_group import inherit_timeout
+from overlapkit.layout import PartialLayout
+from overlapkit.layout.overlapkit_train import wrapper_refusal
 from overlapkit.planner import Placement
 from overlapkit.planner import plan as place
-from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
 
 PLAN_KEY = "plan"
-"""The key of the ``parallel`` group that holds ``ok.plan``'s arguments."""
+"""The key of the ``parallel`` group that holds the run's parallel sizes."""
+PLAN_SIZES = ("tp", "ep", "cp", "pp", "dp", "dp_shard", "virtual_stages")
+"""The ``parallel.plan`` keys that are the layout's own choices (``PartialLayout``'s)."""
+RUN_SIZES = PartialLayout(tp=1, ep=1, cp=1, pp=1, virtual_stages=1)
+"""A run's sizes where ``parallel.plan`` gives none (``dp``: what is left of the world)."""
 
 
-@dataclass(kw_only=True, slots=True)
+def config_key(key: str) -> str:
+    """A ``parallel.plan`` size as the config spells it: ``parallel.plan.tp``."""
+    return f"parallel.{PLAN_KEY}.{key}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PlanConfig:
-    """The ``parallel.plan`` section: parallel sizes for ``ok.plan`` on the run's topology."""
+    """``parallel.plan``: the run's parallel sizes and what only overlapkit-train adds to them.
 
-    tp: int = 1
-    """Tensor-parallel size (attention and MLP sharded with ``parallelize_module``)."""
-    ep: int = 1
-    """Expert-parallel size (MoE experts sharded, tokens dispatched with all-to-all)."""
-    cp: int = 1
-    """Context-parallel size (each sequence split over cp ranks, ``overlapkit.train.
-    context_parallel``); ``2 x cp`` must divide ``data.seq_len``."""
-    pp: int = 1
-    """Pipeline-parallel size: the model's blocks split into stages (``pipeline_parallel``)."""
+    ``sizes`` is the layout's own description (``overlapkit.layout.PartialLayout``, checked by
+    it), every size set: 1 where the config gives none, except ``dp``, None for
+    ``parallel.plan.dp=-1`` (whatever is left of the world), and ``dp_shard``, None without
+    HSDP. Its ``sharding`` is left free: the ``parallel`` group's wrapper says it
+    (``run_layout``).
+    """
+
+    sizes: PartialLayout = RUN_SIZES
     schedule: str = "1F1B"
-    """The ``torch.distributed.pipelining`` schedule with ``pp > 1`` (``pipeline_stages``)."""
-    virtual_stages: int = 1
-    """Stages per pipeline rank (interleaved schedules); 1: one stage per rank."""
-    dp: int = -1
-    """Data-parallel size; -1 means whatever is left of the world."""
-    dp_shard: int | None = None
-    """HSDP: split dp into ``dp_replicate x dp_shard`` (``ok.fsdp`` shards over dp_shard)."""
-    order: list[str] | None = None
+    """The ``torch.distributed.pipelining`` schedule with ``pp > 1``
+    (``overlapkit.layout.overlapkit_train.SCHEDULES``)."""
+    order: tuple[str, ...] | None = None
     """Mesh axes outermost first, overriding the planner's traffic order (``ok.plan(order=)``)."""
 
-    def __post_init__(self) -> None:
-        check_int("parallel.plan.tp", self.tp, 1)
-        check_int("parallel.plan.ep", self.ep, 1)
-        check_int("parallel.plan.cp", self.cp, 1)
-        check_int("parallel.plan.pp", self.pp, 1)
-        check_int("parallel.plan.virtual_stages", self.virtual_stages, 1)
-        if self.dp != -1:
-            check_int("parallel.plan.dp", self.dp, 1)
-        if self.dp_shard is not None:
-            check_int("parallel.plan.dp_shard", self.dp_shard, 1)
-        if self.order is not None:
-            self.order = [str(axis) for axis in self.order]
+    @classmethod
+    def of(cls, **section: Any) -> PlanConfig:
+        """The ``parallel.plan`` section's keys, checked.
+
+        Raises:
+            TypeError / ValueError: an unknown key (the valid ones listed) or a bad value,
+                named ``parallel.plan.<key>``.
+        """
+        valid = (*PLAN_SIZES, "schedule", "order")
+        unknown = sorted(set(section) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"{config_key(unknown[0])} is not a planner size the training loop uses; "
+                f"valid: {', '.join(valid)}"
+            )
+        sizes = {key: section[key] for key in PLAN_SIZES if key in section}
+        if sizes.get("dp") == -1:
+            sizes["dp"] = None
+        order = section.get("order")
+        return cls(
+            sizes=PartialLayout.from_mapping(RUN_SIZES.given() | sizes, spell=config_key),
+            schedule=section.get("schedule", "1F1B"),
+            order=None if order is None else tuple(str(axis) for axis in order),
+        )
 
     @property
     def trivial(self) -> bool:
         """Plain data parallelism over the world (what a run without a topology can do)."""
-        sizes = (self.tp, self.ep, self.cp, self.pp)
-        return all(n == 1 for n in sizes) and self.dp_shard is None
+        sizes = self.sizes
+        return (sizes.tp, sizes.ep, sizes.cp, sizes.pp, sizes.dp_shard) == (1, 1, 1, 1, None)
 
-    def plan_kwargs(self) -> dict[str, Any]:
-        return dict(
-            tp=self.tp,
-            ep=self.ep,
-            cp=self.cp,
-            pp=self.pp,
-            dp=self.dp,
-            dp_shard=self.dp_shard,
-            order=self.order,
-        )
+    def dp(self, world_size: int) -> int:
+        """The data-parallel size on ``world_size`` ranks (``parallel.plan.dp``, or the rest)."""
+        sizes = self.sizes
+        return sizes.dp or world_size // (sizes.tp * sizes.ep * sizes.cp * sizes.pp)
 
 
 def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, Any]]:
@@ -109,26 +120,9 @@ def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, A
         ValueError / TypeError: an unknown key or a bad value in ``parallel.plan``.
     """
     factory = {k: v for k, v in parallel.items() if k != PLAN_KEY}
-    sizes = dict(parallel.get(PLAN_KEY) or {})
-    unknown = sorted(set(sizes) - set(PlanConfig.__dataclass_fields__))
-    if unknown:
-        raise ValueError(
-            f"parallel.plan.{unknown[0]} is not a planner size the training loop uses; valid: "
-            f"{', '.join(PlanConfig.__dataclass_fields__)}"
-        )
-    return PlanConfig(**sizes), factory
+    return PlanConfig.of(**dict(parallel.get(PLAN_KEY) or {})), factory
 
 
-_TARGETS = {
-    "tp": ("overlapkit.GradBucketer",),
-    "ep": ("overlapkit.GradBucketer",),
-    "dp_shard": ("overlapkit.fsdp",),
-}
-_WHY = {
-    "tp": "it reduces the tensor-parallel (DTensor) shards over dp",
-    "ep": "expert and dense parameters are reduced over different groups",
-    "dp_shard": "HSDP is ok.fsdp on a (dp_replicate, dp_shard) mesh",
-}
 SHARED_BATCH_AXES = ("tp", "cp", "pp")
 """Mesh axes whose ranks read the same batches (each computes its part of them; a pipeline's
 first stage reads the inputs, its last the targets)."""
@@ -137,6 +131,9 @@ first stage reads the inputs, its last the targets)."""
 def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: str | None) -> None:
     """Refuse sizes that cannot work, before any worker starts; messages name the config keys.
 
+    What overlapkit-train does not run of a layout is ``check_layout``'s (the capability
+    table); these are the sizes against the world, the model and the wrapper.
+
     Args:
         plan (PlanConfig): the ``parallel.plan`` sizes.
         world_size (int): ``launcher.nnodes x launcher.nproc_per_node``.
@@ -144,89 +141,71 @@ def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: 
         target (str | None): ``parallel._target_``, the wrapper factory.
 
     Raises:
-        ValueError: sizes that do not multiply to (or divide) the world size, ``tp`` not
-            dividing ``n_head``, ``ep`` not dividing ``n_expert``, a model without heads or
-            experts for tp, ep or cp, a wrapper that cannot reduce such a layout, tp with ep,
-            cp with ep or with dp_shard.
+        ValueError: sizes that do not multiply to (or divide) the world size, ``dp_shard`` not
+            a divisor of dp above 1, ``tp`` not dividing ``n_head``, ``ep`` not dividing
+            ``n_expert``, a model without heads or experts for tp, ep or cp, a wrapper that
+            cannot reduce such a layout.
     """
-    axes = {"tp": plan.tp, "ep": plan.ep}
-    axes |= {name: n for name, n in (("cp", plan.cp), ("pp", plan.pp)) if n > 1}
+    _check_world(plan, world_size)
+    sizes = plan.sizes
+    if sizes.tp > 1:
+        _check_divides(sizes.tp, "tp", model_config, "n_head")
+    if sizes.ep > 1:
+        _check_divides(sizes.ep, "ep", model_config, "n_expert")
+    if sizes.cp > 1 and getattr(model_config, "n_head", None) is None:
+        raise ValueError(
+            f"parallel.plan.cp={sizes.cp} splits the sequences of a transformer (model=gpt_tiny "
+            f"or moe_tiny); {type(model_config).__name__} has no attention"
+        )
+    for key in ("tp", "ep", "dp_shard"):
+        refusal = wrapper_refusal(key, getattr(sizes, key), target)
+        if refusal is not None:
+            raise ValueError(refusal)
+
+
+def _check_world(plan: PlanConfig, world_size: int) -> None:
+    sizes = plan.sizes
+    axes = {"tp": sizes.tp, "ep": sizes.ep}
+    axes |= {name: n for name, n in (("cp", sizes.cp), ("pp", sizes.pp)) if n > 1}
     fixed = math.prod(axes.values())
     formula = (
-        " x ".join(f"parallel.plan.{a}" for a in axes)
-        + " = "
-        + " x ".join(str(n) for n in axes.values())
+        " x ".join(config_key(a) for a in axes) + " = " + " x ".join(str(n) for n in axes.values())
     )
     where = "launcher.nnodes x launcher.nproc_per_node"
-    if plan.dp == -1 and world_size % fixed:
+    if sizes.dp is None and world_size % fixed:
         raise ValueError(
             f"{formula} = {fixed} does not divide the world size {world_size} ({where})"
         )
-    if plan.dp != -1 and fixed * plan.dp != world_size:
+    if sizes.dp is not None and fixed * sizes.dp != world_size:
         raise ValueError(
-            f"{formula} x parallel.plan.dp ({plan.dp}) = {fixed * plan.dp}, but the world size "
+            f"{formula} x parallel.plan.dp ({sizes.dp}) = {fixed * sizes.dp}, but the world size "
             f"is {world_size} ({where}); use parallel.plan.dp=-1 for whatever is left"
         )
-    dp = plan.dp if plan.dp != -1 else world_size // fixed
-    if plan.dp_shard is not None and dp % plan.dp_shard:
+    dp, shard = plan.dp(world_size), sizes.dp_shard
+    if shard is not None and (dp % shard or shard == 1):
         raise ValueError(
-            f"parallel.plan.dp_shard ({plan.dp_shard}) must divide the data-parallel size {dp}"
+            f"parallel.plan.dp_shard ({shard}) must divide the data-parallel size {dp} and be "
+            "above 1 (one rank per shard group shards nothing: use parallel=ddp)"
         )
-    if plan.tp > 1:
-        n_head = getattr(model_config, "n_head", None)
-        if n_head is None:
-            raise ValueError(
-                f"parallel.plan.tp={plan.tp} needs a transformer (model=gpt_tiny or moe_tiny); "
-                f"{type(model_config).__name__} has no attention heads"
-            )
-        if n_head % plan.tp:
-            raise ValueError(
-                f"parallel.plan.tp ({plan.tp}) must divide model.config.n_head ({n_head})"
-            )
-    if plan.ep > 1:
-        n_expert = getattr(model_config, "n_expert", None)
-        if n_expert is None:
-            raise ValueError(
-                f"parallel.plan.ep={plan.ep} needs a mixture-of-experts model (model=moe_tiny); "
-                f"{type(model_config).__name__} has no experts"
-            )
-        if n_expert % plan.ep:
-            raise ValueError(
-                f"parallel.plan.ep ({plan.ep}) must divide model.config.n_expert ({n_expert})"
-            )
-    if plan.tp > 1 and plan.ep > 1:
-        raise ValueError(
-            f"parallel.plan.tp ({plan.tp}) with parallel.plan.ep ({plan.ep}): tensor-parallel "
-            "experts are not supported by the training loop; use one of them"
-        )
-    if plan.cp > 1:
-        _check_context_parallel(plan, model_config)
-    for key, targets in _TARGETS.items():
-        used = getattr(plan, key) not in (None, 1)
-        if used and target is not None and target not in targets:
-            raise ValueError(
-                f"parallel.plan.{key}={getattr(plan, key)} needs parallel._target_ "
-                f"{' or '.join(targets)} ({_WHY[key]}), got {target}"
-            )
 
 
-def _check_context_parallel(plan: PlanConfig, model_config: Any) -> None:
-    if getattr(model_config, "n_head", None) is None:
+_SPLITS = {
+    "n_head": ("a transformer (model=gpt_tiny or moe_tiny)", "attention heads"),
+    "n_expert": ("a mixture-of-experts model (model=moe_tiny)", "experts"),
+}
+
+
+def _check_divides(size: int, key: str, model_config: Any, attribute: str) -> None:
+    """``parallel.plan.<key>`` splits the model's ``attribute`` (its heads, its experts)."""
+    count = getattr(model_config, attribute, None)
+    needs, what = _SPLITS[attribute]
+    if count is None:
         raise ValueError(
-            f"parallel.plan.cp={plan.cp} splits the sequences of a transformer (model=gpt_tiny "
-            f"or moe_tiny); {type(model_config).__name__} has no attention"
+            f"{config_key(key)}={size} needs {needs}; {type(model_config).__name__} has no {what}"
         )
-    if plan.ep > 1:
+    if count % size:
         raise ValueError(
-            f"parallel.plan.cp ({plan.cp}) with parallel.plan.ep ({plan.ep}): the experts' "
-            "reduction groups do not include cp in the training loop; use one of them"
-        )
-    if plan.dp_shard is not None:
-        raise ValueError(
-            f"parallel.plan.cp ({plan.cp}) with parallel.plan.dp_shard ({plan.dp_shard}): HSDP "
-            "would shard over dp_shard x cp, a 2-D mesh torch builds only by slicing a "
-            "flattened axis from the root mesh (deprecated); use ok.fsdp without dp_shard "
-            "(it shards over dp x cp)"
+            f"{config_key(key)} ({size}) must divide model.config.{attribute} ({count})"
         )
 
 
@@ -262,7 +241,7 @@ class Layout:
         there is no placement)."""
         if self.mesh is None:
             return None
-        if self.plan.cp > 1:
+        if self.plan.sizes.cp > 1:
             return self._flat(("dp", "cp")).get_group()
         return self.mesh["dp"].get_group()
 
@@ -270,16 +249,16 @@ class Layout:
     def dp_mesh(self) -> DeviceMesh | None:
         if self.mesh is None:
             return None
-        if self.plan.dp_shard is not None:
+        if self.plan.sizes.dp_shard is not None:
             return self.mesh["dp_replicate", "dp_shard"]
-        if self.plan.cp > 1:
+        if self.plan.sizes.cp > 1:
             return self._flat(("dp", "cp"))
         return self.mesh["dp"]
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:
         """The 1-D ``cp`` mesh (None without context parallelism)."""
-        return self.mesh["cp"] if self.mesh is not None and self.plan.cp > 1 else None
+        return self.mesh["cp"] if self.mesh is not None and self.plan.sizes.cp > 1 else None
 
     def _flat(self, names: tuple[str, ...]) -> DeviceMesh:
         """The axes ``names`` as one 1-D mesh (torch caches it under the joined name), whose
@@ -335,7 +314,7 @@ def build_layout(plan: PlanConfig, topology: Any, device: torch.device) -> Layou
                 "topology=detect or topology=preset (topology is null)"
             )
         return Layout(plan)
-    placement = place(topology, **plan.plan_kwargs())
+    placement = place(topology, **plan.sizes.placement_sizes(), order=plan.order)
     mesh = placement.device_mesh(device.type)  # its groups have the default group's timeout
     logger.info(
         "mesh %s on %s: %s",

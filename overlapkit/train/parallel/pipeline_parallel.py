@@ -53,7 +53,7 @@ from overlapkit.ddp import GradBucketer
 from overlapkit.fsdp import zero_stage
 from overlapkit.group.process_group import inherit_timeout
 from overlapkit.train.models.gpt import GPT
-from overlapkit.train.parallel.mesh import Layout
+from overlapkit.train.parallel.mesh import Layout, PlanConfig
 from overlapkit.train.parallel.pipeline_stages import (
     local_stages,
     resolve_schedule,
@@ -120,7 +120,7 @@ def _embedding_group(layout: Layout) -> dist.ProcessGroup | None:
 
     A collective: every rank creates every pipeline's pair, in the same order.
     """
-    if layout.plan.pp == 2:
+    if layout.plan.sizes.pp == 2:
         return layout.pp_mesh.get_group()
     mine = None
     for ranks in layout.placement.groups("pp"):
@@ -262,14 +262,12 @@ def apply_pipeline(
     plan = layout.plan
     schedule_name = resolve_schedule(plan.schedule)
     pp_rank = layout.pp_mesh.get_local_rank()
-    num_stages = plan.pp * plan.virtual_stages
+    num_stages = plan.sizes.pp * plan.sizes.virtual_stages
     n_layer = len(model.blocks)
-    if plan.tp > 1:
+    if plan.sizes.tp > 1:
         apply_tensor_parallel(model, layout.tp_mesh)
-    tied = model.lm_head.weight is model.wte.weight
-    if tied:
-        model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
-    mine = local_stages(pp_rank, plan.pp, plan.virtual_stages)
+    tied = _untie_head(model)
+    mine = local_stages(pp_rank, plan.sizes.pp, plan.sizes.virtual_stages)
     last = num_stages - 1
     layers = {s: stage_layers(n_layer, num_stages, s) for s in mine}
     local = split_stage(
@@ -280,43 +278,17 @@ def apply_pipeline(
         view = split_stage(model, layers[index], first=index == 0, last=index == last)
         wrapped = factory(view, **_stage_kwargs(factory, layout, view))
         common = dict(stage_index=index, num_stages=num_stages, device=device)
-        common["group"] = layout.pp_mesh.get_group()
-        match wrapped:
-            case GradBucketer():
-                stages.append(BucketedStage(view, bucketer=wrapped, **common))
-                bucketers.append(wrapped)
-                what = "ok.GradBucketer"
-            case DistributedDataParallel() | FSDPModule():
-                stages.append(PipelineStage(wrapped, **common))
-                what = "ok.ddp" if isinstance(wrapped, DistributedDataParallel) else "ok.fsdp"
-                if isinstance(wrapped, FSDPModule) and zero_stage(wrapped) is not None:
-                    what += f" ZeRO-{zero_stage(wrapped)}"
-            case _:
-                raise TypeError(
-                    f"parallel.plan.pp: the factory {factory!r} returned "
-                    f"{type(wrapped).__name__}; expected ok.ddp, ok.GradBucketer or ok.fsdp's"
-                )
-    cls = schedule_class(schedule_name)
-    scaled = functools.partial(_per_micro_batch, loss_fn, micro_batches)
-    schedule = cls(
-        stages[0] if issubclass(cls, PipelineScheduleSingle) else stages,
-        n_microbatches=micro_batches,
-        loss_fn=scaled,
-        scale_grads=False,  # each micro-batch loss is already divided by their count
-    )
-    tie, uncounted = None, ()
-    if tied:
-        group = _embedding_group(layout)
-        copy = local.wte if local.wte is not None else local.lm_head
-        if copy is not None:
-            tie = TiedGradients(copy.weight, group)
-        if local.lm_head is not None:
-            uncounted = (local.lm_head.weight,)
+        stage, what = _stage_of(view, wrapped, factory, group=layout.pp_mesh.get_group(), **common)
+        stages.append(stage)
+        if isinstance(wrapped, GradBucketer):
+            bucketers.append(wrapped)
+    schedule = _schedule(schedule_name, stages, loss_fn, micro_batches)
+    tie, uncounted = _tied_gradients(layout, local) if tied else (None, ())
     pipeline = Pipeline(
         schedule=schedule,
         stages=stages,
         group=layout.pp_mesh.get_group(),
-        last_stage_rank=plan.pp - 1,
+        last_stage_rank=plan.sizes.pp - 1,
         bucketers=tuple(bucketers),
         ddps=tuple(s.submod for s in stages if isinstance(s.submod, DistributedDataParallel)),
         tied=tie,
@@ -330,24 +302,93 @@ def apply_pipeline(
         num_stages,
         ", ".join(f"{layers[s].start}..{layers[s].stop - 1}" for s in mine),
     )
-    description = (
-        f"pipeline {schedule_name} pp={plan.pp}"
-        + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-        + f" ({num_stages} stages of {n_layer // num_stages} block"
-        + "s" * (n_layer // num_stages != 1)
-        + f", {micro_batches} micro-batches), {what} over dp"
-        + (f", tensor parallel tp={plan.tp}" if plan.tp > 1 else "")
-    )
     return Parallelized(
         local,
         contextlib.nullcontext,
         pipeline.finish_backward,
         not bucketers,
-        description,
+        _describe(schedule_name, plan, n_layer, micro_batches, what),
         optimizer_step=pipeline.optimizer_step,
         bucketers=tuple(bucketers),
         bucketer_keys=tuple(f"stage{s}" for s in mine) if bucketers else (),
         forward_backward=pipeline.forward_backward,
+    )
+
+
+def _untie_head(model: GPT) -> bool:
+    """Give the head its own copy of a tied embedding weight (equal at start, as Megatron-LM
+    does: the last stage holds it); whether it was tied."""
+    tied = model.lm_head.weight is model.wte.weight
+    if tied:
+        model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())
+    return tied
+
+
+def _stage_of(
+    view: GPT, wrapped: object, factory: Callable[..., object], **stage_kwargs: object
+) -> tuple[PipelineStage, str]:
+    """The ``PipelineStage`` for one stage ``view`` that ``factory`` wrapped, and the wrapper's
+    name for the description.
+
+    Raises:
+        TypeError: the factory returned something other than ``ok.ddp``, ``ok.GradBucketer``
+            or ``ok.fsdp``'s result, naming ``parallel.plan.pp``.
+    """
+    match wrapped:
+        case GradBucketer():
+            return BucketedStage(view, bucketer=wrapped, **stage_kwargs), "ok.GradBucketer"
+        case DistributedDataParallel():
+            return PipelineStage(wrapped, **stage_kwargs), "ok.ddp"
+        case FSDPModule():
+            zero = zero_stage(wrapped)
+            what = "ok.fsdp" if zero is None else f"ok.fsdp ZeRO-{zero}"
+            return PipelineStage(wrapped, **stage_kwargs), what
+        case _:
+            raise TypeError(
+                f"parallel.plan.pp: the factory {factory!r} returned "
+                f"{type(wrapped).__name__}; expected ok.ddp, ok.GradBucketer or ok.fsdp's"
+            )
+
+
+def _schedule(
+    schedule_name: str, stages: list[PipelineStage], loss_fn: LossFn, micro_batches: int
+) -> object:
+    """torch's schedule ``schedule_name`` over this rank's stages, each micro-batch loss divided
+    by their count (``scale_grads=False``: the gradients are the same sums as without pp)."""
+    cls = schedule_class(schedule_name)
+    return cls(
+        stages[0] if issubclass(cls, PipelineScheduleSingle) else stages,
+        n_microbatches=micro_batches,
+        loss_fn=functools.partial(_per_micro_batch, loss_fn, micro_batches),
+        scale_grads=False,
+    )
+
+
+def _tied_gradients(
+    layout: Layout, local: GPT
+) -> tuple[TiedGradients | None, tuple[nn.Parameter, ...]]:
+    """For a tied embedding and head: this rank's copy and the group summing both copies'
+    gradients (None between the first and last stage), and the head's copy, which the
+    clipping norm leaves uncounted. A collective (``_embedding_group``)."""
+    group = _embedding_group(layout)
+    copy = local.wte if local.wte is not None else local.lm_head
+    tie = TiedGradients(copy.weight, group) if copy is not None else None
+    uncounted = (local.lm_head.weight,) if local.lm_head is not None else ()
+    return tie, uncounted
+
+
+def _describe(
+    schedule_name: str, plan: PlanConfig, n_layer: int, micro_batches: int, what: str
+) -> str:
+    num_stages = plan.sizes.pp * plan.sizes.virtual_stages
+    blocks = n_layer // num_stages
+    return (
+        f"pipeline {schedule_name} pp={plan.sizes.pp}"
+        + (f" v={plan.sizes.virtual_stages}" if plan.sizes.virtual_stages > 1 else "")
+        + f" ({num_stages} stages of {blocks} block"
+        + "s" * (blocks != 1)
+        + f", {micro_batches} micro-batches), {what} over dp"
+        + (f", tensor parallel tp={plan.sizes.tp}" if plan.sizes.tp > 1 else "")
     )
 
 

@@ -11,8 +11,11 @@ A stage is a ``GPT`` that shares the full model's modules and lacks the others' 
 so its parameter names are the unsplit model's (``blocks.2.attn.q.weight`` on whichever stage runs
 block 2): a DCP checkpoint names every tensor as an unsplit run does.
 
-The schedules are torch's (``torch.distributed.pipelining``); what each needs of the layout is
-checked here before any worker starts (``check_pipeline``), with the config keys in the message.
+The schedules are torch's (``torch.distributed.pipelining``); which of them run, and what each
+needs of the layout, is ``overlapkit.layout.overlapkit_train``'s table (``SCHEDULES``, ``REFUSED``:
+``run_layout.check_layout`` raises its refusals), read by the auto-planner's search too.
+``check_pipeline`` checks here what the table does not describe (the model, the wrapper's
+options), with the config keys in the message.
 """
 
 from __future__ import annotations
@@ -23,34 +26,24 @@ from typing import Any
 from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from overlapkit.layout.overlapkit_train import (
+    SCHEDULES,
+    schedule_named,
+    wrapper_of,
+    wrapper_refusal,
+)
 from overlapkit.train.models.gpt import GPT, GPTConfig
 
-SINGLE_STAGE = ("1F1B", "GPipe")
-"""One stage per rank (``virtual_stages`` 1)."""
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS")
-"""``virtual_stages`` stages per rank: rank ``r`` holds ``r, r + p, ...``."""
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedules that split backward into input and weight passes; refused (``check_pipeline``)."""
-SCHEDULES = SINGLE_STAGE + MULTI_STAGE + ZERO_BUBBLE
-HOOK_REDUCERS = ("overlapkit.ddp", "overlapkit.GradBucketer")
-"""Wrappers that reduce gradients from autograd hooks."""
-REDUCERS = (*HOOK_REDUCERS, "overlapkit.fsdp")
 _GPT_PARTS = ("wte", "wpe", "blocks", "ln_f", "lm_head")
 
 
 def resolve_schedule(name: str) -> str:
-    """The schedule's spelling in ``SCHEDULES`` (case-insensitive, as torch's lookup).
+    """The schedule's spelling in the table's ``SCHEDULES`` (case-insensitive, as torch's lookup).
 
     Raises:
         ValueError: not one of ``SCHEDULES``; names the config key and the valid names.
     """
-    for known in SCHEDULES:
-        if str(name).lower() == known.lower():
-            return known
-    raise ValueError(
-        f"parallel.plan.schedule={name!r} is not a torch.distributed.pipelining schedule; "
-        f"valid: {', '.join(SCHEDULES)}"
-    )
+    return schedule_named(name).name
 
 
 def schedule_class(name: str) -> type:
@@ -76,7 +69,7 @@ def stage_blocks(blocks: Sequence[nn.Module], plan: Any) -> list[Sequence[nn.Mod
         blocks: the model's blocks in forward order.
         plan: the ``parallel.plan`` section (``PlanConfig``), checked by ``check_pipeline``.
     """
-    stages = plan.pp * plan.virtual_stages
+    stages = plan.sizes.pp * plan.sizes.virtual_stages
     runs = (stage_layers(len(blocks), stages, stage) for stage in range(stages))
     return [blocks[run.start : run.stop] for run in runs]
 
@@ -94,14 +87,15 @@ def bubble_share(pp: int, virtual_stages: int, micro_batches: int) -> float:
 def pipeline_record(plan: Any, micro_batches: int) -> dict | None:
     """The schedule and the planner's bubble share of a step (``summary.json``'s ``pipeline``);
     None without pipeline parallelism."""
-    if plan.pp == 1:
+    pp, virtual_stages = plan.sizes.pp, plan.sizes.virtual_stages
+    if pp == 1:
         return None
     return {
         "schedule": resolve_schedule(plan.schedule),
-        "pp": plan.pp,
-        "virtual_stages": plan.virtual_stages,
+        "pp": pp,
+        "virtual_stages": virtual_stages,
         "micro_batches": micro_batches,
-        "planned_bubble_share": bubble_share(plan.pp, plan.virtual_stages, micro_batches),
+        "planned_bubble_share": bubble_share(pp, virtual_stages, micro_batches),
     }
 
 
@@ -134,85 +128,49 @@ def split_stage(model: GPT, layers: Collection[int], *, first: bool, last: bool)
     return stage
 
 
-def check_pipeline(
-    plan: Any, *, model_config: Any, grad_accum: int, factory_cfg: Mapping[str, Any]
-) -> None:
-    """Refuse a pipeline layout that cannot run, before any worker starts; names the config keys.
+def check_pipeline(plan: Any, *, model_config: Any, factory_cfg: Mapping[str, Any]) -> None:
+    """Refuse a pipeline that cannot run, before any worker starts; names the config keys.
+
+    What the capability table judges of the layout (``pp`` with ``ep`` or ``cp``, ZeRO-2, the
+    stage split, the micro-batches a schedule needs) is ``run_layout.check_layout``'s; these are
+    the schedule's name and stages per rank, the model and the wrapper.
 
     Args:
         plan: the ``parallel.plan`` section (``PlanConfig``).
         model_config: the model's config (a ``GPTConfig`` for a pipeline).
-        grad_accum (int): ``train.grad_accum``, the micro-batches per step.
         factory_cfg (Mapping): the ``parallel`` group without ``plan``.
 
     Raises:
         ValueError: a schedule torch does not have; ``virtual_stages`` without ``pp`` or of the
-            wrong count for the schedule; a model that is not a GPT; stages not dividing
-            ``n_layer``; too few micro-batches for the schedule; ``ep``; a wrapper other than
-            ``ok.ddp``, ``ok.GradBucketer``, ``ok.fsdp``; a zero-bubble schedule (with any of
-            them); ``ep`` or ``cp`` with ``pp``; ZeRO-2; per-bucket or per-block optimizer
-            updates.
+            wrong count for the schedule; a schedule the wrapper cannot run (zero bubble); a
+            model that is not a GPT; a wrapper other than ``ok.ddp``, ``ok.GradBucketer``,
+            ``ok.fsdp``; per-bucket or per-block optimizer updates.
     """
-    schedule = resolve_schedule(plan.schedule)
-    pp, v = plan.pp, plan.virtual_stages
+    schedule = schedule_named(plan.schedule)
+    pp, virtual_stages = plan.sizes.pp, plan.sizes.virtual_stages
     if pp == 1:
-        if v != 1:
+        if virtual_stages != 1:
             raise ValueError(
-                f"parallel.plan.virtual_stages={v} needs pipeline parallelism "
+                f"parallel.plan.virtual_stages={virtual_stages} needs pipeline parallelism "
                 "(parallel.plan.pp > 1)"
             )
         return
-    where = f"parallel.plan.schedule={schedule}"
     target = factory_cfg.get("_target_")
-    if schedule in ZERO_BUBBLE:
-        why = (
-            f"writes weight gradients by hand (split backward), so the hooks of "
-            f"parallel._target_={target} never see them"
-            if target in HOOK_REDUCERS
-            else "splits backward into input and weight passes, and with FSDP2's post-backward "
-            "the gradients differ from one process's (measured with torch 2.13 on gloo)"
-        )
+    wrapper = wrapper_of(target)
+    why = schedule.refusal(wrapper)
+    if why is not None:
+        runs = [other.name for other in SCHEDULES if other.refusal(wrapper) is None]
         raise ValueError(
-            f"{where} {why}; use a schedule without zero bubble: "
-            f"{', '.join(SINGLE_STAGE + MULTI_STAGE)}"
+            f"parallel.plan.schedule={schedule.name} {why.format(target=target)}; use a "
+            f"schedule without zero bubble: {', '.join(runs)}"
         )
-    if schedule in SINGLE_STAGE and v != 1:
-        raise ValueError(
-            f"{where} runs one stage per rank, got parallel.plan.virtual_stages={v}; use "
-            f"{' or '.join(MULTI_STAGE)} for several"
-        )
+    refusal = schedule.stages_refusal(virtual_stages) or wrapper_refusal("pp", pp, target)
+    if refusal is not None:
+        raise ValueError(refusal)
     if not isinstance(model_config, GPTConfig):
         raise ValueError(
             f"parallel.plan.pp={pp} splits a GPT into stages (model=gpt_tiny); "
             f"{type(model_config).__name__} is not one"
-        )
-    stages = pp * v
-    if model_config.n_layer % stages:
-        raise ValueError(
-            f"parallel.plan.pp x parallel.plan.virtual_stages = {pp} x {v} = {stages} stages "
-            f"must divide model.config.n_layer ({model_config.n_layer}) for {where}"
-        )
-    _check_micro_batches(schedule, pp, grad_accum)
-    for axis, why in (
-        ("ep", "expert parallelism inside pipeline stages is not supported"),
-        ("cp", "the pipeline's stages pass whole sequences, not a context-parallel shard"),
-    ):
-        if getattr(plan, axis) > 1:
-            raise ValueError(
-                f"parallel.plan.pp={pp} with parallel.plan.{axis}={getattr(plan, axis)}: {why}; "
-                "use one of them"
-            )
-    if target not in REDUCERS:
-        raise ValueError(
-            f"parallel.plan.pp={pp} needs parallel._target_ {', '.join(REDUCERS)} (the "
-            f"pipeline wraps each stage), got {target}"
-        )
-    if factory_cfg.get("zero") == 2:
-        raise ValueError(
-            f"parallel.zero=2 (ZeRO-2) with parallel.plan.pp={pp}: torch's PipelineStage defers "
-            "FSDP2's gradient reduction to after the stage's last micro-batch, so the "
-            "reduce-scatter of every micro-batch ZeRO-2 promises cannot happen; use "
-            "parallel=zero1, which has the traffic a pipeline gives"
         )
     for key, value in (("optimizer", "optim"), ("optimizer_step", "by_block")):
         if factory_cfg.get(key) == value:
@@ -221,22 +179,4 @@ def check_pipeline(
                 f"parallel.plan.pp={pp}: a clipped update needs every stage's gradient norm "
                 "before any update, which those updates do not wait for; use parallel=pp_dp, "
                 "ddp, bucketer or fsdp"
-            )
-
-
-def _check_micro_batches(schedule: str, pp: int, micro_batches: int) -> None:
-    """What torch's schedules require of the micro-batch count, as config keys."""
-    where = f"parallel.plan.schedule={schedule}"
-    if schedule == "1F1B" and micro_batches < pp:
-        raise ValueError(
-            f"train.grad_accum={micro_batches} micro-batches per step is fewer than the "
-            f"{pp} stages {where} keeps in flight; set train.grad_accum >= {pp}"
-        )
-    if schedule == "Interleaved1F1B":
-        rounds = max(1, micro_batches // pp)
-        if micro_batches % rounds:
-            raise ValueError(
-                f"train.grad_accum={micro_batches} micro-batches do not split into {rounds} "
-                f"equal rounds (train.grad_accum // parallel.plan.pp) for {where}; use a "
-                f"multiple of {pp}, or fewer than {2 * pp}"
             )

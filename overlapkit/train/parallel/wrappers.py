@@ -112,10 +112,11 @@ def check_run_optimizer(factory_cfg: Mapping[str, object], *, plan: PlanConfig) 
             f"parallel.optimizer={RUN_OPTIMIZER} (per-bucket optimizer updates) needs "
             f"parallel._target_ overlapkit.GradBucketer, got {target!r}"
         )
-    if plan.tp > 1 or plan.ep > 1:
+    tp, ep = plan.sizes.tp, plan.sizes.ep
+    if tp > 1 or ep > 1:
         raise ValueError(
             f"parallel.optimizer={RUN_OPTIMIZER} (per-bucket optimizer updates) works with plain "
-            f"data parallelism only, got parallel.plan.tp={plan.tp}, parallel.plan.ep={plan.ep}"
+            f"data parallelism only, got parallel.plan.tp={tp}, parallel.plan.ep={ep}"
         )
 
 
@@ -146,64 +147,20 @@ def apply_parallel(
         TypeError: the factory returned something that is neither a module nor a bucketer.
     """
     layout = layout if layout is not None else Layout(PlanConfig())
-    if layout.plan.tp > 1:
+    if layout.plan.sizes.tp > 1:
         apply_tensor_parallel(model, layout.tp_mesh)
-    if layout.plan.ep > 1:
+    if layout.plan.sizes.ep > 1:
         return _expert_parallel(model, factory, layout)
-    optimizer = None
-    if (
-        isinstance(factory, functools.partial)
-        and factory.keywords.get("optimizer") == RUN_OPTIMIZER
-    ):
-        if make_optimizer is None:
-            raise ValueError(
-                f"parallel.optimizer={RUN_OPTIMIZER}: apply_parallel needs make_optimizer"
-            )
-        optimizer = make_optimizer(model.parameters())
-        factory = functools.partial(factory, optimizer=optimizer)
-    by_block = isinstance(factory, functools.partial) and (
-        factory.keywords.get("optimizer_step") == BY_BLOCK
-    )
-    if by_block:
-        keywords = {k: v for k, v in factory.keywords.items() if k != "optimizer_step"}
-        factory = functools.partial(factory.func, *factory.args, **keywords)
+    factory, optimizer = _bind_run_optimizer(factory, model, make_optimizer)
+    factory, by_block = _take_by_block(factory)
     result = factory(model, **group_kwargs(factory, layout))
     match result:
         case DistributedDataParallel():
             return Parallelized(result, result.no_sync, _nothing, True, "ok.ddp")
         case GradBucketer():
-            what = f"ok.GradBucketer ({result.num_buckets} buckets)"
-            if layout.plan.tp > 1:
-                what += f" over dp, tensor parallel tp={layout.plan.tp}"
-            if optimizer is not None:
-                return Parallelized(
-                    model,
-                    result.no_sync,
-                    functools.partial(result.step, clip_grad_norm=clip_grad_norm),
-                    True,
-                    what + ", per-bucket optimizer updates",
-                    optimizer=optimizer,
-                    grad_norm=(
-                        _nothing if clip_grad_norm is None else lambda: result.total_norm().item()
-                    ),
-                    settle=result.synchronize,
-                    bucketers=(result,),
-                )
-            return Parallelized(
-                model, result.no_sync, result.wait, False, what, bucketers=(result,)
-            )
+            return _bucketed(model, result, layout, optimizer, clip_grad_norm)
         case FSDPModule():
-            what = "ok.fsdp" + (" (HSDP)" if layout.plan.dp_shard is not None else "")
-            zero = zero_stage(result)
-            what += f" ZeRO-{zero}" if zero is not None else ""
-            return Parallelized(
-                result,
-                lambda: fsdp_no_sync(result),
-                _nothing,
-                True,
-                what + (", optimizer step by block" if by_block else ""),
-                optimizer_step=functools.partial(_clipped_block_step, result) if by_block else None,
-            )
+            return _sharded(result, layout, by_block)
         case nn.Module():
             # An unknown wrapper: it reduces gradients as it sees fit, on every backward.
             logger.warning(
@@ -219,6 +176,79 @@ def apply_parallel(
                 f"parallel: the factory {factory!r} returned {type(result).__name__}; expected an "
                 "nn.Module (ok.ddp, ok.fsdp) or an ok.GradBucketer"
             )
+
+
+def _bind_run_optimizer(
+    factory: Callable[..., object],
+    model: nn.Module,
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
+) -> tuple[Callable[..., object], torch.optim.Optimizer | None]:
+    """For ``parallel.optimizer: optim`` (per-bucket updates): the run's optimizer, built here
+    and bound to the factory; otherwise the factory as given and None."""
+    if not (
+        isinstance(factory, functools.partial)
+        and factory.keywords.get("optimizer") == RUN_OPTIMIZER
+    ):
+        return factory, None
+    if make_optimizer is None:
+        raise ValueError(f"parallel.optimizer={RUN_OPTIMIZER}: apply_parallel needs make_optimizer")
+    optimizer = make_optimizer(model.parameters())
+    return functools.partial(factory, optimizer=optimizer), optimizer
+
+
+def _take_by_block(factory: Callable[..., object]) -> tuple[Callable[..., object], bool]:
+    """The factory without ``optimizer_step: by_block`` (the loop's choice, not ``ok.fsdp``'s
+    argument), and whether it was there."""
+    by_block = isinstance(factory, functools.partial) and (
+        factory.keywords.get("optimizer_step") == BY_BLOCK
+    )
+    if not by_block:
+        return factory, False
+    keywords = {k: v for k, v in factory.keywords.items() if k != "optimizer_step"}
+    return functools.partial(factory.func, *factory.args, **keywords), True
+
+
+def _bucketed(
+    model: nn.Module,
+    bucketer: GradBucketer,
+    layout: Layout,
+    optimizer: torch.optim.Optimizer | None,
+    clip_grad_norm: float | None,
+) -> Parallelized:
+    """``ok.GradBucketer``'s controls; with ``optimizer``, per-bucket updates that clip."""
+    what = f"ok.GradBucketer ({bucketer.num_buckets} buckets)"
+    if layout.plan.sizes.tp > 1:
+        what += f" over dp, tensor parallel tp={layout.plan.sizes.tp}"
+    if optimizer is None:
+        return Parallelized(
+            model, bucketer.no_sync, bucketer.wait, False, what, bucketers=(bucketer,)
+        )
+    return Parallelized(
+        model,
+        bucketer.no_sync,
+        functools.partial(bucketer.step, clip_grad_norm=clip_grad_norm),
+        True,
+        what + ", per-bucket optimizer updates",
+        optimizer=optimizer,
+        grad_norm=_nothing if clip_grad_norm is None else lambda: bucketer.total_norm().item(),
+        settle=bucketer.synchronize,
+        bucketers=(bucketer,),
+    )
+
+
+def _sharded(model: FSDPModule, layout: Layout, by_block: bool) -> Parallelized:
+    """``ok.fsdp``'s controls; ``by_block``: the optimizer steps block by block."""
+    what = "ok.fsdp" + (" (HSDP)" if layout.plan.sizes.dp_shard is not None else "")
+    zero = zero_stage(model)
+    what += f" ZeRO-{zero}" if zero is not None else ""
+    return Parallelized(
+        model,
+        lambda: fsdp_no_sync(model),
+        _nothing,
+        True,
+        what + (", optimizer step by block" if by_block else ""),
+        optimizer_step=functools.partial(_clipped_block_step, model) if by_block else None,
+    )
 
 
 def _clipped_block_step(
@@ -289,7 +319,7 @@ def _expert_parallel(
             f"parallel.plan.ep needs parallel._target_ overlapkit.GradBucketer, whose call "
             f"returns a bucketer; {factory!r} returned {type(dense).__name__}"
         )
-    ep = layout.plan.ep
+    ep = layout.plan.sizes.ep
     expert_params = list(experts.parameters())
 
     @contextlib.contextmanager

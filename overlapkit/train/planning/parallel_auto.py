@@ -41,9 +41,10 @@ from omegaconf import DictConfig, OmegaConf
 from overlapkit.autoplan.candidate import layout_dict, layout_from_dict
 from overlapkit.autoplan.handoff.run_config import batch_overrides, parallel_group, plan_overrides
 from overlapkit.autoplan.models import train_model_spec
-from overlapkit.autoplan.ok_plan import plan as auto_plan
+from overlapkit.autoplan.ok_plan import auto_plan
+from overlapkit.autoplan.pins import pins_from
 from overlapkit.autoplan.settings import PlanSearchError
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import PartialLayout, TrainingLayout
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -64,12 +65,22 @@ class AutoConfig:
     """Sequences per step; None: ``train.batch_size x train.grad_accum x`` the world size."""
     pins: dict[str, Any] = field(default_factory=dict)
     """``ok.plan``'s pins (``tp``, ``pp``, ``dp``, ``cp``, ``ep``, ``dp_shard``, ``micro_batch``,
-    ``virtual_stages``, ``recompute``, ``recompute_layers``, ``sharding``)."""
+    ``virtual_stages``, ``recompute``, ``recompute_layers``, ``sharding``), as written (the
+    record keeps them so); checked as a ``PartialLayout`` (``fixed``)."""
 
     def __post_init__(self) -> None:
         if self.global_batch is not None:
             check_int("parallel.global_batch", self.global_batch, 1)
         self.pins = dict(self.pins)
+        self.fixed()  # a bad pin is refused here, by its config key
+
+    def fixed(self) -> PartialLayout:
+        """The pins as the search takes them.
+
+        Raises:
+            TypeError / ValueError: a bad pin, named ``parallel.pins.<key>``.
+        """
+        return pins_from(self.pins, spell=lambda key: f"parallel.pins.{key}")
 
 
 def is_auto(parallel: Mapping[str, Any]) -> bool:
@@ -134,20 +145,18 @@ def plan_layout(cfg: DictConfig, request: AutoRequest) -> TrainingLayout:
         )
     spec = train_model_spec(model_config, name=request.model)
     try:
-        placement = auto_plan(
+        answer = auto_plan(
             topology,
-            model=spec,
+            spec,
             global_batch=request.global_batch,
             seq_len=request.seq_len,
-            auto=True,
+            fixed=AutoConfig(pins=request.pins).fixed(),
             framework="overlapkit-train",
             precision="fp32",
-            **request.pins,
         )
     except (PlanSearchError, TypeError) as err:
         raise ValueError(f"parallel=auto on {topology.name}: {err}") from None
-    assert placement.training is not None
-    return placement.training
+    return answer.best.layout
 
 
 def winner_overrides(layout: TrainingLayout) -> list[str]:

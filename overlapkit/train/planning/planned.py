@@ -2,17 +2,18 @@
 
 Every ``overlapkit-train`` run whose topology has an accelerator section (a GPU preset, or a host
 measured by ``overlapkit calibrate --host``) is priced as overlapkit-train runs it
-(``autoplan.framework.OVERLAPKIT_TRAIN``, fp32 as the loop trains): ``run_layout`` turns the run's
-config into a ``TrainingLayout`` (the inverse of ``autoplan.handoff.run_config.train_overrides``),
-``predict_run`` prices it with the search's own step-time and memory models. Rank 0 logs the layout
-and the predicted step before step 1, and the summary ends with the measured median step beside it
-(``planned_layout``, ``predicted_step_s``, ``measured_step_s`` in ``summary.json``).
+(``autoplan.framework.OVERLAPKIT_TRAIN``, fp32 as the loop trains): the run's layout
+(``train.parallel.run_layout``, the inverse of ``autoplan.handoff.run_config.train_overrides``)
+is priced by ``predict_run`` with the search's own step-time and memory models. Rank 0 logs the
+layout and the predicted step before step 1, and the summary ends with the measured median step
+beside it (``planned_layout``, ``predicted_step_s``, ``measured_step_s`` in ``summary.json``).
 
 What the planner does not price is priced as its nearest: ``ok.GradBucketer`` as ``ok.ddp``
 (both all-reduce buckets of the same bytes), per-bucket or per-block optimizer updates
 (``bucketer_overlap``, ``fsdp_overlap``) as the plain step, bf16 gradient compression as fp32
-gradients. A wrapper the planner has no sharding for (another ``_target_``), HSDP with
-``dp_shard`` equal to 1 or to dp, a model without attention (``model=mlp``) or a topology
+gradients, HSDP with one replica (``dp_shard`` equal to dp) as fsdp, ZeRO over an HSDP mesh as
+ZeRO over dp. A wrapper the planner has no sharding for (another ``_target_``), a model without
+attention (``model=mlp``) or a topology
 without an accelerator get no prediction.
 """
 
@@ -28,73 +29,15 @@ from overlapkit.autoplan.memory import FP32
 from overlapkit.autoplan.models import train_model_spec
 from overlapkit.autoplan.search import price
 from overlapkit.autoplan.settings import SearchSettings
-from overlapkit.planner.layout import TrainingLayout
+from overlapkit.layout import TrainingLayout
 from overlapkit.topology.model import Topology
 from overlapkit.train.parallel.mesh import PlanConfig
+from overlapkit.train.parallel.run_layout import run_layout
 
 RUN_SETTINGS = SearchSettings(framework=OVERLAPKIT_TRAIN, precision=FP32)
 """How the planner prices an overlapkit-train run: as it splits the model, in fp32 (the loop
 has no mixed precision). On GPUs the presets' peak is BF16's, which fp32 matmuls do not reach:
 there the prediction is the step BF16 would give."""
-_DDP_TARGETS = ("overlapkit.ddp", "overlapkit.GradBucketer")
-
-
-def sharding_of(factory_cfg: Mapping[str, Any], plan: PlanConfig) -> str | None:
-    """The planner's sharding for the ``parallel`` group's wrapper (None: not one it prices)."""
-    target = factory_cfg.get("_target_")
-    if target in _DDP_TARGETS:
-        return "ddp"
-    if target != "overlapkit.fsdp":
-        return None
-    zero = factory_cfg.get("zero")
-    if zero in (1, 2):
-        return f"zero{zero}"
-    return "hsdp" if plan.dp_shard is not None else "fsdp"
-
-
-def run_layout(
-    plan: PlanConfig,
-    factory_cfg: Mapping[str, Any],
-    *,
-    batch_size: int,
-    grad_accum: int,
-    recompute: str,
-    recompute_layers: int | None,
-    world_size: int,
-) -> TrainingLayout | None:
-    """The run's layout as the planner describes it; None where it has no such layout.
-
-    Args:
-        plan (PlanConfig): ``parallel.plan``.
-        factory_cfg (Mapping): the ``parallel`` group without ``plan``.
-        batch_size (int): ``train.batch_size``, the micro-batch per rank.
-        grad_accum (int): ``train.grad_accum``, the micro-batches per step.
-        recompute (str): ``train.recompute``.
-        recompute_layers (int | None): ``train.recompute_layers``.
-        world_size (int): the job's ranks.
-    """
-    sharding = sharding_of(factory_cfg, plan)
-    if sharding is None:
-        return None
-    fixed = plan.tp * plan.ep * plan.cp * plan.pp
-    dp = plan.dp if plan.dp != -1 else world_size // fixed
-    dp_shard = plan.dp_shard if sharding == "hsdp" else None
-    if dp_shard is not None and not 1 < dp_shard < dp:
-        return None  # one replica (fsdp) or no sharding: not a layout the planner searches
-    return TrainingLayout(
-        tp=plan.tp,
-        pp=plan.pp,
-        dp=dp,
-        cp=plan.cp,
-        ep=plan.ep,
-        micro_batch=batch_size,
-        num_micro_batches=grad_accum,
-        virtual_stages=plan.virtual_stages,
-        recompute=recompute,
-        recompute_layers=recompute_layers if recompute == "full" else None,
-        sharding=sharding,
-        dp_shard=dp_shard,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,14 +105,6 @@ def predict_job(
 ) -> Prediction | None:
     """``predict_run`` of the run ``plan``, the ``parallel`` group's wrapper and ``train`` (the
     ``TrainConfig``) describe."""
-    layout = run_layout(
-        plan,
-        factory_cfg,
-        batch_size=train.batch_size,
-        grad_accum=train.grad_accum,
-        recompute=train.recompute,
-        recompute_layers=train.recompute_layers,
-        world_size=world_size,
-    )
+    layout = run_layout(plan, factory_cfg, train, world_size=world_size)
     seq_len = seq_len or getattr(model_config, "block_size", 1)
     return predict_run(topology, model_config, layout, seq_len=seq_len, name=name)

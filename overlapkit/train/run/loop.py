@@ -18,24 +18,27 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from torch.optim.lr_scheduler import LRScheduler
 
-from overlapkit.profiling import analyze_run
-from overlapkit.profiling.report import format_report
-from overlapkit.train.models.moe import MoE
-from overlapkit.train.parallel.mesh import Layout, build_layout, split_parallel
+from overlapkit.profiling.profiler import Profile
+from overlapkit.topology.model import Topology
+from overlapkit.train.parallel.context_parallel import SequenceSplit, WholeSequences
+from overlapkit.train.parallel.mesh import Layout, PlanConfig, build_layout, split_parallel
 from overlapkit.train.parallel.pipeline_stages import pipeline_record
 from overlapkit.train.parallel.recompute import NONE, check_recompute_mode
 from overlapkit.train.parallel.wrappers import Parallelized
-from overlapkit.train.planning.planned import predict_job
+from overlapkit.train.planning.planned import Prediction, predict_job
 from overlapkit.train.run.checkpoint import TrainingState, committed_checkpoints, remove_pending
-from overlapkit.train.run.data import BatchStream, check_compatible
-from overlapkit.train.run.progress import Monitor, RunSummary, scaling_efficiency
+from overlapkit.train.run.data import BatchStream, DataSource, check_compatible
+from overlapkit.train.run.progress import Monitor, RunSummary
 from overlapkit.train.run.resume import resume_from_newest_usable
+from overlapkit.train.run.run_summary import RunRecord, gather_dispatch, summarize
 from overlapkit.train.run.step import train_step, wrap_model
 from overlapkit.validation import check_int
 
@@ -197,54 +200,6 @@ def _topology(job: DictConfig, world_size: int, rank: int, paths: RunPaths):
     return topology
 
 
-def _exposed_share(profile_dir: Path) -> tuple[float | None, float | None, int, str | None]:
-    """Over all profiled rank-steps: (exposed comm / step time, exposed send/recv / step time,
-    their count, the report text)."""
-    try:
-        report = analyze_run(profile_dir)
-    except (FileNotFoundError, ValueError) as err:
-        logger.warning("no exposed-comm report: %s", err)
-        return None, None, 0, None
-    step_ms = sum(r.step_ms for r in report.steps)
-    exposed = sum(r.exposed_comm_ms for r in report.steps)
-    send_recv = sum(r.kinds["send_recv"].exposed_ms for r in report.steps if "send_recv" in r.kinds)
-    if step_ms <= 0:
-        return None, None, len(report.steps), format_report(report)
-    return exposed / step_ms, send_recv / step_ms, len(report.steps), format_report(report)
-
-
-def _mesh_record(layout: Layout) -> dict | None:
-    """The planned sizes and groups of every axis larger than 1 (``summary.json``'s ``mesh``)."""
-    placement = layout.placement
-    if placement is None:
-        return None
-    return {
-        "topology": placement.topology.name,
-        "sizes": placement.sizes,
-        "groups": {a: placement.groups(a) for a, n in placement.sizes.items() if n > 1},
-    }
-
-
-def _gather_dispatch(par: Parallelized, world_size: int) -> list[dict] | None:
-    """Every rank's MoE all-to-all record: the group ranks each layer dispatched over, how often.
-
-    A collective (every rank calls it); None when the model has no expert-parallel layer.
-    """
-    layers = [m for m in par.model.modules() if isinstance(m, MoE) and m.ep_group is not None]
-    if not layers:
-        return None
-    mine = {
-        "rank": dist.get_rank(),
-        "layers": [
-            {"group": list(m.stats.ranks), "all_to_all_calls": m.stats.all_to_all_calls}
-            for m in layers
-        ],
-    }
-    every: list = [None] * world_size
-    dist.all_gather_object(every, mine)
-    return every
-
-
 def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | None:
     """Train as ``job`` (the composed config) says; every rank calls it after joining the group.
 
@@ -257,10 +212,103 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         RunSummary | None: the summary on rank 0 (also printed and written to
         ``summary.json``); None on the other ranks.
     """
+    run = _set_up(job, paths, local_rank)
+    cfg, rank, world_size = run.cfg, run.rank, run.world_size
+    start_step = _resume(run.state, paths, resume=cfg.resume, rank=rank)
+    end_step = min(cfg.steps, cfg.stop_after or cfg.steps)
+    description = run.par.description + run.split.description
+    if run.recomputed:
+        description += f", recompute={cfg.recompute} ({len(run.recomputed)} blocks)"
+    logger.info(
+        "%s, %d ranks (mesh %s), device %s: steps %d..%d of %d",
+        description,
+        world_size,
+        run.layout.describe(),
+        run.device,
+        start_step + 1,
+        end_step,
+        cfg.steps,
+    )
+    prediction = _predict(job, run) if rank == 0 else None
+    items_per_step = cfg.batch_size * cfg.grad_accum * run.data_shards * run.source.items_per_sample
+    monitor = Monitor(
+        enabled=rank == 0,
+        tb_dir=paths.scalars,
+        start_step=start_step,
+        end_step=end_step,
+        items_per_step=items_per_step,
+        unit=run.source.unit,
+        progress=cfg.progress,
+    )
+    profiled = job.get("profiler") is not None and start_step < end_step
+    steps = range(start_step + 1, end_step + 1)
+    checkpoint, seconds = _run_steps(
+        run, monitor, paths, steps, profiler=job.profiler if profiled else None
+    )
+    dist.barrier()  # every rank's traces are written before rank 0 reads them
+    dispatch = gather_dispatch(run.par.model, world_size)
+    if rank != 0:
+        return None
+    record = RunRecord(
+        name=str(job.get("name", "")),
+        world_size=world_size,
+        nodes=run.topology.num_nodes if run.topology is not None else None,
+        description=description,
+        unit=run.source.unit,
+        start_step=start_step,
+        end_step=end_step,
+        seconds=seconds,
+        layout=run.layout,
+        pipeline=pipeline_record(run.plan, cfg.grad_accum),
+        ep_dispatch=dispatch,
+        baseline_items_per_s=cfg.baseline_items_per_s,
+        checkpoint=checkpoint,
+    )
+    summary = summarize(
+        record,
+        monitor,
+        run_dir=paths.run_dir,
+        tensorboard_dir=paths.tensorboard,
+        prediction=prediction,
+        profile_dir=paths.profile if profiled else None,
+    )
+    summary.write(paths.run_dir / "summary.json")
+    print(summary.format(), flush=True)
+    return summary
+
+
+@dataclass(slots=True, kw_only=True)
+class _Run:
+    """A rank's run, set up: its config, model as the step drives it, data and state."""
+
+    cfg: TrainConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    model_config: object
+    """The model's ``config`` (what the planner describes it from)."""
+    source: DataSource
+    topology: Topology | None
+    plan: PlanConfig
+    factory: dict[str, Any]
+    """The ``parallel`` group without ``plan``."""
+    layout: Layout
+    par: Parallelized
+    split: WholeSequences | SequenceSplit
+    recomputed: list[int]
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    stream: BatchStream
+    data_shards: int
+    state: TrainingState
+
+
+def _set_up(job: DictConfig, paths: RunPaths, local_rank: int) -> _Run:
+    """Every rank: the model on its device with the same initial weights, wrapped for the
+    layout; the optimizer, schedule, this rank's batches and the checkpointable state."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg: TrainConfig = instantiate(job.train)
     device = resolve_device(cfg.device, local_rank)
-
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = instantiate(job.model).to(device)
     source = instantiate(job.data)
@@ -292,137 +340,119 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         rank,
         par.bucketers,
         bucketer_keys=par.bucketer_keys,
-        flatten_optimizer=plan.pp > 1,
+        flatten_optimizer=plan.sizes.pp > 1,
     )
     torch.manual_seed(cfg.seed + 1 + rank)  # anything random at run time differs per rank
+    return _Run(
+        cfg=cfg,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        model_config=model.config,
+        source=source,
+        topology=topology,
+        plan=plan,
+        factory=factory,
+        layout=layout,
+        par=par,
+        split=split,
+        recomputed=recomputed,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        stream=stream,
+        data_shards=data_shards,
+        state=state,
+    )
 
-    start_step = 0
+
+def _resume(state: TrainingState, paths: RunPaths, *, resume: bool, rank: int) -> int:
+    """Load the newest usable checkpoint of the run directory (with ``resume``); the step it
+    was saved at, or 0.
+
+    Rank 0 lists the candidates, so that every rank tries the same ones even if their views of
+    the directory differ (a shared file system that lags).
+    """
     candidates = []
     if rank == 0:
         remove_pending(paths.checkpoints)
-        candidates = committed_checkpoints(paths.checkpoints) if cfg.resume else []
-    # Rank 0 lists them, so that every rank tries the same ones even if their views of the
-    # directory differ (a shared file system that lags).
+        candidates = committed_checkpoints(paths.checkpoints) if resume else []
     shared = [candidates]
     dist.broadcast_object_list(shared, src=0)
     found = resume_from_newest_usable(state, shared[0])
-    if found is not None:
-        start_step = found[0]
-        logger.info("resumed from %s (step %d)", found[1], start_step)
-    end_step = min(cfg.steps, cfg.stop_after or cfg.steps)
-    description = par.description + split.description
-    if recomputed:
-        description += f", recompute={cfg.recompute} ({len(recomputed)} blocks)"
-    logger.info(
-        "%s, %d ranks (mesh %s), device %s: steps %d..%d of %d",
-        description,
-        world_size,
-        layout.describe(),
-        device,
-        start_step + 1,
-        end_step,
-        cfg.steps,
-    )
+    if found is None:
+        return 0
+    logger.info("resumed from %s (step %d)", found[1], found[0])
+    return found[0]
 
-    prediction = None
-    if rank == 0:  # what the planner predicts for this layout, where the topology can say
-        prediction = predict_job(
-            plan,
-            factory,
-            cfg,
-            world_size=world_size,
-            topology=topology,
-            model_config=model.config,
-            seq_len=getattr(source, "seq_len", None),
-            name=str(job.get("name", "")),
-        )
-        if prediction is not None:
-            logger.info("%s", prediction.describe())
 
-    items_per_step = cfg.batch_size * cfg.grad_accum * data_shards * source.items_per_sample
-    monitor = Monitor(
-        enabled=rank == 0,
-        tb_dir=paths.scalars,
-        start_step=start_step,
-        end_step=end_step,
-        items_per_step=items_per_step,
-        unit=source.unit,
-        progress=cfg.progress,
+def _predict(job: DictConfig, run: _Run) -> Prediction | None:
+    """What the planner predicts for this layout, where the topology can say (rank 0)."""
+    prediction = predict_job(
+        run.plan,
+        run.factory,
+        run.cfg,
+        world_size=run.world_size,
+        topology=run.topology,
+        model_config=run.model_config,
+        seq_len=getattr(run.source, "seq_len", None),
+        name=str(job.get("name", "")),
     )
-    profiler = None
-    checkpoint = None
+    if prediction is not None:
+        logger.info("%s", prediction.describe())
+    return prediction
+
+
+def _run_steps(
+    run: _Run,
+    monitor: Monitor,
+    paths: RunPaths,
+    steps: range,
+    *,
+    profiler: DictConfig | None,
+) -> tuple[Path | None, float]:
+    """Run ``steps``, under ``ok.profile`` when the ``profiler`` group is given, checkpointing
+    every ``train.checkpoint_every`` steps and at the last.
+
+    Returns:
+        tuple: the last checkpoint saved (None if none was) and the seconds from the start to
+        the wrapper's pending work settled (``Parallelized.settle``).
+    """
+    cfg, checkpoint = run.cfg, None
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.callback(monitor.close)
-        if job.get("profiler") is not None and start_step < end_step:
-            profiler = stack.enter_context(instantiate(job.profiler)(logdir=paths.profile))
-        for step in range(start_step + 1, end_step + 1):
-            lr = scheduler.get_last_lr()[0]
+        profile = None
+        if profiler is not None:
+            profile = stack.enter_context(instantiate(profiler)(logdir=paths.profile))
+        for step in steps:
+            lr = run.scheduler.get_last_lr()[0]
             t0 = time.perf_counter()
-            loss, grad_norm = train_step(par, optimizer, stream, source, cfg, device, split)
-            scheduler.step()
+            loss, grad_norm = train_step(
+                run.par, run.optimizer, run.stream, run.source, cfg, run.device, run.split
+            )
+            run.scheduler.step()
             monitor.step(
                 step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0
             )
-            if profiler is not None:
-                traces = len(profiler.files)
-                profiler.step()
-                if rank == 0 and len(profiler.files) > traces:
-                    # A cycle was saved: its active steps are the ones that just ran.
-                    cycle = {path.name for path in profiler.files[traces:]}
-                    monitor.set_exposed_comm(
-                        statistics.median(
-                            m.exposed_comm_ms for m in profiler.summary() if m.file in cycle
-                        ),
-                        range(step - profiler.active + 1, step + 1),
-                    )
+            if profile is not None:
+                _step_profiler(profile, monitor, step, rank=run.rank)
             every = cfg.checkpoint_every
-            if every and (step % every == 0 or step == end_step):
-                checkpoint = state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
-        par.settle()
+            if every and (step % every == 0 or step == steps[-1]):
+                checkpoint = run.state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
+        run.par.settle()
         seconds = time.perf_counter() - started
-    dist.barrier()  # every rank's traces are written before rank 0 reads them
-    dispatch = _gather_dispatch(par, world_size)
-    if rank != 0:
-        return None
+    return checkpoint, seconds
 
-    steps_per_s, items_per_s, median_ms = monitor.throughput()
-    summary = RunSummary(
-        name=str(job.get("name", "")),
-        world_size=world_size,
-        nodes=topology.num_nodes if topology is not None else None,
-        parallel=description,
-        unit=source.unit,
-        start_step=start_step,
-        final_step=max(start_step, end_step),
-        steps_run=len(monitor.step_s),
-        seconds=seconds,
-        steps_per_s=steps_per_s,
-        items_per_s=items_per_s,
-        median_step_ms=median_ms,
-        loss_first=monitor.losses[0] if monitor.losses else None,
-        loss_last=monitor.losses[-1] if monitor.losses else None,
-        run_dir=str(paths.run_dir),
-        mesh=_mesh_record(layout),
-        pipeline=pipeline_record(plan, cfg.grad_accum),
-        ep_dispatch=dispatch,
-        baseline_items_per_s=cfg.baseline_items_per_s,
-        scaling_efficiency=scaling_efficiency(items_per_s, world_size, cfg.baseline_items_per_s),
-        tensorboard_dir=str(paths.tensorboard),
-        checkpoint=str(checkpoint) if checkpoint else None,
-    )
-    if prediction is not None:
-        summary.planned_layout = prediction.record()
-        summary.predicted_step_s = prediction.step_s
-        summary.measured_step_s = None if median_ms is None else median_ms / 1e3
-    if profiler is not None:
-        share, send_recv, count, report = _exposed_share(paths.profile)
-        summary.exposed_comm_share, summary.profiled_steps = share, count
-        if summary.pipeline is not None:
-            summary.pipeline["send_recv_exposed_share"] = send_recv
-        summary.profile_dir = str(paths.profile)
-        if report:
-            print(report)
-    summary.write(paths.run_dir / "summary.json")
-    print(summary.format(), flush=True)
-    return summary
+
+def _step_profiler(profile: Profile, monitor: Monitor, step: int, *, rank: int) -> None:
+    """Advance ``ok.profile`` one step; on rank 0, when it saved a cycle, show that cycle's
+    median exposed communication, labelled with the steps it covers."""
+    traces = len(profile.files)
+    profile.step()
+    if rank == 0 and len(profile.files) > traces:
+        # A cycle was saved: its active steps are the ones that just ran.
+        cycle = {path.name for path in profile.files[traces:]}
+        monitor.set_exposed_comm(
+            statistics.median(m.exposed_comm_ms for m in profile.summary() if m.file in cycle),
+            range(step - profile.active + 1, step + 1),
+        )

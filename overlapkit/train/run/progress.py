@@ -108,15 +108,17 @@ class RunSummary:
                 f"{self.profile_dir})"
             )
         if self.pipeline is not None:
-            p = self.pipeline
+            pipeline = self.pipeline
+            stages = pipeline["pp"] * pipeline["virtual_stages"]
             line = (
-                f"  pipeline {p['schedule']}: {p['pp'] * p['virtual_stages']} stages, "
-                f"{p['micro_batches']} micro-batches; planned bubble (p-1)/(v m + p-1) = "
-                f"{100 * p['planned_bubble_share']:.1f}% of the step"
+                f"  pipeline {pipeline['schedule']}: {stages} stages, "
+                f"{pipeline['micro_batches']} micro-batches; planned bubble (p-1)/(v m + p-1) = "
+                f"{100 * pipeline['planned_bubble_share']:.1f}% of the step"
             )
-            if p.get("send_recv_exposed_share") is not None:
+            exposed = pipeline.get("send_recv_exposed_share")
+            if exposed is not None:
                 line += (
-                    f"; measured: send/recv exposed {100 * p['send_recv_exposed_share']:.1f}% "
+                    f"; measured: send/recv exposed {100 * exposed:.1f}% "
                     "of step time (bubble + transfers)"
                 )
             lines.append(line)

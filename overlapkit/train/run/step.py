@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import nn
 
@@ -27,6 +28,7 @@ from overlapkit.train.parallel.mesh import Layout, PlanConfig
 from overlapkit.train.parallel.pipeline_parallel import apply_pipeline
 from overlapkit.train.parallel.pipeline_stages import check_pipeline, stage_blocks
 from overlapkit.train.parallel.recompute import apply_recompute
+from overlapkit.train.parallel.run_layout import check_layout
 from overlapkit.train.parallel.wrappers import (
     Parallelized,
     apply_parallel,
@@ -35,8 +37,18 @@ from overlapkit.train.parallel.wrappers import (
 )
 from overlapkit.train.run.data import BatchStream, DataSource
 
-if TYPE_CHECKING:  # the loop's config lives beside the loop, which imports this module
-    from overlapkit.train.run.loop import TrainConfig
+
+class StepConfig(Protocol):
+    """What a step reads of the ``train`` group (``loop.TrainConfig`` offers it)."""
+
+    grad_accum: int
+    """Micro-batches per optimizer step."""
+    clip_grad_norm: float | None
+    """Clip the global gradient norm to this; None: no clipping."""
+    recompute: str
+    """``none``, ``selective`` or ``full`` (``overlapkit.train.parallel.recompute``)."""
+    recompute_layers: int | None
+    """With ``full``: blocks of each stage recomputed; None: all."""
 
 
 def _grad_norm(par: Parallelized, max_norm: float | None) -> float | None:
@@ -50,7 +62,7 @@ def wrap_model(
     plan: PlanConfig,
     factory_cfg: Mapping[str, Any],
     layout: Layout,
-    cfg: TrainConfig,
+    cfg: StepConfig,
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
@@ -68,7 +80,7 @@ def wrap_model(
         plan (PlanConfig): ``parallel.plan``; ``layout`` was built from it.
         factory_cfg (Mapping): the ``parallel`` group without ``plan`` (instantiated here).
         layout (Layout): the run's groups (``build_layout``).
-        cfg (TrainConfig): the ``train`` group (``grad_accum``, ``recompute``, clipping).
+        cfg (StepConfig): the ``train`` group (``grad_accum``, ``recompute``, clipping).
         loss_fn (Callable): the data source's ``(output, targets) -> mean loss``.
         make_optimizer (Callable): the ``optim.optimizer`` partial.
         device (torch.device): this rank's device.
@@ -79,7 +91,7 @@ def wrap_model(
 
     Raises:
         ValueError: a combination the loop refuses (``check_run_optimizer``,
-            ``check_pipeline``), named by its config keys.
+            ``check_pipeline``, ``check_layout``), named by its config keys.
     """
     split = split_sequences(model, layout.cp_mesh, device)
     recomputed = [  # each pipeline stage's first train.recompute_layers blocks
@@ -88,10 +100,10 @@ def wrap_model(
         for index in apply_recompute(blocks, cfg.recompute, cfg.recompute_layers)
     ]
     check_run_optimizer(factory_cfg, plan=plan)
-    check_pipeline(
-        plan, model_config=model.config, grad_accum=cfg.grad_accum, factory_cfg=factory_cfg
-    )
-    if plan.pp > 1:
+    check_pipeline(plan, model_config=model.config, factory_cfg=factory_cfg)
+    world_size = dist.get_world_size()
+    check_layout(plan, factory_cfg, cfg, world_size=world_size, model_config=model.config)
+    if plan.sizes.pp > 1:
         par = apply_pipeline(
             model,
             instantiate(factory_cfg),
@@ -116,7 +128,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     stream: BatchStream,
     source: DataSource,
-    cfg: TrainConfig,
+    cfg: StepConfig,
     device: torch.device,
     split: WholeSequences | SequenceSplit = WHOLE_SEQUENCES,
 ) -> tuple[float, float | None]:

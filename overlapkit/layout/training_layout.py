@@ -12,8 +12,13 @@ sequences per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 
+from overlapkit.validation import check_int
+
+DIMS = ("tp", "pp", "dp", "cp", "ep")
+"""The parallel sizes, in ``ok.plan``'s order (``TrainingLayout.dims``)."""
 RECOMPUTE = ("none", "selective", "full")
 """Activation recomputation: none; selective = Korthikanti et al.'s, the attention core
 (softmax, its dropout, ``QK^T``) is recomputed in backward; full = the forward of
@@ -23,15 +28,62 @@ SHARDING = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 """Data-parallel state: ddp replicates all; zero1 shards optimizer state (Megatron's
 distributed optimizer), zero2 also gradients, fsdp (ZeRO-3) also parameters, hsdp shards over
 ``dp_shard`` ranks and replicates over the rest."""
+COUNTS = (*DIMS, "micro_batch", "num_micro_batches", "virtual_stages", "dp_shard")
+"""The choices that are counts (integers >= 1)."""
+Spelling = Callable[[str], str]
+"""How a caller spells a choice's name in errors (``--dp-shard``, ``parallel.plan.tp``)."""
+
+
+def as_named(key: str) -> str:
+    """The field's own name (``ok.plan``'s keywords, ``TrainingLayout``'s fields)."""
+    return key
+
+
+def check_choice(key: str, value: object, spell: Spelling = as_named) -> None:
+    """One choice of a layout on its own: a count >= 1, a recompute mode, a sharding.
+
+    Raises:
+        TypeError: a count that is not an int, naming ``spell(key)``.
+        ValueError: a count below 1, an unknown mode, naming ``spell(key)`` and the valid ones.
+    """
+    if key in COUNTS or key == "recompute_layers":
+        check_int(spell(key), value, 1)
+    elif key in ("recompute", "sharding"):
+        valid = RECOMPUTE if key == "recompute" else SHARDING
+        if value not in valid:
+            raise ValueError(f"{spell(key)} {value!r}; valid: {', '.join(valid)}")
+
+
+def check_pairs(choices: Mapping[str, object], spell: Spelling = as_named) -> None:
+    """Choices that go with another: ``recompute_layers`` with full, ``dp_shard`` with hsdp.
+
+    A choice absent from ``choices`` (free) is not checked against.
+
+    Raises:
+        ValueError: the pair that disagrees, both spelled.
+    """
+    layers, mode = choices.get("recompute_layers"), choices.get("recompute", "full")
+    if layers is not None and mode != "full":
+        raise ValueError(
+            f"{spell('recompute_layers')}={layers!r} goes with {spell('recompute')}=full, "
+            f"got {mode!r}"
+        )
+    shard, sharding = choices.get("dp_shard"), choices.get("sharding", "hsdp")
+    if shard is not None and sharding != "hsdp":
+        raise ValueError(
+            f"{spell('dp_shard')}={shard} goes with {spell('sharding')}=hsdp, got {sharding!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingLayout:
-    """A complete training layout (the auto-planner's candidate).
+    """A complete training layout: what the auto-planner chooses, what a run trains with.
 
     Raises:
-        ValueError: a size < 1, an unknown recompute or sharding mode, ``dp_shard`` that is
-            not a proper divisor of ``dp`` for hsdp (or given without hsdp), naming it.
+        TypeError / ValueError: a size that is not an integer >= 1, an unknown recompute or
+            sharding mode, ``recompute_layers`` without full, ``dp_shard`` that is not a proper
+            divisor of ``dp`` for hsdp (or given without hsdp), ``virtual_stages`` without pp,
+            naming it.
     """
 
     tp: int = 1
@@ -46,38 +98,30 @@ class TrainingLayout:
     """Interleaved 1F1B: model chunks per pipeline rank (1: plain 1F1B)."""
     recompute: str = "none"
     recompute_layers: int | None = None
-    """full: layers of each pipeline stage recomputed (None: all of them)."""
+    """full: layers recomputed of each model chunk, the ``virtual_stages`` chunks of a pipeline
+    rank each (None: all of them), as Megatron-LM's ``--recompute-num-layers`` and
+    overlapkit-train's ``train.recompute_layers`` count them."""
     sharding: str = "ddp"
     dp_shard: int | None = None
     """hsdp: ranks of one shard group (the inner dp axis)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "num_micro_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.pp == 1):
+        choices = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key, value in choices.items():
+            if value is not None:
+                check_choice(key, value)
+        check_pairs(choices)
+        if self.virtual_stages > 1 and self.pp == 1:
             raise ValueError(
                 f"virtual_stages ({self.virtual_stages}) must be 1 without pipeline parallelism"
             )
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute {self.recompute!r}; valid: {', '.join(RECOMPUTE)}")
-        if self.recompute_layers is not None and (
-            self.recompute != "full" or self.recompute_layers < 1
+        if self.sharding == "hsdp" and (
+            self.dp_shard is None or not 1 < self.dp_shard < self.dp or self.dp % self.dp_shard
         ):
             raise ValueError(
-                f"recompute_layers ({self.recompute_layers}) needs recompute full and >= 1"
+                f"hsdp needs dp_shard dividing dp ({self.dp}) with 1 < dp_shard < dp, "
+                f"got {self.dp_shard}"
             )
-        if self.sharding not in SHARDING:
-            raise ValueError(f"sharding {self.sharding!r}; valid: {', '.join(SHARDING)}")
-        if self.sharding == "hsdp":
-            if self.dp_shard is None or not 1 < self.dp_shard < self.dp or self.dp % self.dp_shard:
-                raise ValueError(
-                    f"hsdp needs dp_shard dividing dp ({self.dp}) with 1 < dp_shard < dp, "
-                    f"got {self.dp_shard}"
-                )
-        elif self.dp_shard is not None:
-            raise ValueError(f"dp_shard ({self.dp_shard}) goes with sharding hsdp only")
 
     @property
     def world_size(self) -> int:
@@ -86,7 +130,7 @@ class TrainingLayout:
     @property
     def dims(self) -> dict[str, int]:
         """``{"tp", "pp", "dp", "cp", "ep"}`` (ok.plan's convention, see module doc)."""
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep}
+        return {name: getattr(self, name) for name in DIMS}
 
     @property
     def batch_replicas(self) -> int:
@@ -108,6 +152,11 @@ class TrainingLayout:
         """Megatron sequence parallelism: on whenever tp > 1 (same traffic, less memory)."""
         return self.tp > 1
 
+    @property
+    def pipeline_chunks(self) -> int:
+        """Model chunks the pipeline cuts the layers into: ``pp x virtual_stages``."""
+        return self.pp * self.virtual_stages
+
     def describe(self) -> str:
         dims = " ".join(f"{k}={v}" for k, v in self.dims.items())
         shard = f"hsdp(shard {self.dp_shard})" if self.sharding == "hsdp" else self.sharding
@@ -121,9 +170,10 @@ class TrainingLayout:
         )
 
     def recomputed_share(self, stage_layers: int) -> float:
-        """Share of a stage's layers whose forward is recomputed (full recomputation)."""
+        """Share of a pipeline rank's ``stage_layers`` layers whose forward is recomputed (full
+        recomputation: ``recompute_layers`` of each of its ``virtual_stages`` chunks)."""
         if self.recompute != "full":
             return 0.0
         if self.recompute_layers is None:
             return 1.0
-        return min(1.0, self.recompute_layers / stage_layers)
+        return min(1.0, self.recompute_layers * self.virtual_stages / stage_layers)

@@ -1,0 +1,188 @@
+"""One micro-batch on the slowest pipeline stage, and its model-parallel collectives.
+
+``StageMicroBatch`` is what every term of ``autoplan.step_time`` prices; ``tensor_parallel``,
+``context_parallel``, ``expert_parallel`` and ``pipeline_parallel`` give the seconds of its tp,
+cp, ep and pp collectives on the layout's groups (``group_costs.LayoutCollectives``), in
+total and on the critical path. What each counts, and why: docs/auto-planner.md, "The model
+of a step".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overlapkit.autoplan.framework import Framework
+from overlapkit.autoplan.group_costs import LayoutCollectives
+from overlapkit.autoplan.memory import Precision, layers_per_stage
+from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.layout import TrainingLayout
+
+BACKWARD_OVER_FORWARD = 2
+"""A backward pass costs twice its forward: each forward GEMM has two in backward (the
+gradients of its input and of its weight, the same FLOPs each). Flash attention's backward,
+and the window cp's ring hides behind, are priced at that ratio too."""
+ALL_TO_ALLS_PER_MOE_PASS = 2
+"""Expert parallelism moves each token twice per pass through an MoE layer: dispatch to its
+experts' ranks, and the combine back."""
+SEQUENCE_PARALLEL_GATHERS = 2
+"""Sequence parallelism gathers the sequence before attention and before the MLP, and
+reduce-scatters after each: two of each per layer pass (Korthikanti et al.)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageMicroBatch:
+    """One micro-batch of one data-parallel replica on the slowest pipeline stage.
+
+    Build it with ``StageMicroBatch.of``; the derived fields are computed there once.
+    """
+
+    model: ModelSpec
+    layout: TrainingLayout
+    framework: Framework
+    precision: Precision
+    seq_len: int
+    layers: int
+    """The stage's layers (``memory.layers_per_stage``)."""
+    tokens: int
+    """``micro_batch x seq_len``: the replica's tp x cp group shares their work."""
+    recomputed: float
+    """Share of the stage's layers whose forward runs again in backward (full recomputation,
+    0 to 1)."""
+    moe_layers: float
+    """The stage's MoE layers (an average where the model interleaves them); 0 if dense."""
+
+    @classmethod
+    def of(
+        cls,
+        model: ModelSpec,
+        layout: TrainingLayout,
+        *,
+        framework: Framework,
+        precision: Precision,
+        seq_len: int,
+    ) -> StageMicroBatch:
+        layers = layers_per_stage(model, layout)
+        return cls(
+            model=model,
+            layout=layout,
+            framework=framework,
+            precision=precision,
+            seq_len=seq_len,
+            layers=layers,
+            tokens=layout.micro_batch * seq_len,
+            recomputed=layout.recomputed_share(layers),
+            moe_layers=layers * (model.moe_layers / model.layers) if model.is_moe else 0.0,
+        )
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.precision.activation_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CommSeconds:
+    """One micro-batch's collectives of one dimension, seconds."""
+
+    total_s: float
+    """Every call's time, hidden or not."""
+    exposed_s: float
+    """On the critical path."""
+
+
+def tensor_parallel(
+    stage: StageMicroBatch, collectives: LayoutCollectives, *, overlap: float
+) -> CommSeconds:
+    """tp's collectives of the micro-batch's activations, in forward, backward and a recomputed
+    forward; ``overlap`` is the share hidden (async TP), the rest exposed.
+
+    With sequence parallelism 2 all-gathers + 2 reduce-scatters per layer pass; without, the
+    framework's all-reduces of the replicated activations.
+    """
+    framework, layout = stage.framework, stage.layout
+    tp_bytes = stage.tokens / layout.cp * stage.model.hidden * stage.activation_bytes
+    if framework.sequence_parallel:
+        gather = collectives("all_gather", tp_bytes, "tp")
+        per_pass = SEQUENCE_PARALLEL_GATHERS * (
+            gather + collectives("reduce_scatter", tp_bytes, "tp")
+        )
+        forward = backward = per_pass
+    else:
+        all_reduce = collectives("all_reduce", tp_bytes, "tp")
+        forward = framework.tp_forward_all_reduces * all_reduce
+        backward = framework.tp_backward_all_reduces * all_reduce
+    total = stage.layers * ((1 + stage.recomputed) * forward + backward)
+    if layout.recompute == "selective" and framework.sequence_parallel:
+        # The policy's recomputed forward gathers its sequence-parallel inputs again.
+        regathers = framework.selective.tp_all_gathers_recomputed
+        total += stage.layers * regathers * collectives("all_gather", tp_bytes, "tp")
+    return CommSeconds(total, (1 - overlap) * total)
+
+
+def context_parallel(
+    stage: StageMicroBatch, collectives: LayoutCollectives, *, ring_window_s: float
+) -> CommSeconds:
+    """cp's K and V traffic: a ring hidden behind each layer's attention (``ring_window_s``, one
+    layer's, already times the overlap efficiency), or, where the framework gathers K and V
+    before the attention (``Framework.cp_all_gather``), on the critical path.
+
+    A gathering framework's host path (``Library.moves_host_tensors``: overlapkit-train's
+    ``cplib::flex_cp_allgather``) gathers K and V and reduce-scatters their gradients with a
+    call each; its CUDA path (torch's ``context_parallel``) gathers both in one buffer, again
+    in backward.
+    """
+    model, layout, act = stage.model, stage.layout, stage.activation_bytes
+    layers, recomputed = stage.layers, stage.recomputed
+    kv_bytes = stage.tokens * (model.kv_dim + model.v_dim) * act / layout.tp
+    kv_gather = collectives("all_gather", kv_bytes, "cp")
+    kv_scatter = collectives("reduce_scatter", kv_bytes, "cp")
+    if stage.framework.cp_all_gather and collectives.library.moves_host_tensors:
+        k_v = [stage.tokens * dim * act / layout.tp for dim in (model.kv_dim, model.v_dim)]
+        gather = sum(collectives("all_gather", nbytes, "cp") for nbytes in k_v)
+        scatter = sum(collectives("reduce_scatter", nbytes, "cp") for nbytes in k_v)
+        total = layers * ((1 + recomputed) * gather + scatter)
+        return CommSeconds(total, total)
+    if stage.framework.cp_all_gather:
+        total = layers * ((2 + recomputed) * kv_gather + kv_scatter)
+        return CommSeconds(total, total)
+    per_layer = 2 * kv_gather + kv_scatter
+    return CommSeconds(layers * per_layer, layers * max(0.0, per_layer - ring_window_s))
+
+
+def expert_parallel(
+    stage: StageMicroBatch, collectives: LayoutCollectives, *, overlap: float
+) -> CommSeconds:
+    """ep's all-to-alls of each token's ``topk`` copies per MoE layer, forward, backward and a
+    recomputed forward; ``overlap`` is the share hidden (DualPipe-style), the rest exposed."""
+    layout, model = stage.layout, stage.model
+    ep_bytes = (
+        stage.tokens
+        / (layout.cp * layout.tp)
+        * model.hidden
+        * model.dispatch_copies
+        * stage.activation_bytes
+    )
+    calls = ALL_TO_ALLS_PER_MOE_PASS * (2 + stage.recomputed)
+    total = stage.moe_layers * calls * collectives("all_to_all", ep_bytes, "ep")
+    return CommSeconds(total, (1 - overlap) * total)
+
+
+def pipeline_parallel(
+    stage: StageMicroBatch, collectives: LayoutCollectives
+) -> tuple[float, float]:
+    """(per micro-batch, per step) seconds of pp's sends, all exposed.
+
+    Per micro-batch the activation sent forward and its gradient sent back, per model chunk;
+    per step, where the framework sums a tied embedding and head between the first and last
+    stage (``Framework.tied_embedding_all_reduce``), that all-reduce after backward (2 ranks:
+    as long as sending the gradient once).
+    """
+    model, layout, framework = stage.model, stage.layout, stage.framework
+    if layout.pp == 1:
+        return 0.0, 0.0
+    pp_bytes = stage.tokens / layout.cp * model.hidden * stage.activation_bytes / layout.tp
+    per_micro_batch = 2 * layout.virtual_stages * collectives("send_recv", pp_bytes, "pp")
+    if not (model.tied_embeddings and framework.tied_embedding_all_reduce):
+        return per_micro_batch, 0.0
+    vocab_rows = model.vocab_size / (layout.tp if framework.vocab_parallel else 1)
+    grad_bytes = vocab_rows * model.hidden * stage.precision.grad_reduce_bytes
+    return per_micro_batch, collectives("send_recv", grad_bytes, "pp")
