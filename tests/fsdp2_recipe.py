@@ -130,10 +130,17 @@ def _build(shard: Callable[[nn.Module], nn.Module], explicit: bool) -> nn.Module
     return model
 
 
-def run(shard: Callable[[nn.Module], nn.Module], root: str, *, explicit: bool = False) -> dict:
+def run(
+    shard: Callable[[nn.Module], nn.Module],
+    root: str,
+    *,
+    explicit: bool = False,
+    resume: bool = True,
+) -> dict:
     """The recipe with ``shard`` (a meta model in, the sharded model out); checkpoints in
     ``root``. Returns the initial and trained parameters, the losses, the parameters after
-    each resumed run, and the trained model (for ``ok.fsdp_stats``)."""
+    each resumed run (with ``resume``; else the checkpoint is saved only), and the trained model
+    (for ``ok.fsdp_stats``)."""
     model = _build(shard, explicit)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
@@ -147,15 +154,17 @@ def run(shard: Callable[[nn.Module], nn.Module], root: str, *, explicit: bool = 
     full_model = get_model_state_dict(model, options=FULL)
     full_optim = get_optimizer_state_dict(model, optim, options=FULL)
     continued = _train(model, optim, range(STEPS, STEPS + RESUMED_STEPS), explicit)
-    return {
+    out = {
         "initial": initial,
         "trained": trained,
         "losses": losses + continued,
         "continued": _full_params(model),
-        "resumed_dcp": _resume_dcp(shard, explicit, os.path.join(root, "dcp")),
-        "resumed_full": _resume_full(shard, explicit, full_model, full_optim),
         "model": model,
     }
+    if resume:
+        out["resumed_dcp"] = _resume_dcp(shard, explicit, os.path.join(root, "dcp"))
+        out["resumed_full"] = _resume_full(shard, explicit, full_model, full_optim)
+    return out
 
 
 def _resume_dcp(shard: Callable[[nn.Module], nn.Module], explicit: bool, path: str) -> dict:

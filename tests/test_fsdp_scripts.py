@@ -4,10 +4,10 @@ pytorch/examples' FSDP2 example (``tests/fsdp2_recipe.py``) builds its model on 
 passes ``fully_shard``'s own keywords (``mp_policy``), may set its own explicit prefetch, then
 ``to_empty``, initialises, trains and checkpoints with DCP. Each variant runs twice on the same
 2 gloo ranks, with plain ``fully_shard`` per layer and root and with ``ok.fsdp(model, prefetch=1,
-**fsdp_kwargs)``, and everything must match bitwise: the initial and trained parameters, the
-losses, and the parameters after resuming from DCP's sharded checkpoint and from the example's
-full state dict broadcast onto a meta model. ``ok.fsdp``'s refusals of what cannot run are
-checked in the same launch.
+**fsdp_kwargs)``, and everything must match bitwise: the initial and trained parameters and
+the losses, and for the example's own modes (``RESUMED``) the parameters after resuming from
+DCP's sharded checkpoint and from the example's full state dict broadcast onto a meta model.
+``ok.fsdp``'s refusals of what cannot run are checked in the same launch.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ VARIANTS = {
     "reshard_to_1": {"reshard_after_forward": 1},
     "reshard_to_2": {"reshard_after_forward": 2},
 }
-COMPARED = ("initial", "trained", "losses", "continued", "resumed_dcp", "resumed_full")
+RESUMED = ("meta", "mixed_precision", "explicit_prefetching")
+"""The example's own modes also resume (from DCP and from the full state dict); the other
+keywords are compared over the training (each resumed run costs two more sharded models)."""
+TRAINED = ("initial", "trained", "losses", "continued")
 
 
 def _plain(fsdp_kwargs: dict):
@@ -64,14 +67,19 @@ def _variant(name: str, root: str) -> dict:
     """The recipe with ``fully_shard`` and with ``ok.fsdp``; an error is returned, not raised,
     so that each variant's test fails on its own."""
     fsdp_kwargs, explicit = VARIANTS[name], name == "explicit_prefetching"
+    resume = name in RESUMED
+    compared = (*TRAINED, "resumed_dcp", "resumed_full") if resume else TRAINED
     warnings = _Warnings()
     logging.getLogger("overlapkit").addHandler(warnings)
     try:
-        plain = recipe.run(_plain(fsdp_kwargs), f"{root}/{name}/plain", explicit=explicit)
+        plain = recipe.run(
+            _plain(fsdp_kwargs), f"{root}/{name}/plain", explicit=explicit, resume=resume
+        )
         ours = recipe.run(
             lambda model: ok.fsdp(model, prefetch=1, **fsdp_kwargs),
             f"{root}/{name}/ok",
             explicit=explicit,
+            resume=resume,
         )
         stats = ok.fsdp_stats(ours["model"])
     except Exception as error:
@@ -79,8 +87,8 @@ def _variant(name: str, root: str) -> dict:
     finally:
         logging.getLogger("overlapkit").removeHandler(warnings)
     return {
-        "plain": {key: plain[key] for key in COMPARED},
-        "ok": {key: ours[key] for key in COMPARED},
+        "plain": {key: plain[key] for key in compared},
+        "ok": {key: ours[key] for key in compared},
         "mesh_device": ours["model"].tok_embeddings.weight.device_mesh.device_type,
         "peaks": [(s.forward_peak_blocks, s.backward_peak_blocks) for s in stats.steps],
         # The gloo overlap path: prefetched all-gathers return pending, reduce-scatters overlap.
@@ -122,7 +130,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     try:
         ok.fsdp(model, mesh=mesh)
-        out["meta_with_given_mesh"] = model.output.weight.device_mesh is mesh
+        out["meta_with_given_mesh"] = model.output.weight.device_mesh == mesh
     except Exception as error:
         out["meta_with_given_mesh"] = f"{type(error).__name__}: {error}"
     dist.barrier()
@@ -137,7 +145,8 @@ def two_ranks(tmp_path_factory) -> list[dict]:
 
 def _assert_same_run(result: dict, what: str) -> None:
     assert "error" not in result, f"{what}: {result.get('error')}"
-    for key in COMPARED:
+    assert result["ok"].keys() == result["plain"].keys()
+    for key in result["plain"]:
         assert_bitwise(result["ok"][key], result["plain"][key], f"{what} {key}")
     changed = [
         k
@@ -152,6 +161,8 @@ def _assert_same_run(result: dict, what: str) -> None:
 def test_the_fsdp2_example_with_ok_fsdp_matches_fully_shard_bitwise(two_ranks, variant):
     for rank, result in enumerate(two_ranks):
         _assert_same_run(result[variant], f"rank {rank} {variant}")
+        if variant in RESUMED:
+            assert {"resumed_dcp", "resumed_full"} <= result[variant]["ok"].keys()
 
 
 @pytest.mark.slow
