@@ -33,6 +33,15 @@ WARMUP = 2
 BUCKET_MB = 1e-6
 """Accelerate's run: one parameter per bucket, so updates land bucket by bucket and some are
 still pending after ``step()`` (with the default size this tiny model is one bucket)."""
+QUIET_CPU_TRAINER = dict(
+    use_cpu=True,
+    report_to=[],
+    save_strategy="no",
+    logging_strategy="no",
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+"""``TrainingArguments`` of a Trainer on the CPU that saves, logs and reports nothing."""
 ACCELERATE_CALLS = ("unwrap_model", "get_state_dict", "save_state", "save_model", "end_training")
 """In this order: ``end_training`` destroys the process group."""
 
@@ -72,13 +81,8 @@ def trainer_final(form: str, root: str) -> dict[str, torch.Tensor]:
         per_device_train_batch_size=PER_RANK,
         max_steps=STEPS,
         learning_rate=1e-2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         seed=3,
+        **QUIET_CPU_TRAINER,
     )
     model = tiny_gpt2()
     if form == "per_bucket":

@@ -100,12 +100,7 @@ def _trainer(tmp: str, overlap: bool) -> dict:
         learning_rate=0.1,
         optim="sgd",
         lr_scheduler_type="constant",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **final_updates.QUIET_CPU_TRAINER,
     )
     model = _Regressor()
     initial = _params(model)
