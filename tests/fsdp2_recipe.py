@@ -72,7 +72,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1]))
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for layer in self.layers:
             h = layer(h)
         return self.output(self.norm(h)).float()
@@ -95,17 +96,19 @@ def set_explicit_prefetching(model: Transformer, ahead: int = PREFETCH_AHEAD) ->
             layer.set_modules_to_backward_prefetch(layers[i - ahead : i][::-1])
 
 
-def _tokens(step: int) -> torch.Tensor:
+def _tokens(step: int, device: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + dist.get_rank())
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)
 
 
-def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range, explicit: bool) -> list:
+def _train(
+    model: nn.Module, optim: torch.optim.Optimizer, steps: range, explicit: bool, device: str
+) -> list:
     losses = []
     for step in steps:
         if explicit:
             model.unshard()
-        loss = model(_tokens(step)).sum()
+        loss = model(_tokens(step, device)).sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optim.step()
@@ -136,24 +139,27 @@ def run(
     *,
     explicit: bool = False,
     resume: bool = True,
+    device: str = "cpu",
+    materialize_on: str = "cpu",
 ) -> dict:
     """The recipe with ``shard`` (a meta model in, the sharded model out); checkpoints in
     ``root``. Returns the initial and trained parameters, the losses, the parameters after
     each resumed run (with ``resume``; else the checkpoint is saved only), and the trained model
-    (for ``ok.fsdp_stats``)."""
+    (for ``ok.fsdp_stats``). ``device`` computes, ``materialize_on`` holds the sharded
+    parameters (the CPU under ``CPUOffloadPolicy``)."""
     model = _build(shard, explicit)
-    model.to_empty(device="cpu")
+    model.to_empty(device=materialize_on)
     torch.manual_seed(0)
     model.reset_parameters()
     initial = _full_params(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = _train(model, optim, range(STEPS), explicit)
+    losses = _train(model, optim, range(STEPS), explicit, device)
     trained = _full_params(model)
     sharded = dict(zip(("model", "optim"), get_state_dict(model, optim), strict=True))
     dcp.save(sharded, checkpoint_id=os.path.join(root, "dcp"))
     full_model = get_model_state_dict(model, options=FULL)
     full_optim = get_optimizer_state_dict(model, optim, options=FULL)
-    continued = _train(model, optim, range(STEPS, STEPS + RESUMED_STEPS), explicit)
+    continued = _train(model, optim, range(STEPS, STEPS + RESUMED_STEPS), explicit, device)
     out = {
         "initial": initial,
         "trained": trained,
@@ -162,26 +168,37 @@ def run(
         "model": model,
     }
     if resume:
-        out["resumed_dcp"] = _resume_dcp(shard, explicit, os.path.join(root, "dcp"))
-        out["resumed_full"] = _resume_full(shard, explicit, full_model, full_optim)
+        path = os.path.join(root, "dcp")
+        out["resumed_dcp"] = _resume_dcp(shard, explicit, path, device, materialize_on)
+        out["resumed_full"] = _resume_full(shard, explicit, full_model, full_optim, device)
     return out
 
 
-def _resume_dcp(shard: Callable[[nn.Module], nn.Module], explicit: bool, path: str) -> dict:
+def _resume_dcp(
+    shard: Callable[[nn.Module], nn.Module],
+    explicit: bool,
+    path: str,
+    device: str,
+    materialize_on: str,
+) -> dict:
     """A fresh meta model, sharded, ``to_empty``, then DCP's sharded load of model and Adam."""
     model = _build(shard, explicit)
-    model.to_empty(device="cpu")
+    model.to_empty(device=materialize_on)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     model_sd, optim_sd = get_state_dict(model, optim)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    _train(model, optim, range(STEPS, STEPS + RESUMED_STEPS), explicit)
+    _train(model, optim, range(STEPS, STEPS + RESUMED_STEPS), explicit, device)
     return _full_params(model)
 
 
 def _resume_full(
-    shard: Callable[[nn.Module], nn.Module], explicit: bool, full_model: dict, full_optim: dict
+    shard: Callable[[nn.Module], nn.Module],
+    explicit: bool,
+    full_model: dict,
+    full_optim: dict,
+    device: str,
 ) -> dict:
     """The example's own resume: the full state dict broadcast from rank 0 onto the meta model
     (``set_model_state_dict(..., broadcast_from_rank0=True)``), then the optimizer's."""
@@ -190,5 +207,5 @@ def _resume_full(
     set_model_state_dict(model, {k: v.clone() for k, v in full_model.items()}, options=broadcast)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     set_optimizer_state_dict(model, optim, full_optim, options=FULL)
-    _train(model, optim, range(STEPS, STEPS + RESUMED_STEPS), explicit)
+    _train(model, optim, range(STEPS, STEPS + RESUMED_STEPS), explicit, device)
     return _full_params(model)

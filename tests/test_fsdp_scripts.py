@@ -27,6 +27,7 @@ from torch.distributed.fsdp import (
 import overlapkit as ok
 from overlapkit.fsdp.state import state_of
 from tests import fsdp2_recipe as recipe
+from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 from tests.reference import assert_bitwise
 
@@ -235,3 +236,39 @@ def test_what_cannot_run_is_refused_in_one_line_naming_the_value(two_ranks, name
     assert found is not None, f"{name} was accepted"
     assert found[0] == error and found[1].startswith("ok.fsdp: "), found
     assert words in found[1] and "\n" not in found[1], found
+
+
+CUDA_VARIANTS = {
+    "meta": ({}, False, "cuda"),
+    "mixed_precision_explicit_prefetching": ({"mp_policy": BF16}, True, "cuda"),
+    "pinned_cpu_offload": ({"offload_policy": CPUOffloadPolicy()}, False, "cpu"),
+}
+
+
+@requires_cuda
+@pytest.mark.parametrize("variant", list(CUDA_VARIANTS))
+def test_the_fsdp2_example_on_cuda_with_ok_fsdp_matches_fully_shard_bitwise(tmp_path, variant):
+    """One GPU, NCCL: the mesh from the process group's device (CUDA), FSDP2's streams, pinned
+    CPU offloading (the sharded parameters materialised on the CPU)."""
+    fsdp_kwargs, explicit, materialize_on = CUDA_VARIANTS[variant]
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        runs = {
+            name: recipe.run(
+                shard,
+                str(tmp_path / name),
+                explicit=explicit,
+                device="cuda",
+                materialize_on=materialize_on,
+            )
+            for name, shard in (
+                ("plain", _plain(fsdp_kwargs)),
+                ("ok", lambda model: ok.fsdp(model, prefetch=1, **fsdp_kwargs)),
+            )
+        }
+        mesh = runs["ok"]["model"].tok_embeddings.weight.device_mesh.device_type
+    finally:
+        dist.destroy_process_group()
+    runs = {name: {k: v for k, v in run.items() if k != "model"} for name, run in runs.items()}
+    _assert_same_run(runs, f"cuda {variant}")
+    assert mesh == "cuda"
