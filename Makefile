@@ -17,7 +17,7 @@ BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: install test test-fast test-gpu fuzz demo docs bench lint clean
+.PHONY: install test test-fast test-gpu host-wheels test-gpu-host fuzz demo docs bench lint clean
 
 install: $(STAMP)
 
@@ -67,6 +67,27 @@ test-gpu: $(STAMP)
 	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: CUDA is not available here')"
 	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -rs
 
+# On a GPU host whose torch is installed and pinned (a cluster's container; the lent H200's image
+# has torch 2.11 and no Hydra): the same, with that host's own Python and torch, never installing
+# or upgrading torch. `make host-wheels`, where the package index is reachable, puts the
+# pure-Python dependencies such a host lacks into $(HOST_WHEELS) as wheels; carried there with the
+# checkout, `make test-gpu-host` unpacks them into $(HOST_SITE) (--no-deps: pip checks no
+# requirement, torch's neither) and runs the suite from the checkout with PYTHONPATH, leaving the
+# host's environment as it was. Tests that need a newer torch skip naming the version
+# (tests/torch_version.py; docs/development.md says what runs on which torch).
+HOST_PYTHON ?= python3
+HOST_WHEELS := wheels
+HOST_SITE := .host-site
+HOST_PACKAGES := hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
+
+host-wheels:
+	$(PYTHON) -m pip wheel --quiet --no-deps -w $(HOST_WHEELS) $(HOST_PACKAGES)
+
+test-gpu-host:
+	$(HOST_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu-host: CUDA is not available here')"
+	$(HOST_PYTHON) -m pip install --quiet --no-index --no-deps --upgrade --target $(HOST_SITE) $(HOST_WHEELS)/*.whl
+	PYTHONPATH=$(CURDIR):$(CURDIR)/$(HOST_SITE) OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(HOST_PYTHON) -m pytest -q -rs
+
 # ...and `make fuzz` explores: fresh random examples, ten times as many. Keep what it finds as
 # an @example beside the test.
 FUZZ_TESTS := tests/test_fuzz_inputs.py tests/test_intervals.py tests/test_placement_properties.py \
@@ -109,4 +130,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check overlapkit tests recipes bench
 
 clean:
-	rm -rf $(VENV) runs bench/results .pytest_cache site .cache
+	rm -rf $(VENV) runs bench/results .pytest_cache site .cache $(HOST_SITE) $(HOST_WHEELS)

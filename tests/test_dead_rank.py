@@ -4,6 +4,7 @@ bucket/block and the missing rank."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -21,6 +22,7 @@ from overlapkit.fsdp.failed_step import FailedStep
 from overlapkit.group.failures import CheckIn, check_in, describe_failure, grace_s
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.reference import make_batches, make_mlp, shard
+from tests.torch_version import requires_torch
 
 FAULT_STEP = 2
 TIMEOUT_S = 4.0
@@ -495,6 +497,7 @@ def test_fsdp_failure_drops_the_gradients_so_a_caught_step_changes_nothing(reque
 
 
 @pytest.mark.slow
+@requires_torch("2.13", "FSDPModule.reset_iter_state; before it the retry is refused")
 @pytest.mark.parametrize("run", FSDP_RUNS)
 def test_fsdp_step_after_a_failure_resets_fsdp2_and_fails_again(request, run):
     for rank, report in _fsdp_reports(request, run).items():
@@ -610,7 +613,10 @@ def test_grace_period_env_must_be_a_non_negative_number(monkeypatch):
             grace_s()
 
 
-def test_fsdp_failed_step_drops_gradients_and_refuses_a_retry_torch_cannot_reset(monkeypatch):
+@contextlib.contextmanager
+def _failed_fsdp_step():
+    """A one-rank ``ok.fsdp`` model after a backward, its ``FailedStep`` called: (model, step,
+    batch)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = ok.fsdp(make_mlp(), blocks=nn.Linear)
@@ -620,14 +626,24 @@ def test_fsdp_failed_step_drops_gradients_and_refuses_a_retry_torch_cannot_reset
         assert all(p.grad is not None for p in model.parameters())
         failed()
         assert all(p.grad is None for p in model.parameters())
-        monkeypatch.delattr(FSDPModule, "reset_iter_state")  # as in a torch without it
+        yield model, failed, (x, y)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_failed_step_drops_gradients_and_refuses_a_retry_torch_cannot_reset(monkeypatch):
+    with _failed_fsdp_step() as (_model, failed, _batch):
+        # As in a torch without it (2.11 has none): the retry is refused, again and again.
+        monkeypatch.delattr(FSDPModule, "reset_iter_state", raising=False)
         with pytest.raises(RuntimeError, match=r"has no FSDPModule\.reset_iter_state\(\)"):
             failed.reset_if_failed()
         assert failed.reset_pending  # and the next forward refuses again
-        monkeypatch.undo()
+
+
+@requires_torch("2.13", "FSDPModule.reset_iter_state")
+def test_fsdp_failed_step_is_reset_by_the_next_forward_where_torch_can():
+    with _failed_fsdp_step() as (model, failed, (x, y)):
         failed.reset_if_failed()
         assert not failed.reset_pending
         nn.functional.mse_loss(model(x), y).backward()  # a normal step after the reset
         assert all(p.grad is not None for p in model.parameters())
-    finally:
-        dist.destroy_process_group()

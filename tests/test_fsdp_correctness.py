@@ -282,7 +282,7 @@ def test_bad_meshes_and_wrapped_models_are_rejected_with_the_value(two_ranks):
     assert "wrapped in DistributedDataParallel" in errors["ddp"]
 
 
-def _hsdp(rank: int, world_size: int) -> dict:
+def _four_ranks(rank: int, world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
     placements = {}
 
@@ -291,18 +291,35 @@ def _hsdp(rank: int, world_size: int) -> dict:
         placements["head"] = tuple(model.head.weight.placements)
         return model
 
+    def reshard_to_two(model: nn.Module) -> nn.Module:
+        # fully_shard's int: after forward each block keeps a half over pairs of ranks.
+        model = ok.fsdp(model, prefetch=1, reshard_after_forward=2)
+        block = model.layers[0]  # registered after FSDP2's, so it sees what FSDP2 left
+
+        def after_forward(*_):
+            placements["post_forward"] = tuple(block.norm1.weight.device_mesh.shape)
+
+        block.register_forward_hook(after_forward)
+        return model
+
     return {
         "transformer": _compare("transformer", rank, world_size, wrap),
         "placements": placements["head"],
+        "reshard_to_two": _compare("transformer", rank, world_size, reshard_to_two),
+        "post_forward_mesh": placements["post_forward"],
     }
 
 
 @pytest.mark.slow
-def test_hsdp_on_four_ranks_matches_the_unsharded_reference():
-    results = run_on_ranks(_hsdp, 4, collective_timeout_s=30, total_timeout_s=150)
+def test_hsdp_and_an_int_reshard_after_forward_on_four_ranks_match_the_unsharded_reference():
+    results = run_on_ranks(_four_ranks, 4, collective_timeout_s=30, total_timeout_s=150)
     for result in results:
         assert result["placements"] == (Replicate(), Shard(0))
         transformer = result["transformer"]
         assert transformer["loss_diff"] < FP32_TOL and transformer["param_diff"] < FP32_TOL
         # HSDP all-reduces the reduce-scatter output at once, so the reduce-scatter blocks.
         assert transformer["async_reduce_scatters"] == 0
+        reshard_to_two = result["reshard_to_two"]
+        assert reshard_to_two["loss_diff"] < FP32_TOL and reshard_to_two["param_diff"] < FP32_TOL
+        assert reshard_to_two["peak_forward"] == 2  # a half-sharded block is not unsharded
+        assert result["post_forward_mesh"] == (2, 2)  # pairs of ranks after forward

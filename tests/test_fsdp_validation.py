@@ -37,9 +37,9 @@ def test_bf16_means_bf16_parameters_and_fp32_reduction():
     assert resolve_mixed_precision(None) == MixedPrecisionPolicy()
 
 
-def test_rejects_non_bool_reshard_after_forward():
-    with pytest.raises(TypeError, match="reshard_after_forward must be a bool, got 2"):
-        ok.fsdp(make_mlp(), reshard_after_forward=2)
+def test_rejects_a_reshard_after_forward_neither_bool_nor_int_before_a_process_group():
+    with pytest.raises(TypeError, match="reshard_after_forward must be a bool, an int .* got 2.0"):
+        ok.fsdp(make_mlp(), reshard_after_forward=2.0)
 
 
 def test_rejects_blocks_matching_nothing_before_needing_a_process_group():

@@ -23,6 +23,7 @@ pytest.importorskip("accelerate", reason="the integrations extra is not installe
 pytest.importorskip("transformers", reason="the integrations extra is not installed")
 
 from tests import accelerate_per_bucket as per_bucket
+from tests import final_updates
 from tests.doc_examples import assert_doc_examples_run_in_tests
 from tests.multiproc import run_on_ranks
 from tests.reference import assert_bitwise
@@ -99,12 +100,7 @@ def _trainer(tmp: str, overlap: bool) -> dict:
         learning_rate=0.1,
         optim="sgd",
         lr_scheduler_type="constant",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **final_updates.QUIET_CPU_TRAINER,
     )
     model = _Regressor()
     initial = _params(model)
@@ -141,6 +137,8 @@ def _all_runs(rank: int, world_size: int, tmp: str) -> dict:
         "ddp_kwargs": OverlapDDPKwargs(bucket_cap_mb=5, compress="bf16").to_kwargs(),
         "plain_kwargs": DistributedDataParallelKwargs(bucket_cap_mb=5).to_kwargs(),
         "per_bucket": per_bucket.scenarios(os.path.join(tmp, "per_bucket")),
+        # Last: its Accelerate run ends with end_training, which destroys the process group.
+        "final_updates": final_updates.scenarios(os.path.join(tmp, "final")),
     }
 
 
@@ -316,6 +314,25 @@ def test_per_bucket_accelerate_refuses_what_it_cannot_run_as_ddp(two_ranks):
     assert "compress='bf16'" in refused["compress"]
     assert "clip_grad_value_(clip_value=0.1)" in refused["clip_value"]
     assert "sync_each_batch=True" in refused["trainer_sync_each_batch"]  # at OverlapTrainer()
+
+
+@pytest.mark.slow
+def test_overlap_trainer_returns_from_train_with_every_update_applied(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        runs = result["final_updates"]["trainer"]
+        assert_bitwise(runs["per_bucket"], runs["plain"], f"rank {rank} right after train()")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", final_updates.ACCELERATE_CALLS)
+def test_accelerate_calls_where_users_read_weights_apply_the_pending_updates(two_ranks, call):
+    for rank, result in enumerate(two_ranks):
+        runs = result["final_updates"]["accelerate"]
+        plain, overlap = runs["plain"][call], runs["per_bucket"][call]
+        assert_bitwise(overlap["read"], plain["read"], f"rank {rank} right after {call}")
+        # Control: some of the step's updates were still pending before the call.
+        stale = overlap["stepped"]
+        assert any(not torch.equal(stale[k], plain["stepped"][k]) for k in stale), call
 
 
 def test_integrations_doc_accelerate_and_trainer_examples_are_the_tested_code():

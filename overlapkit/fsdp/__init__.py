@@ -18,7 +18,7 @@ _EXPORTS = {
     "no_sync": "overlapkit.fsdp.zero",
     "overlap_optimizer_step": "overlapkit.fsdp.prefetch",
     "resolve_blocks": "overlapkit.fsdp.blocks",
-    "resolve_mixed_precision": "overlapkit.fsdp.wrap",
+    "resolve_mixed_precision": "overlapkit.fsdp.keywords",
     "step_by_block": "overlapkit.fsdp.prefetch",
     "unshard_peaks": "overlapkit.fsdp.stats",
     "zero_stage": "overlapkit.fsdp.zero",

@@ -75,9 +75,10 @@ class FailedStep:
         if reset is None:
             raise RuntimeError(
                 "ok.fsdp: a collective of an earlier step failed (CollectiveFailure), and "
-                f"FSDP2 in torch {torch.__version__} has no FSDPModule.reset_iter_state() to "
-                "recover its state after the aborted backward; a further step would reduce "
-                "nothing: restart the workers (torch elastic does with launcher.max_restarts)"
+                f"FSDP2 in torch {torch.__version__} has no FSDPModule.reset_iter_state() "
+                "(torch 2.13 added it) to recover its state after the aborted backward; a "
+                "further step would reduce nothing: restart the workers (torch elastic does "
+                "with launcher.max_restarts)"
             )
         reset()
         self.reset_pending = False

@@ -5,12 +5,23 @@ shards** (placements ``(Replicate(), Shard(0))``). Gradients are reduce-scattere
 all-reduced over axis 0, so axis 1 should be the fast (intra-node) one. A planner mesh with named
 axes is passed as ``mesh["dp_replicate", "dp_shard"]``; an axis whose name says "shard" on
 axis 0 (or "replicate" on axis 1) is rejected rather than silently sharding over the wrong ranks.
+
+A model built on the meta device (FSDP2's deferred initialisation: build under
+``torch.device("meta")``, shard, then ``to_empty`` and initialise) has no device of its own yet:
+its mesh is the one given, or one on the device the default process group communicates on
+(``backend_device_type``: CUDA for NCCL, the CPU for gloo), as ``fully_shard``'s default mesh
+is. The mesh's device type, not the parameters', then says where the model lives.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from overlapkit.group.process_group import backend_device_type
+
+META = "meta"
+"""The device type of a model built for deferred initialisation (``torch.device("meta")``)."""
 
 
 def _check_axis_names(names: tuple[str, ...] | None) -> None:
@@ -44,16 +55,20 @@ def resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
     Args:
         mesh (DeviceMesh | None): 1-D (shard over all its ranks) or 2-D (replicate, shard).
             It must span the world, or be a slice (``mesh["dp"]``) of a mesh that does.
-        device_type (str): the model's device type (``"cpu"``, ``"cuda"``), for the default.
+        device_type (str): the model's parameters' device type (``"cpu"``, ``"cuda"``), which
+            the mesh must match, or ``META`` (any mesh; the default on the process group's
+            device).
 
     Raises:
         TypeError: ``mesh`` is not a DeviceMesh.
         ValueError: wrong number of axes, axis names in the wrong order, a mesh whose size does
-            not match the world, or a mesh that does not contain this rank.
+            not match the world, a mesh that does not contain this rank, or a mesh on another
+            device type than the model's parameters.
     """
     world = dist.get_world_size()
     if mesh is None:
-        return init_device_mesh(device_type, (world,))
+        default = backend_device_type() if device_type == META else device_type
+        return init_device_mesh(default, (world,))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"ok.fsdp: mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}"
@@ -63,7 +78,7 @@ def resolve_mesh(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh:
             f"ok.fsdp: mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D "
             f"with shape {tuple(mesh.shape)}; slice the data-parallel axes out first"
         )
-    if mesh.device_type != device_type:
+    if device_type != META and mesh.device_type != device_type:
         raise ValueError(
             f"ok.fsdp: mesh device type {mesh.device_type!r} differs from the model's "
             f"parameters' device type {device_type!r}"

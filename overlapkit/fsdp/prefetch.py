@@ -1,36 +1,64 @@
-"""Explicit forward/backward prefetch lists; the next step's first gathers after the optimizer,
-or after each of the first blocks' own update (``step_by_block``).
+"""Explicit forward/backward prefetch lists and the warning when a script replaces them; the
+next step's first gathers after the optimizer, or after each of the first blocks' own update
+(``step_by_block``).
 
-Forward: block i prefetches blocks i+1 .. i+d, and the root prefetches blocks 0 .. d-1, so while
-block i computes the all-gathers of the next d blocks are in flight. Backward: block i
-prefetches i-1 .. i-d and the root (whose pre-backward runs first) the last d blocks. Each
-explicit list replaces FSDP2's implicit one-block backward prefetch; lists of two "use more
-reserved memory" (FSDP2's docstring): ``d`` more blocks are unsharded at once.
+With ``prefetch=d`` each block prefetches the next ``d`` blocks in forward and the previous
+``d`` in backward (``prefetch_lists.ok_fsdp_lists``), so while block i computes the all-gathers
+of the next d blocks are in flight. Each explicit list replaces FSDP2's implicit one-block
+backward prefetch; lists of two "use more reserved memory" (FSDP2's docstring): ``d`` more
+blocks are unsharded at once.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
+from overlapkit.fsdp.prefetch_lists import apply_lists, describe_replacement, ok_fsdp_lists
 from overlapkit.fsdp.state import OverlapState, state_of
 from overlapkit.optim.clip import validate_clip_options
 from overlapkit.optim.per_block import NormClip, step_by_sets
 
+logger = logging.getLogger(__name__)
+
 
 def set_explicit_prefetch(root: FSDPModule, blocks: Sequence[FSDPModule], depth: int) -> None:
-    """Install depth-``depth`` forward and backward prefetch on ``blocks`` (forward order)."""
-    if depth == 0:
+    """Install depth-``depth`` forward and backward prefetch on ``blocks`` (forward order),
+    replacing any list there (``prefetch_lists.ok_fsdp_lists``; depth 0 empties them)."""
+    apply_lists(root, list(blocks), ok_fsdp_lists(len(blocks), depth))
+
+
+def warn_if_prefetch_replaced(state: OverlapState) -> None:
+    """Warn once per model when the prefetch lists in force are no longer ``ok.fsdp``'s.
+
+    A script's own ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``
+    (after ``ok.fsdp``) replace its lists: FSDP2 then prefetches as the script says, and
+    ``ok.fsdp_stats`` bounds its peaks by those lists. The warning names both settings and the
+    bound in force. Called before each step's forward; reads FSDP2's lists (no collective).
+    """
+    if state.prefetch_replaced_warned:
         return
-    blocks = list(blocks)
-    for i, block in enumerate(blocks):
-        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + depth])
-        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth) : i][::-1])
-    root.set_modules_to_forward_prefetch(blocks[:depth])
-    root.set_modules_to_backward_prefetch(blocks[::-1][:depth])
+    own, in_force = state.own_prefetch_lists, state.prefetch_lists
+    if in_force == own:
+        return
+    state.prefetch_replaced_warned = True
+    forward, backward = state.bound_blocks(in_force)
+    own_forward, own_backward = state.bound_blocks(own)
+    logger.warning(
+        "ok.fsdp: the script's own prefetch replaced ok.fsdp(prefetch=%d)'s (%s); FSDP2 "
+        "prefetches as the script says, and the bound in force is %d unsharded blocks in "
+        "forward and %d in backward (ok.fsdp's: %d and %d), which ok.fsdp_stats(model) reports",
+        state.prefetch,
+        describe_replacement(own, in_force, state.block_names),
+        forward,
+        backward,
+        own_forward,
+        own_backward,
+    )
 
 
 def overlap_optimizer_step(

@@ -7,6 +7,12 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from overlapkit.fsdp.prefetch_lists import (
+    PrefetchLists,
+    lists_in_force,
+    ok_fsdp_lists,
+    unsharded_bound,
+)
 from overlapkit.fsdp.reduce_scatter import PendingReductions
 from overlapkit.fsdp.stats import FSDPStats, UnshardRecorder
 
@@ -26,16 +32,22 @@ class OverlapState:
     pending: PendingReductions
     zero: int | None = None
     """``ok.fsdp(zero=)``: 1 or 2, or None for ZeRO-3 (``overlapkit.fsdp.zero``)."""
+    prefetch_replaced_warned: bool = False
+    """Whether the warning that a script replaced the prefetch lists was given."""
 
     @property
-    def forward_bound_blocks(self) -> int:
-        # Without resharding after forward every block stays unsharded until backward.
-        return 1 + self.prefetch if self.reshard_after_forward else len(self.blocks)
+    def own_prefetch_lists(self) -> PrefetchLists:
+        """The explicit prefetch lists ``ok.fsdp`` set (for ``prefetch``)."""
+        return ok_fsdp_lists(len(self.blocks), self.prefetch)
 
     @property
-    def backward_bound_blocks(self) -> int:
-        # FSDP2 prefetches one block in backward even without explicit prefetch.
-        return 1 + max(self.prefetch, 1) if self.reshard_after_forward else len(self.blocks)
+    def prefetch_lists(self) -> PrefetchLists:
+        """The explicit prefetch lists in force: ``ok.fsdp``'s, or a script's own."""
+        return lists_in_force(self.root, self.blocks)
+
+    def bound_blocks(self, lists: PrefetchLists) -> tuple[int, int]:
+        """Most blocks unsharded at once in (forward, backward) under ``lists``."""
+        return unsharded_bound(lists, reshard_after_forward=self.reshard_after_forward)
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, OverlapState] = weakref.WeakKeyDictionary()
@@ -70,8 +82,10 @@ def fsdp_stats(model: nn.Module) -> FSDPStats:
         model (nn.Module): the model returned by ``ok.fsdp``.
 
     Returns:
-        FSDPStats: per-step forward/backward peaks (blocks, bytes), the design's bounds
-        (``1 + prefetch`` in forward) and the event log of the most recent step.
+        FSDPStats: per-step forward/backward peaks (blocks, bytes), the bounds of the prefetch
+        lists in force (``1 + prefetch`` in forward for ``ok.fsdp``'s own; a script's own
+        ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` replace
+        them, and ``prefetch_replaced`` says so) and the event log of the most recent step.
 
     Raises:
         TypeError: ``model`` was not returned by ``ok.fsdp``.
@@ -82,12 +96,15 @@ def fsdp_stats(model: nn.Module) -> FSDPStats:
     """
     state = state_of(model, caller="ok.fsdp_stats")
     steps, events = state.recorder.snapshot()
+    lists = state.prefetch_lists
+    forward_bound, backward_bound = state.bound_blocks(lists)
     return FSDPStats(
         prefetch=state.prefetch,
         block_names=state.block_names,
         block_unsharded_bytes=state.block_bytes,
-        forward_bound_blocks=state.forward_bound_blocks,
-        backward_bound_blocks=state.backward_bound_blocks,
+        forward_bound_blocks=forward_bound,
+        backward_bound_blocks=backward_bound,
         steps=steps,
         last_step_events=events,
+        prefetch_replaced=lists != state.own_prefetch_lists,
     )

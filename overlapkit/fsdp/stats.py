@@ -87,13 +87,18 @@ class FSDPStats:
     block_unsharded_bytes: tuple[int, ...]
     """Bytes of each block's parameters when unsharded (in the all-gather dtype)."""
     forward_bound_blocks: int
-    """Most blocks the design allows unsharded at once in forward (``1 + prefetch``)."""
+    """Most blocks the prefetch lists in force keep unsharded at once in forward (``ok.fsdp``'s
+    own: ``1 + prefetch``, fewer when there are no more blocks; ``fsdp.prefetch_lists``)."""
     backward_bound_blocks: int
-    """Most blocks the design allows unsharded at once in backward (``1 + max(prefetch, 1)``)."""
+    """Most blocks unsharded at once in backward (``ok.fsdp``'s own: ``1 + max(prefetch, 1)``)."""
     steps: tuple[StepUnshard, ...]
     """Completed steps, oldest first (the most recent ``DEFAULT_CAPACITY``)."""
     last_step_events: tuple[UnshardEvent, ...]
     """Every event of the most recent completed step, in order."""
+    prefetch_replaced: bool
+    """Whether the explicit prefetch lists in force are not ``ok.fsdp``'s (a script set its own
+    with ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``); the
+    bounds are then those of its lists."""
 
     @property
     def peak_blocks(self) -> int:
@@ -106,7 +111,7 @@ class FSDPStats:
         return max((s.peak_bytes for s in self.steps), default=0)
 
     def within_bound(self) -> bool:
-        """Whether every recorded step stayed within the forward and backward bounds."""
+        """Whether every recorded step stayed within the forward and backward bounds in force."""
         return all(
             s.forward_peak_blocks <= self.forward_bound_blocks
             and s.backward_peak_blocks <= self.backward_bound_blocks

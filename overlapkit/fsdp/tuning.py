@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 
 from overlapkit.fsdp.prefetch import set_explicit_prefetch
 from overlapkit.fsdp.state import OverlapState
@@ -36,10 +35,6 @@ def set_fsdp_prefetch(state: OverlapState, depth: int) -> None:
     Empty explicit lists are FSDP2's "no explicit prefetch" (backward then prefetches one block
     implicitly), which is what ``prefetch=0`` means at wrap time.
     """
-    modules: Sequence[FSDPModule] = [state.root, *state.blocks]
-    for module in modules:
-        module.set_modules_to_forward_prefetch([])
-        module.set_modules_to_backward_prefetch([])
     set_explicit_prefetch(state.root, state.blocks, depth)
     state.prefetch = depth
 
@@ -66,7 +61,7 @@ def attach_prefetch_tuner(
         apply=lambda depth: set_fsdp_prefetch(state, int(depth)),
         detach=detach,
         group=dist.group.WORLD,
-        device=next(model.parameters()).device,
+        device=torch.device(state.device_type),  # the mesh's: a meta model has none yet
         extras=extras,
         max_bytes=max_memory,
         discard_steps=FSDP_DISCARD_STEPS,

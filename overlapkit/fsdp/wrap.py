@@ -9,14 +9,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.fsdp.blocks import BlockSpec, resolve_blocks
 from overlapkit.fsdp.comms import BlockAllGather
 from overlapkit.fsdp.failed_step import FailedStep
+from overlapkit.fsdp.keywords import (
+    check_divides_shard_axis,
+    check_reshard_after_forward,
+    frees_after_forward,
+    resolve_mixed_precision,
+    resolve_mp_policy,
+    resolve_offload_policy,
+)
 from overlapkit.fsdp.mesh import resolve_mesh
-from overlapkit.fsdp.prefetch import set_explicit_prefetch
+from overlapkit.fsdp.prefetch import set_explicit_prefetch, warn_if_prefetch_replaced
 from overlapkit.fsdp.reduce_scatter import (
     BlockReduceScatter,
     ExplainedReduceScatter,
@@ -35,30 +43,6 @@ from overlapkit.tuning.decide import AUTO, check_max_memory, prefetch_candidates
 logger = logging.getLogger(__name__)
 
 PREFETCH_DEPTHS = (0, 1, 2)
-MIXED_PRECISIONS = (None, "bf16")
-
-
-def resolve_mixed_precision(
-    mixed_precision: str | MixedPrecisionPolicy | None,
-) -> MixedPrecisionPolicy:
-    """Map ``mixed_precision`` to FSDP2's ``MixedPrecisionPolicy``.
-
-    ``"bf16"`` all-gathers and computes in bfloat16 and reduce-scatters gradients in float32
-    (summing bf16 gradients across ranks loses precision); the sharded parameters and the
-    optimizer stay in their own dtype. A ``MixedPrecisionPolicy`` is used as given.
-    """
-    match mixed_precision:
-        case None:
-            return MixedPrecisionPolicy()
-        case "bf16":
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        case MixedPrecisionPolicy():
-            return mixed_precision
-        case _:
-            raise ValueError(
-                f"ok.fsdp: unknown mixed_precision={mixed_precision!r}; choose one of "
-                f"{list(MIXED_PRECISIONS)} or pass a torch.distributed.fsdp.MixedPrecisionPolicy"
-            )
 
 
 def _validate_prefetch(prefetch: int) -> int:
@@ -138,7 +122,9 @@ def fsdp(
     prefetch: int | str = 1,
     mesh: DeviceMesh | None = None,
     mixed_precision: str | MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
     blocks: BlockSpec = None,
     overlap_reduce_scatter: bool = True,
     max_memory: int | None = None,
@@ -153,19 +139,36 @@ def fsdp(
     issue the all-gathers (and, when safe, reduce-scatters) asynchronously; see
     ``overlapkit.fsdp.comms``.
 
+    ``fully_shard``'s own keywords keep their names and meanings (``mp_policy``,
+    ``offload_policy``, an int ``reshard_after_forward``; ``overlapkit.fsdp.keywords``), so a
+    script's ``fully_shard(block, **fsdp_kwargs)`` calls become ``ok.fsdp(model,
+    **fsdp_kwargs)``. A script's own ``set_modules_to_forward_prefetch`` /
+    ``set_modules_to_backward_prefetch`` afterwards replace ``ok.fsdp``'s: it warns once, before
+    the next forward, and ``ok.fsdp_stats`` reports the bound of the lists in force
+    (``overlapkit.fsdp.prefetch_lists``).
+
     Args:
-        model (nn.Module): the model, on its device, not yet sharded; changed in place.
+        model (nn.Module): the model, not yet sharded, on its device or on the meta device
+            (``torch.device("meta")``: ``to_empty`` it onto the mesh's device and initialise it
+            after ``ok.fsdp``, as with ``fully_shard``); changed in place.
         prefetch (int): 0 (FSDP2's default behaviour, nothing added), 1 or 2 blocks of
             all-gathers in flight ahead of the computing one. Defaults to 1. ``"auto"`` tries
             the depths that fit ``max_memory`` during the first steps and keeps the fastest
             (``overlapkit.fsdp.tuning``, ``ok.tuning_report``).
         mesh (DeviceMesh | None): 1-D (FSDP over its ranks) or 2-D (HSDP; axis 0 replicates,
-            axis 1 shards). None means a 1-D mesh over the world.
+            axis 1 shards). None means a 1-D mesh over the world, on the parameters' device or,
+            for a meta-device model, the default process group's (``fully_shard``'s rule). The
+            mesh's device type picks the overlap path.
         mixed_precision (str | MixedPrecisionPolicy | None): None (parameter dtype),
             ``"bf16"`` (bf16 parameters in compute, fp32 gradient reduction) or a policy.
-        reshard_after_forward (bool | None): free each block's unsharded parameters after its
-            forward and gather them again in backward. None (the default) means True, or False
-            under ``zero``.
+        mp_policy (MixedPrecisionPolicy | None): ``fully_shard``'s name for a policy; not with
+            ``mixed_precision``.
+        offload_policy (OffloadPolicy | None): as in ``fully_shard`` (``CPUOffloadPolicy``);
+            None is no offloading.
+        reshard_after_forward (bool | int | None): free each block's unsharded parameters after
+            its forward and gather them again in backward; an int ``k`` (a divisor of the shard
+            axis) keeps a ``1/k`` shard over groups of ``k`` ranks instead, as in
+            ``fully_shard``. None (the default) means True, or False under ``zero``.
         blocks: which modules to shard one by one (see ``overlapkit.fsdp.blocks``); None finds
             the largest list of same-class modules. Blocks must run in this order.
         overlap_reduce_scatter (bool): on host devices with ``prefetch >= 1``, use overlapkit's
@@ -186,9 +189,12 @@ def fsdp(
         memory accounting.
 
     Raises:
-        ValueError: ``prefetch`` not in {0, 1, 2}, unknown ``mixed_precision``, ``blocks``
-            matching nothing, a mesh of the wrong size or shape, a model already wrapped,
-            ``zero`` not in {1, 2}, or ``zero`` with ``reshard_after_forward=True``.
+        ValueError: ``prefetch`` not in {0, 1, 2}, unknown ``mixed_precision`` or both it and
+            ``mp_policy``, ``blocks`` matching nothing, a mesh of the wrong size or shape, a
+            model already wrapped, ``zero`` not in {1, 2}, ``zero`` with a
+            ``reshard_after_forward`` other than None or False, an int ``reshard_after_forward``
+            that does not divide the shard axis, or a pinned ``CPUOffloadPolicy`` where no
+            accelerator is.
         ConfigMismatch: the ranks passed different options or models
             (``overlapkit.group.consistency``, over each axis of the mesh; one 32-byte
             all-gather per axis when they agree).
@@ -209,6 +215,8 @@ def fsdp(
     options: dict[str, object] = dict(
         prefetch=prefetch,
         mixed_precision=mixed_precision,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
         reshard_after_forward=reshard_after_forward,
         overlap_reduce_scatter=overlap_reduce_scatter,
         max_memory=max_memory,
@@ -219,9 +227,9 @@ def fsdp(
         raise TypeError(f"ok.fsdp: model must be an nn.Module, got {type(model).__name__}")
     _check_not_wrapped(model)
     block_list = resolve_blocks(model, blocks)
-    device_type = _device_type(model)
     resolve_process_group(None, caller="ok.fsdp")
-    mesh = resolve_mesh(mesh, device_type)
+    mesh = resolve_mesh(mesh, _device_type(model))
+    settings.check_mesh(mesh)
     names = {id(module): name for name, module in model.named_modules()}
     block_names = tuple(names[id(block)] for block in block_list)
     block_bytes = tuple(_unsharded_bytes(block, settings.policy) for block in block_list)
@@ -237,8 +245,8 @@ def fsdp(
         block_names=block_names,
         block_bytes=block_bytes,
         prefetch=prefetch,
-        device_type=device_type,
-        reshard_after_forward=settings.reshard_after_forward,
+        device_type=mesh.device_type,  # a meta model's is the mesh's
+        reshard_after_forward=settings.frees_after_forward,
         recorder=UnshardRecorder(block_list, block_bytes),
         pending=PendingReductions(),
         zero=zero,
@@ -247,7 +255,7 @@ def fsdp(
     register_state(model, state)
     if settings.auto_prefetch:
         attach_prefetch_tuner(model, state, candidates, settings.max_memory)
-    _log_wrapped(state, mesh, mixed_precision, settings.policy, comms)
+    _log_wrapped(state, mesh, mixed_precision or mp_policy, settings.policy, comms)
     return model
 
 
@@ -258,9 +266,20 @@ class _Settings:
     prefetch: int
     auto_prefetch: bool
     max_memory: int | None
-    reshard_after_forward: bool
+    reshard_after_forward: bool | int
+    """For ``fully_shard``; an int is checked against the mesh by ``check_mesh``."""
     overlap_reduce_scatter: bool
     policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+
+    @property
+    def frees_after_forward(self) -> bool:
+        """Whether blocks hold no unsharded parameters between forward and backward."""
+        return frees_after_forward(self.reshard_after_forward)
+
+    def check_mesh(self, mesh: DeviceMesh) -> None:
+        """Raise unless an int ``reshard_after_forward`` divides ``mesh``'s shard axis."""
+        check_divides_shard_axis(self.reshard_after_forward, mesh.shape[-1])
 
     def prefetch_candidates(self, block_bytes: tuple[int, ...]) -> tuple[int, ...]:
         """The depths to try: those that fit ``max_memory`` under ``"auto"``, else the one given."""
@@ -268,7 +287,7 @@ class _Settings:
             return (self.prefetch,)
         return tuple(
             prefetch_candidates(
-                block_bytes, self.max_memory, reshard_after_forward=self.reshard_after_forward
+                block_bytes, self.max_memory, reshard_after_forward=self.frees_after_forward
             )
         )
 
@@ -277,7 +296,9 @@ def _resolve_settings(
     *,
     prefetch: int | str,
     mixed_precision: str | MixedPrecisionPolicy | None,
-    reshard_after_forward: bool | None,
+    mp_policy: MixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    reshard_after_forward: bool | int | None,
     overlap_reduce_scatter: bool,
     max_memory: int | None,
     zero: int | None,
@@ -289,11 +310,12 @@ def _resolve_settings(
         prefetch=0 if auto_prefetch else _validate_prefetch(prefetch),
         auto_prefetch=auto_prefetch,
         max_memory=max_memory,
-        reshard_after_forward=_check_bool(
-            resolve_reshard_after_forward(zero, reshard_after_forward), "reshard_after_forward"
+        reshard_after_forward=check_reshard_after_forward(
+            resolve_reshard_after_forward(zero, reshard_after_forward)
         ),
         overlap_reduce_scatter=_check_bool(overlap_reduce_scatter, "overlap_reduce_scatter"),
-        policy=resolve_mixed_precision(mixed_precision),
+        policy=resolve_mixed_precision(resolve_mp_policy(mixed_precision, mp_policy)),
+        offload_policy=resolve_offload_policy(offload_policy),
     )
 
 
@@ -325,8 +347,9 @@ def apply_fully_shard(
             mesh=mesh,
             reshard_after_forward=settings.reshard_after_forward,
             mp_policy=settings.policy,
+            offload_policy=settings.offload_policy,
         )
-    fully_shard(model, mesh=mesh, mp_policy=settings.policy)
+    fully_shard(model, mesh=mesh, mp_policy=settings.policy, offload_policy=settings.offload_policy)
     set_explicit_prefetch(model, block_list, prefetch)
 
 
@@ -381,7 +404,7 @@ def _install_overlap(
     targets.append(_CommTarget(ROOT, model, "the root", "root", _own_parameters(model, block_list)))
     for target in targets:
         _install_comms(target, comms, mesh, recorder, pending, failures)
-    _install_hooks(model, block_list, recorder, pending, failed_step)
+    _install_hooks(state, failed_step)
     return comms
 
 
@@ -444,14 +467,9 @@ def _install_comms(
         )
 
 
-def _install_hooks(
-    root: nn.Module,
-    blocks: list[nn.Module],
-    recorder: UnshardRecorder,
-    pending: PendingReductions,
-    failed_step: FailedStep,
-) -> None:
-    """The recorder's hooks, and the recovery from a failed step. The block hooks are
+def _install_hooks(state: OverlapState, failed_step: FailedStep) -> None:
+    """The recorder's hooks, the recovery from a failed step, and the warning when a script
+    replaced the prefetch lists (``warn_if_prefetch_replaced``). The block hooks are
     registered after ``fully_shard``'s, so they run after FSDP2's: just before the block
     computes, just after it reshards. The root's pre-hook is prepended, so it runs before
     FSDP2's root pre-forward.
@@ -461,11 +479,14 @@ def _install_hooks(
     graph breaks of their own (``time.perf_counter``, ``Work.is_completed``: 7 for a 3-block
     transformer, ``tests/test_compile.py``)."""
 
+    root, blocks, recorder, pending = state.root, state.blocks, state.recorder, state.pending
+
     def root_pre_forward(*_: object) -> None:
         # Reduce-scatters of a backward that raised are still pending; never leave them behind.
         pending.wait_all()
         failed_step.reset_if_failed()  # before FSDP2's pre-forward reads its per-step state
         recorder.root_pre_forward()
+        warn_if_prefetch_replaced(state)
 
     eager = torch.compiler.disable
     root.register_forward_pre_hook(eager(root_pre_forward), prepend=True)

@@ -40,11 +40,13 @@ ZERO_STAGES = (1, 2)
 
 def resolve_reshard_after_forward(zero: object, reshard_after_forward: object) -> object:
     """``reshard_after_forward`` as ``zero`` needs it: None means True (ZeRO-3) or, under
-    ``zero``, False; any other value is returned as given (checked as a bool by the caller).
+    ``zero``, False; any other value is returned as given (checked by
+    ``keywords.check_reshard_after_forward``).
 
     Raises:
         TypeError: ``zero`` not an int or None.
-        ValueError: ``zero`` not in ``ZERO_STAGES``, or with ``reshard_after_forward=True``.
+        ValueError: ``zero`` not in ``ZERO_STAGES``, or with a ``reshard_after_forward`` other
+            than None or False (True and ints reshard after forward).
     """
     if zero is None:
         return True if reshard_after_forward is None else reshard_after_forward
@@ -55,11 +57,11 @@ def resolve_reshard_after_forward(zero: object, reshard_after_forward: object) -
             f"ok.fsdp: zero={zero} is not supported; choose 1 (sharded optimizer state), 2 (and "
             "sharded gradients) or None (ZeRO-3: parameters sharded too, the default)"
         )
-    if reshard_after_forward is True:
+    if reshard_after_forward is not None and reshard_after_forward is not False:
         raise ValueError(
             f"ok.fsdp: zero={zero} keeps the parameters gathered from a step's first forward to "
-            "its last backward, but reshard_after_forward=True frees them after each forward "
-            "(ZeRO-3); leave reshard_after_forward unset (None) with zero"
+            f"its last backward, but reshard_after_forward={reshard_after_forward!r} reshards "
+            "them after each forward; leave reshard_after_forward unset (None) with zero"
         )
     return False
 

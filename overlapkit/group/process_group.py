@@ -92,3 +92,43 @@ def inherit_timeout(group: dist.ProcessGroup) -> dist.ProcessGroup:
     if timeout is not None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
     return group
+
+
+def backend_device_type(requested: str | None = None) -> str:
+    """The device type the default process group communicates on: the device of its meshes.
+
+    gloo registers for CUDA tensors as well (``cpu:gloo,cuda:gloo``), but it is torch's CPU
+    backend: a gloo group's mesh is a CPU mesh. Other backends are for every device they
+    register (``cuda:nccl``; ``cpu:gloo,cuda:nccl`` is for both, CUDA first where available).
+
+    Args:
+        requested (str | None): a device type the caller was given; None asks for the default.
+
+    Returns:
+        str: ``requested`` when the backend serves it, else the default (``"cuda"`` or
+        ``"cpu"``).
+
+    Raises:
+        ValueError: ``requested`` is a device type the backend does not serve (``"cuda"`` on
+            gloo), named with the backend and the device type to pass instead.
+    """
+    config = dist.get_backend_config()
+    served = [
+        device
+        for device, backend in (entry.split(":") for entry in config.split(","))
+        if backend != "gloo" or device == "cpu"
+    ]
+    if "cuda" in served and torch.cuda.is_available():
+        default = "cuda"
+    else:
+        default = "cpu" if "cpu" in served else served[0]
+    if requested is None:
+        return default
+    if requested not in served:
+        raise ValueError(
+            f"device_type={requested!r} does not match the process group's backend ({config}), "
+            f"which is for {', '.join(served)} tensors: pass device_type={default!r} (or none), "
+            f"or initialise the group with a backend for {requested} (torch's default: "
+            f"{dist.Backend.default_device_backend_map.get(requested)!r})"
+        )
+    return requested

@@ -22,9 +22,14 @@ two) builds ``ok.GradBucketer(model, optimizer=opt)``. What each piece of Accele
   steps keep the all-reduce tail overlapped. ``clip_grad_value_`` is refused.
 - ``accelerator.no_sync(model)`` (and so ``accumulate()``, and the HF Trainer's accumulation) is
   the bucketer's ``no_sync()``: without DDP, Accelerate's own does nothing.
+- ``accelerator.unwrap_model`` and ``end_training``, after which users read the trained weights
+  directly (``end_training`` also destroys the process group), apply every pending update
+  first (``synchronize``). ``get_state_dict``, ``save_state`` and ``save_model`` need nothing:
+  they read the model's ``state_dict()``, whose pre-hook applies them.
 
 Accelerate has no public extension point for these on an ``Accelerator`` that exists already:
-``PerBucketPreparation`` replaces the ``ACCELERATOR_METHODS`` on that instance, in one place.
+``PerBucketPreparation`` replaces the ``ACCELERATOR_METHODS`` and wraps the ``WEIGHT_READERS``
+on that instance, in one place.
 
 Refused (``ValueError``, at ``use_ok_ddp`` or ``prepare``): DeepSpeed, FSDP, XLA, Megatron and
 ``torch.compile`` through Accelerate, ``sync_each_batch=True``, a second trainable model or
@@ -33,6 +38,7 @@ optimizer, a model whose buffers change during training (``overlapkit.ddp.replic
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -58,6 +64,9 @@ ACCELERATOR_METHODS = (
 )
 """The ``Accelerator`` methods ``PerBucketPreparation`` replaces on its accelerator (its own
 methods of the same names)."""
+WEIGHT_READERS = ("unwrap_model", "end_training")
+"""The ``Accelerator`` methods after which users read the trained weights without
+``state_dict()``: ``PerBucketPreparation`` applies the pending updates before each runs."""
 
 
 class PerBucketPreparation:
@@ -89,13 +98,16 @@ class PerBucketPreparation:
         self._clip_asked = False
         self._norm_pending = False
         # Accelerate offers no public way to build no DDP in prepare, to clip or accumulate
-        # otherwise, or to choose the optimizer class prepare builds: its methods are replaced
-        # on this instance, here only; its own stay in `_accelerate` for what they still do.
+        # otherwise, to choose the optimizer class prepare builds, or to run code before
+        # unwrap_model / end_training: its methods are replaced (or wrapped) on this instance,
+        # here only; its own stay in `_accelerate` for what they still do.
         self._accelerate: dict[str, Callable[..., Any]] = {
             name: getattr(accelerator, name) for name in ACCELERATOR_METHODS
         }
         for name in ACCELERATOR_METHODS:
             setattr(accelerator, name, getattr(self, name))
+        for name in WEIGHT_READERS:
+            setattr(accelerator, name, self._synchronized(getattr(accelerator, name)))
 
     def prepare_model(
         self,
@@ -175,6 +187,22 @@ class PerBucketPreparation:
         if self.norm_ready_at_step:
             self.make_norm_final()
         return skipped
+
+    def synchronize(self) -> None:
+        """Apply every pending update (the bucketer's ``synchronize``; nothing before it is
+        built), so that the model's parameters read directly are the trained ones."""
+        if self.bucketer is not None:
+            self.bucketer.synchronize()
+
+    def _synchronized(self, accelerate: Callable[..., Any]) -> Callable[..., Any]:
+        """Accelerate's ``accelerate`` with ``synchronize()`` first (``WEIGHT_READERS``)."""
+
+        @functools.wraps(accelerate)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            self.synchronize()
+            return accelerate(*args, **kwargs)
+
+        return method
 
     def make_norm_final(self) -> None:
         """Make the norm ``clip_grad_norm_`` returned for the last step final (waits for that

@@ -18,8 +18,10 @@ scheduler is stepped unless ``accelerator.optimizer_step_was_skipped``; accumula
 right after the callbacks' ``on_step_end`` (or ``on_epoch_end``) have set
 ``control.should_log``; ``OverlapTrainer``'s callback, run after every other, makes it final
 there (``make_norm_final()``) and nowhere else: the other steps keep the all-reduce tail
-overlapped. The optimizer may be the default ``create_optimizer`` one (two param groups) or the
-user's, made before or after the model is prepared. Everything goes through the Trainer's public
+overlapped. ``train()`` returns with every update applied (the callback's ``on_train_end``), so
+weights read right after it are the trained ones, as with the plain Trainer. The optimizer may be
+the default ``create_optimizer`` one (two param groups) or the user's, made before or after the
+model is prepared. Everything goes through the Trainer's public
 extension points (``create_accelerator_and_postprocess``, a ``TrainerCallback``, ``train``).
 
 Example:
@@ -93,7 +95,8 @@ class OverlapTrainer(Trainer):
 
 class PerBucketCallback(TrainerCallback):
     """``OverlapTrainer``'s part in the Trainer's loop under per-bucket updates: the clipped norm
-    made final where the Trainer reads it, on the steps it logs, and nowhere else.
+    made final where the Trainer reads it, on the steps it logs, and nowhere else; every pending
+    update applied when training ends.
 
     Args:
         overlap (PerBucketPreparation): what ``use_ok_ddp`` installed on the Trainer's
@@ -111,3 +114,11 @@ class PerBucketCallback(TrainerCallback):
             self.overlap.make_norm_final()
 
     on_epoch_end = on_step_end  # the Trainer also logs right after on_epoch_end
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """``train()`` returns with every update applied: weights read after it (statistics,
+        an EMA, a save by the user's own code) are the trained ones, as with the plain
+        Trainer."""
+        self.overlap.synchronize()

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from overlapkit.group.process_group import inherit_timeout
+from overlapkit.group.process_group import backend_device_type, inherit_timeout
 from overlapkit.layout import TrainingLayout
 from overlapkit.planner.axes import (
     AXES,
@@ -92,35 +92,6 @@ class _MeshCache:
             inherit_timeout(mesh.get_group(axis))
         self._meshes[device_type] = (world, mesh)
         return mesh
-
-
-def _backend_device_type(requested: str | None) -> str:
-    """The mesh device type for the default group's backend; ``requested`` if the backend is for it.
-
-    gloo registers for CUDA tensors as well (``cpu:gloo,cuda:gloo``), but it is torch's CPU
-    backend: a gloo group's mesh is a CPU mesh. Other backends are for every device they
-    register (``cuda:nccl``; ``cpu:gloo,cuda:nccl`` is for both).
-    """
-    config = dist.get_backend_config()
-    served = [
-        device
-        for device, backend in (entry.split(":") for entry in config.split(","))
-        if backend != "gloo" or device == "cpu"
-    ]
-    if "cuda" in served and torch.cuda.is_available():
-        default = "cuda"
-    else:
-        default = "cpu" if "cpu" in served else served[0]
-    if requested is None:
-        return default
-    if requested not in served:
-        raise ValueError(
-            f"device_type={requested!r} does not match the process group's backend ({config}), "
-            f"which is for {', '.join(served)} tensors: pass device_type={default!r} (or none), "
-            f"or initialise the group with a backend for {requested} (torch's default: "
-            f"{dist.Backend.default_device_backend_map.get(requested)!r})"
-        )
-    return requested
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +211,7 @@ class Placement:
                 f"the process group has {dist.get_world_size()} ranks but the placement on "
                 f"{self.topology.name!r} has {self.world_size}"
             )
-        return self._meshes.get(self, _backend_device_type(device_type))
+        return self._meshes.get(self, backend_device_type(device_type))
 
     def collectives(self, algorithm: str | None = None) -> list[CollectiveCost]:
         """Every collective of a training step of ``workload``, with the predicted time.
