@@ -41,7 +41,7 @@ from overlapkit.layout import PartialLayout
 from overlapkit.profiling import profile
 from overlapkit.topology.detect import detect_topology, local_view
 from overlapkit.topology.loading import load_topology
-from overlapkit.topology.model import Topology
+from overlapkit.topology.model import Library, Topology
 from overlapkit.train.models.workload import DEFAULT_SIZES, Workload, make_workload
 from overlapkit.tuning import tuning_report
 from overlapkit.validation import check_int, is_finite_number
@@ -263,7 +263,7 @@ def _check_bandwidth(ctx: _Context) -> Check:
         rows,
         predicted_busbw_GBps=predicted.busbw_GBps,
         reference=reference.name,
-        nominal=ctx.expected is None and str(reference.library) == "gloo",
+        nominal=ctx.expected is None and reference.library is Library.GLOO,
         fit=fit,
     )
 

@@ -37,12 +37,13 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from overlapkit.layout import RECOMPUTE
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
 
-NONE, SELECTIVE, FULL = "none", "selective", "full"
-RECOMPUTE_MODES = (NONE, SELECTIVE, FULL)
+# The modes are the layout's (one list: what the search proposes is what train accepts).
+NONE, SELECTIVE, FULL = RECOMPUTE
 
 _aten = torch.ops.aten
 ATTENTION_OPS = frozenset(
@@ -60,12 +61,12 @@ def check_recompute_mode(mode: str, layers: int | None) -> None:
     """Refuse an unknown ``train.recompute`` or a ``train.recompute_layers`` it cannot use.
 
     Raises:
-        ValueError: a mode outside ``RECOMPUTE_MODES``; ``recompute_layers`` below 1, or given
+        ValueError: a mode outside ``RECOMPUTE``; ``recompute_layers`` below 1, or given
             with a mode other than ``full`` (selective recomputes every block's attention core).
         TypeError: ``recompute_layers`` not an int.
     """
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"train.recompute must be one of {list(RECOMPUTE_MODES)}, got {mode!r}")
+    if mode not in RECOMPUTE:
+        raise ValueError(f"train.recompute must be one of {list(RECOMPUTE)}, got {mode!r}")
     if layers is None:
         return
     check_int("train.recompute_layers", layers, 1)
