@@ -82,8 +82,8 @@ class TrainingLayout:
     Raises:
         TypeError / ValueError: a size that is not an integer >= 1, an unknown recompute or
             sharding mode, ``recompute_layers`` without full, ``dp_shard`` that is not a proper
-            divisor of ``dp`` for hsdp (or given without hsdp), ``virtual_stages`` without pp,
-            naming it.
+            divisor of ``dp`` for hsdp (or given without hsdp), ``virtual_stages`` or
+            ``schedule`` without pp, naming it.
     """
 
     tp: int = 1
@@ -104,6 +104,9 @@ class TrainingLayout:
     sharding: str = "ddp"
     dp_shard: int | None = None
     """hsdp: ranks of one shard group (the inner dp axis)."""
+    schedule: str | None = None
+    """The pipeline schedule, torch's name (``parallel.plan.schedule``: InterleavedZeroBubble,
+    ZBVZeroBubble, DualPipeV); None: 1F1B, or interleaved 1F1B with ``virtual_stages > 1``."""
 
     def __post_init__(self) -> None:
         choices = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -115,6 +118,8 @@ class TrainingLayout:
             raise ValueError(
                 f"virtual_stages ({self.virtual_stages}) must be 1 without pipeline parallelism"
             )
+        if self.schedule is not None and self.pp == 1:
+            raise ValueError(f"schedule ({self.schedule}) needs pipeline parallelism (pp > 1)")
         if self.sharding == "hsdp" and (
             self.dp_shard is None or not 1 < self.dp_shard < self.dp or self.dp % self.dp_shard
         ):
@@ -164,8 +169,9 @@ class TrainingLayout:
         recompute = self.recompute
         if self.recompute_layers is not None:
             recompute += f"({self.recompute_layers} layers)"
+        schedule = f" {self.schedule}" if self.schedule else ""
         return (
-            f"{dims} mb={self.micro_batch}x{self.num_micro_batches}{stages} "
+            f"{dims} mb={self.micro_batch}x{self.num_micro_batches}{stages}{schedule} "
             f"recompute={recompute} {shard}"
         )
 

@@ -1,0 +1,154 @@
+"""The bubble and the activations in flight of each pipeline schedule, as torch schedules it.
+
+A micro-batch's pass through one model chunk is a forward ``F``, an input-gradient step ``I``
+and a weight-gradient step ``W`` (its backward ``B = I + W``). 1F1B and interleaved 1F1B run
+``B`` whole: their bubble is ``(pp - 1)(F + B)`` per chunk (Narayanan et al., SC'21). The
+zero-bubble schedules of ``torch.distributed.pipelining`` run ``I`` when the previous stage
+waits for it and defer ``W`` to fill the bubble (Qi et al., ICLR'24). Their bubble is the
+maximum of a few linear forms in ``F``, ``I`` and ``W`` (``SHAPES``), read off torch 2.13's own
+action lists (``_calculate_single_rank_operations``) with every action taking its time and
+waiting for the one it depends on (tests/test_pipeline_schedule_shapes.py replays the lists):
+
+- ``InterleavedZeroBubble`` (ZB-1P, v chunks per rank): ``(pp - 1) max(F + I - W, F, I)`` per
+  chunk, for every v and micro-batch count; with ``W <= F, I`` that is ZB-H1's
+  ``(pp - 1)(F + B - 2W)``.
+- ``ZBVZeroBubble`` and ``DualPipeV`` (two chunks per rank in a V): the maxima below, for at
+  least ``2 pp`` micro-batches (fewer leave the V's warm-up unfilled; not priced). DualPipeV's
+  overlapped forward-and-backward runs one half after the other, as torch runs it.
+
+Stage 0 never splits its backward (torch's ``backward_one_chunk`` skips the input step of the
+first stage and runs the whole backward as its weight step); the shapes include it. Pipeline
+traffic and other per-micro-batch costs stretch each pass alike (``bubble_s``).
+
+Activations: a micro-batch's are held from its forward to its weight step (what ``W`` needs
+of them replaces what ``I`` frees). The peak count on the busiest rank
+(``in_flight_micro_batches``), in micro-batches through all of a rank's chunks: 1F1B
+``min(pp, m)``; interleaved 1F1B ``min(pp + (pp - 1) / v, m)`` (Korthikanti et al., section
+4.2.3: ``1 + (pp - 1) / (pp v)`` times 1F1B's, its warm-up capped at the step's micro-batches);
+InterleavedZeroBubble and ZBVZeroBubble ``min(pp, m)``; DualPipeV ``pp + 1/2``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from overlapkit.layout import TrainingLayout
+
+ONE_F_ONE_B = "1F1B"
+INTERLEAVED_1F1B = "Interleaved1F1B"
+INTERLEAVED_ZERO_BUBBLE = "InterleavedZeroBubble"
+ZBV_ZERO_BUBBLE = "ZBVZeroBubble"
+DUAL_PIPE_V = "DualPipeV"
+
+
+@dataclass(frozen=True, slots=True)
+class PassTimes:
+    """One micro-batch's passes through a pipeline rank's chunks, seconds (all of them)."""
+
+    forward_s: float
+    input_s: float
+    """The backward's input-gradient step (recomputation and everything without weights)."""
+    weight_s: float
+    """The backward's weight-gradient step (the GEMMs' weight gradients)."""
+
+
+Shape = Callable[[int, float, float, float], float]
+"""Bubble per chunk of ``(pp - 1, F, I, W)`` (one chunk's pass times)."""
+
+
+def _one_f_one_b(q: int, f: float, i: float, w: float) -> float:
+    return q * (f + i + w)
+
+
+def _interleaved_zero_bubble(q: int, f: float, i: float, w: float) -> float:
+    return q * max(f + i - w, f, i)
+
+
+def _zbv(q: int, f: float, i: float, w: float) -> float:
+    return max(
+        i + (q - 1) * w,
+        q * i,
+        2 * q * (i - w),
+        f + (q - 1) * w,
+        (2 * q - 1) * f - (q - 1) * i,
+        2 * q * f - q * i - w,
+        (2 * q - 1) * f + i - 2 * q * w,
+        2 * q * f - (2 * q + 1) * w,
+    )
+
+
+def _dual_pipe_v(q: int, f: float, i: float, w: float) -> float:
+    return max(
+        q * i - f,
+        q * (2 * i - w) - f,
+        q * f,
+        q * (f + i - w),
+        q * (2 * f - i - w),
+        2 * q * (f - w),
+    )
+
+
+SHAPES: dict[str, Shape] = {
+    ONE_F_ONE_B: _one_f_one_b,
+    INTERLEAVED_1F1B: _one_f_one_b,
+    INTERLEAVED_ZERO_BUBBLE: _interleaved_zero_bubble,
+    ZBV_ZERO_BUBBLE: _zbv,
+    DUAL_PIPE_V: _dual_pipe_v,
+}
+"""Each priced schedule's bubble per chunk (module doc)."""
+V_SCHEDULES = (ZBV_ZERO_BUBBLE, DUAL_PIPE_V)
+
+
+def schedule_of(layout: TrainingLayout) -> str:
+    """The schedule ``layout`` runs: its own, or 1F1B / interleaved 1F1B by its chunks."""
+    if layout.schedule is not None:
+        return layout.schedule
+    return INTERLEAVED_1F1B if layout.virtual_stages > 1 else ONE_F_ONE_B
+
+
+def priced(schedule: str, layout: TrainingLayout) -> bool:
+    """Whether ``SHAPES`` prices ``schedule`` for ``layout``'s chunks and micro-batches: the V
+    schedules at two chunks per rank and ``2 pp`` micro-batches or more, interleaved schedules
+    with several chunks and the micro-batches a multiple of pp, 1F1B with one chunk."""
+    if schedule not in SHAPES:
+        return False
+    v, pp, m = layout.virtual_stages, layout.pp, layout.num_micro_batches
+    if schedule in V_SCHEDULES:
+        return v == 2 and m >= 2 * pp
+    if schedule == ONE_F_ONE_B:
+        return v == 1
+    return v > 1 and m % pp == 0
+
+
+def bubble_s(layout: TrainingLayout, passes: PassTimes, stretch: float = 1.0) -> float:
+    """Seconds the busiest rank idles in one step of ``layout``'s schedule.
+
+    Args:
+        layout (TrainingLayout): pp, its chunks per rank and its schedule (``schedule_of``).
+        passes (PassTimes): one micro-batch through the rank's chunks (its ``virtual_stages``
+            chunks together; each chunk takes ``1 / v`` of each).
+        stretch (float): >= 1, how much a micro-batch's exposed traffic lengthens each pass
+            (its time over its compute).
+
+    Returns:
+        float: >= 0; 0 without a pipeline.
+    """
+    if layout.pp == 1:
+        return 0.0
+    shape = SHAPES[schedule_of(layout)]
+    v = layout.virtual_stages
+    per_chunk = shape(layout.pp - 1, passes.forward_s / v, passes.input_s / v, passes.weight_s / v)
+    return max(0.0, per_chunk) * stretch
+
+
+def in_flight_micro_batches(layout: TrainingLayout) -> float:
+    """Micro-batches whose activations the busiest pipeline rank holds at once (module doc),
+    counted through all of its chunks."""
+    schedule, pp = schedule_of(layout), layout.pp
+    held = float(min(pp, layout.num_micro_batches))
+    if schedule == INTERLEAVED_1F1B:
+        return min(pp + (pp - 1) / layout.virtual_stages, layout.num_micro_batches)
+    if schedule == DUAL_PIPE_V:
+        return pp + 0.5
+    return held
