@@ -4,9 +4,10 @@
 framework runs (``Framework.lacks``; a pinned value it cannot run is refused by name) and prices
 each layout as that framework splits the model. ``FRAMEWORKS`` holds those ``--framework``
 accepts: ``MEGATRON`` (the default, what the published runs used: runs every layout the search
-enumerates), ``OVERLAPKIT_TRAIN`` (its refusals are ``overlapkit.layout.overlapkit_train``'s
-table, the one overlapkit-train's checks raise from) and ``TORCHTITAN`` (0.3.0, the framework
-``autoplan.handoff.torchtitan`` hands a layout to). How each splits a step: docs/auto-planner.md
+enumerates but torch's zero-bubble schedules), ``OVERLAPKIT_TRAIN`` (its refusals are
+``overlapkit.layout.overlapkit_train``'s table, the one overlapkit-train's checks raise from)
+and ``TORCHTITAN`` (0.3.0, the framework ``autoplan.handoff.torchtitan`` hands a layout to).
+How each splits a step: docs/auto-planner.md
 ("What each framework runs").
 """
 
@@ -90,8 +91,20 @@ class Framework:
         return f"{self.name} does not run {', '.join(lacks)}" if lacks else None
 
 
+MEGATRON_REFUSED = (
+    Refused(
+        when=lambda job: job.layout.schedule is not None,
+        lacks="torch's {schedule} pipeline schedule",
+    ),
+)
+"""Megatron-LM runs 1F1B and interleaved 1F1B; its own zero-bubble schedules are not torch's,
+and not priced here."""
 MEGATRON = Framework(
-    name="megatron", sequence_parallel=True, vocab_parallel=True, dtensor_parameters=False
+    name="megatron",
+    refused=MEGATRON_REFUSED,
+    sequence_parallel=True,
+    vocab_parallel=True,
+    dtensor_parameters=False,
 )
 OVERLAPKIT_TRAIN = Framework(
     name="overlapkit-train",

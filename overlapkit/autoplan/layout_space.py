@@ -5,9 +5,10 @@ dividing the sequence; ep dividing the experts (MoE models); pp at most the laye
 left of the world (``world = pp x dp x ep x cp x tp``); every block of the traffic order inside a
 domain or covering whole ones (``group_costs.blocks_intact``). ``variants``: micro-batch sizes
 dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``, the
-micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / selective / full;
-sharding ddp, zero1, zero2, fsdp and hsdp (every proper ``dp_shard`` of dp). A pinned choice
-(``PartialLayout``) replaces the options of its own; the rest stay free.
+micro-batches a multiple of pp, as Megatron-LM requires), and each zero-bubble schedule the
+search proposes where it is priced (``pipeline_schedule.schedule_variants``); recomputation
+none / selective / full; sharding ddp, zero1, zero2, fsdp and hsdp (every proper ``dp_shard``
+of dp). A pinned choice (``PartialLayout``) replaces the options of its own; the rest stay free.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 
 from overlapkit.autoplan.group_costs import TRAFFIC_ORDER, blocks_intact, domain_size
 from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.pipeline_schedule import schedule_variants
 from overlapkit.autoplan.settings import PlanSearchError
 from overlapkit.layout import RECOMPUTE, SHARDING, PartialLayout, TrainingLayout
 from overlapkit.topology.model import Topology
@@ -132,10 +134,11 @@ def variants(
             )
     # A model chunk shorter than the pinned number of layers cannot recompute that many.
     return [
-        layout
+        scheduled
         for layout in out
         if layout.recompute_layers is None
         or layout.recompute_layers <= chunk_layers(model.layers, layout)
+        for scheduled in (layout, *schedule_variants(layout))
     ]
 
 

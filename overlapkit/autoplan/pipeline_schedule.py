@@ -30,10 +30,12 @@ InterleavedZeroBubble and ZBVZeroBubble ``min(pp, m)``; DualPipeV ``pp + 1/2``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from overlapkit.layout import TrainingLayout
+from overlapkit.layout.overlapkit_train import SCHEDULES
 
 ONE_F_ONE_B = "1F1B"
 INTERLEAVED_1F1B = "Interleaved1F1B"
@@ -152,3 +154,19 @@ def in_flight_micro_batches(layout: TrainingLayout) -> float:
     if schedule == DUAL_PIPE_V:
         return pp + 0.5
     return held
+
+
+def schedule_variants(layout: TrainingLayout) -> list[TrainingLayout]:
+    """``layout`` on each other schedule the search proposes: ``planned`` in
+    ``overlapkit.layout.overlapkit_train.SCHEDULES``, beyond 1F1B and interleaved 1F1B (the
+    layout's own), where ``SHAPES`` prices it (``priced``). Empty without a pipeline or with a
+    schedule already chosen."""
+    if layout.pp == 1 or layout.schedule is not None:
+        return []
+    return [
+        dataclasses.replace(layout, schedule=schedule.name)
+        for schedule in SCHEDULES
+        if schedule.planned
+        and schedule.name not in (ONE_F_ONE_B, INTERLEAVED_1F1B)
+        and priced(schedule.name, layout)
+    ]

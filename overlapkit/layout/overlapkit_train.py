@@ -206,10 +206,13 @@ class Job:
 
     @classmethod
     def planned(cls, layout: TrainingLayout, layers: int | None = None) -> Job:
-        """``layout`` as the search proposes it: on its planned schedule."""
+        """``layout`` as the search proposes it: on its own schedule (``layout.schedule``), or
+        on the one planned for its ``virtual_stages``."""
+        named = layout.schedule
+        schedule = schedule_named(named) if named else planned_schedule(layout.virtual_stages)
         return cls(
             layout=layout,
-            schedule=planned_schedule(layout.virtual_stages),
+            schedule=schedule,
             layers=layers,
             shard_group=layout.dp_shard,
         )
