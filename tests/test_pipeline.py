@@ -7,10 +7,13 @@ import contextlib
 import functools
 import os
 import re
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.tensor import DTensor
 
 import overlapkit as ok
@@ -42,6 +45,8 @@ from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 
 CONFIG = dict(n_layer=4, n_head=2, n_embd=16, block_size=8)
+V_CONFIG = CONFIG | {"n_layer": 8}
+"""pp4 x v2: eight stages of one block."""
 BATCH = 2  # sequences per micro-batch
 MICRO = 4  # micro-batches per step (train.grad_accum)
 STEPS = 2
@@ -81,13 +86,47 @@ def _check(world_size: int = 4, grad_accum: int = MICRO, model=None, factory=DDP
             r"train.grad_accum=3 micro-batches per step are not a multiple of parallel.plan.pp=2",
         ),
         (
-            dict(pp=2, schedule="ZBVZeroBubble", factory={"_target_": "overlapkit.GradBucketer"}),
-            r"ZBVZeroBubble writes weight gradients by hand .* hooks of "
-            r"parallel._target_=overlapkit.GradBucketer never see them",
+            dict(pp=2, schedule="ZBVZeroBubble", virtual_stages=4, model=GPTConfig(**V_CONFIG)),
+            r"schedule=ZBVZeroBubble places exactly 2 stages per rank in a V, got "
+            r"parallel.plan.virtual_stages=4; set it to 2",
         ),
         (
-            dict(pp=2, schedule="DualPipeV", factory={"_target_": "overlapkit.fsdp"}),
-            r"DualPipeV splits backward .* FSDP2",
+            dict(pp=2, schedule="DualPipeV", virtual_stages=1),
+            r"schedule=DualPipeV places exactly 2 stages per rank",
+        ),
+        (
+            dict(pp=2, schedule="DualPipeV", virtual_stages=2, grad_accum=3),
+            r"train.grad_accum=3 micro-batches per step is fewer than the 2 x 2 stages "
+            r"parallel.plan.schedule=DualPipeV runs \(one each\); set train.grad_accum >= 4",
+        ),
+        (
+            dict(pp=2, schedule="InterleavedZeroBubble", virtual_stages=2, grad_accum=5),
+            r"train.grad_accum=5 micro-batches per step are not a multiple of the 2 rounds "
+            r"\(max\(1, grad_accum // parallel.plan.pp\)\) "
+            r"parallel.plan.schedule=InterleavedZeroBubble",
+        ),
+        (
+            dict(pp=4, schedule="ZBVZeroBubble", virtual_stages=2),
+            r"4 x 2 = 8 stages must divide model.config.n_layer \(4\)",
+        ),
+        (
+            dict(
+                pp=2,
+                schedule="ZBVZeroBubble",
+                virtual_stages=2,
+                factory={"_target_": "overlapkit.fsdp", "reshard_after_forward": True},
+            ),
+            r"parallel.reshard_after_forward=True with parallel.plan.schedule=ZBVZeroBubble",
+        ),
+        (
+            dict(
+                pp=2,
+                schedule="InterleavedZeroBubble",
+                virtual_stages=2,
+                factory={"_target_": "overlapkit.ddp", "find_unused_parameters": True},
+            ),
+            r"parallel.find_unused_parameters=true with "
+            r"parallel.plan.schedule=InterleavedZeroBubble",
         ),
         (dict(pp=2, schedule="2F2B"), r"schedule='2F2B' is not a torch.distributed.pipelining"),
         (dict(virtual_stages=2), r"virtual_stages=2 needs pipeline parallelism"),
@@ -126,6 +165,11 @@ def test_good_pipeline_layouts_pass_the_checks():
     _check(pp=2, schedule="Interleaved1F1B", virtual_stages=2, grad_accum=4)
     _check(pp=2, dp_shard=2, factory={"_target_": "overlapkit.fsdp"})
     _check(pp=2, tp=2, factory={"_target_": "overlapkit.GradBucketer"})
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        for target in ("overlapkit.ddp", "overlapkit.GradBucketer", "overlapkit.fsdp"):
+            _check(pp=2, schedule=schedule, virtual_stages=2, factory={"_target_": target})
+    _check(pp=2, schedule="InterleavedZeroBubble", virtual_stages=2, grad_accum=3)  # 1 round
+    _check(pp=4, schedule="DualPipeV", virtual_stages=2, grad_accum=8, model=GPTConfig(**V_CONFIG))
     plan, _ = split_parallel({"_target_": "overlapkit.ddp", "plan": {"pp": 2}})
     sizes = plan.sizes
     assert (sizes.pp, plan.schedule, sizes.virtual_stages, plan.trivial) == (2, "1F1B", 1, False)
@@ -134,6 +178,12 @@ def test_good_pipeline_layouts_pass_the_checks():
 
 def test_pipeline_ranks_hold_looped_stages_of_consecutive_blocks():
     assert [local_stages(r, 2, 2) for r in range(2)] == [(0, 2), (1, 3)]
+    # V schedules: as torch's generate_stage_to_rank_mapping(style="v") places them.
+    for pp in (2, 4):
+        v = generate_stage_to_rank_mapping(pp, 2 * pp, style="v")
+        assert [local_stages(r, pp, 2, v_shape=True) for r in range(pp)] == [
+            tuple(sorted(s for s, rank in v.items() if rank == r)) for r in range(pp)
+        ]
     assert [stage_layers(8, 4, s) for s in range(4)] == [range(2 * s, 2 * s + 2) for s in range(4)]
     # The stages of one pipeline read one batch shard; dp replicas read their own.
     pp_dp = ok.plan(ok.load_topology("cpu-gloox2"), pp=2)
@@ -169,30 +219,52 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def _reference(shards: int, device: torch.device) -> tuple[dict, list[float], list[list[float]]]:
+def _reference(
+    shards: int, device: torch.device, config: dict = CONFIG, micro_batches: int = MICRO
+) -> tuple[dict, list[float], list[list[float]]]:
     """One process, the unsplit model: each step the mean loss over every shard's micro-batches.
 
-    Returns the parameters after the steps, each step's norm, and each shard's loss per step.
+    Returns the parameters and AdamW's state after the steps (``name``, ``name.exp_avg``,
+    ``name.exp_avg_sq``), each step's norm, and each shard's loss per step.
     """
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CONFIG)).to(device)
+    model = GPT(GPTConfig(**config)).to(device)
     optimizer = _optimizer(model.parameters())
     norms, losses = [], [[0.0] * STEPS for _ in range(shards)]
     for step in range(STEPS):
         optimizer.zero_grad()
         for shard in range(shards):
-            for micro in range(MICRO):
+            for micro in range(micro_batches):
                 inputs, targets = (t.to(device) for t in _batch(shard, step, micro))
-                loss = GPT.loss(model(inputs), targets) / MICRO
+                loss = GPT.loss(model(inputs), targets) / micro_batches
                 (loss / shards).backward()
                 losses[shard][step] += loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, losses
+    return _with_state(model, optimizer), norms, losses
+
+
+def _with_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``model``'s parameters and their AdamW moments by name, whole (DTensors gathered)."""
+    out = {}
+    for name, param in model.named_parameters():
+        out[name] = _full(param.detach()).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}.{key}"] = _full(optimizer.state[param][key]).clone()
+    return out
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class Case(NamedTuple):
+    plan: PlanConfig
+    factory: Callable
+    recompute: tuple[str, int] | None = None
+    """``(mode, layers)`` applied to each stage's blocks, as the loop applies it."""
+    config: dict = CONFIG
+    micro_batches: int = MICRO
 
 
 CASES = {
@@ -217,8 +289,32 @@ CASES = {
     "1F1B ZeRO-1 recompute=full:1": (
         PlanConfig.of(pp=2),
         functools.partial(ok.fsdp, zero=1, reshard_after_forward=None),
-        ("full", 1),  # each stage's first block, as the loop applies it
+        ("full", 1),  # each stage's first block
     ),
+}
+WRAPPERS = {
+    "ok.ddp": ok.ddp,
+    "ok.GradBucketer": functools.partial(ok.GradBucketer, bucket_mb=0.01),
+    "ok.fsdp": ok.fsdp,
+}
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+CASES |= {
+    f"{schedule} v=2 {wrapper}": Case(
+        PlanConfig.of(pp=2, schedule=schedule, virtual_stages=2), factory
+    )
+    for schedule in ZERO_BUBBLE
+    for wrapper, factory in WRAPPERS.items()
+}
+"""Every zero-bubble schedule with every wrapper, pp2 x dp2: the weight steps' gradients reduced
+over dp (the tied embedding summed locally under the V schedules)."""
+CASES |= {
+    f"{schedule} pp=4 v=2 n_layer=8": Case(
+        PlanConfig.of(pp=4, schedule=schedule, virtual_stages=2),
+        ok.ddp,
+        config=V_CONFIG,
+        micro_batches=8,  # DualPipeV: one per stage
+    )
+    for schedule in ("ZBVZeroBubble", "DualPipeV")
 }
 PROFILED = "1F1B ok.ddp"
 """Its second step is traced: the report's send/recv."""
@@ -226,14 +322,14 @@ PROFILED = "1F1B ok.ddp"
 
 def _train_case(rank: int, world_size: int, topology, case, device: torch.device, profiler) -> dict:
     """Two clipped AdamW steps of one layout; the parameters' gaps to one process and more."""
-    plan, factory, *recompute = case
+    plan, factory, recompute, config, micro = Case(*case)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CONFIG)).to(device)
+    model = GPT(GPTConfig(**config)).to(device)
     for blocks in stage_blocks(model.blocks, plan) if recompute else ():
-        assert apply_recompute(blocks, *recompute[0]) == [0]
+        assert apply_recompute(blocks, *recompute) == [0]
     layout = build_layout(plan, topology, device)
     par = apply_pipeline(
-        model, factory, layout, loss_fn=GPT.loss, micro_batches=MICRO, device=device
+        model, factory, layout, loss_fn=GPT.loss, micro_batches=micro, device=device
     )
     optimizer = _optimizer(par.model.parameters())
     shard, shards = layout.data_shard(rank, world_size)
@@ -241,17 +337,17 @@ def _train_case(rank: int, world_size: int, topology, case, device: torch.device
     with profiler or contextlib.nullcontext():
         for step in range(STEPS):
             optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
-            batches = [tuple(t.to(device) for t in _batch(shard, step, m)) for m in range(MICRO)]
+            batches = [tuple(t.to(device) for t in _batch(shard, step, m)) for m in range(micro)]
             losses.append(par.forward_backward(batches).item())
             par.finish_backward()
             norms.append(par.optimizer_step(optimizer, MAX_NORM).item())
             if profiler is not None:
                 profiler.step()
-    expected, expected_norms, expected_losses = _reference(shards, device)
+    expected, expected_norms, expected_losses = _reference(shards, device, config, micro)
     gaps = {}
-    for name, param in par.model.named_parameters():
-        reference = expected["wte.weight" if name == "lm_head.weight" else name]
-        gaps[name] = (_full(param.detach()) - reference).abs().max().item()
+    for name, tensor in _with_state(par.model, optimizer).items():
+        reference = expected[name.replace("lm_head.weight", "wte.weight")]
+        gaps[name] = (tensor - reference).abs().max().item()
     dist.barrier()
     return {
         "gaps": gaps,
@@ -295,7 +391,9 @@ def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(one_process_layo
     results = parts["pipeline"]
     names = {n for result in results for n in result[next(iter(CASES))]["gaps"]}
     # Every parameter, on some rank.
-    assert names == set(GPT(GPTConfig(**CONFIG)).state_dict())  # the head's copy included
+    moments = ("", ".exp_avg", ".exp_avg_sq")  # the parameters and AdamW's state of each
+    every = {n + m for n in GPT(GPTConfig(**CONFIG)).state_dict() for m in moments}
+    assert names == every  # the head's copy included
     # Measured: <= 1.0e-6; with tp 2.6e-5 (its row-parallel partial sums add in another order,
     # and AdamW's first steps turn a gradient's relative error into lr x that error).
     _assert_matches_one_process(results, CASES, lambda name: 1e-4 if "tp=" in name else 1e-5)

@@ -11,6 +11,10 @@ A stage is a ``GPT`` that shares the full model's modules and lacks the others' 
 so its parameter names are the unsplit model's (``blocks.2.attn.q.weight`` on whichever stage runs
 block 2): a DCP checkpoint names every tensor as an unsplit run does.
 
+The V schedules (``ZBVZeroBubble``, ``DualPipeV``) place two stages per rank in a V instead:
+rank ``r`` holds stages ``r`` and ``2 p - 1 - r``, so the first and the last stage are both on
+pipeline rank 0 (``local_stages``, ``last_stage_rank``).
+
 The schedules are torch's (``torch.distributed.pipelining``); which of them run, and what each
 needs of the layout, is ``overlapkit.layout.overlapkit_train``'s table (``SCHEDULES``, ``REFUSED``:
 ``run_layout.check_layout`` raises its refusals), read by the auto-planner's search too.
@@ -51,9 +55,23 @@ def schedule_class(name: str) -> type:
     return get_schedule_class(resolve_schedule(name))
 
 
-def local_stages(pp_rank: int, pp: int, virtual_stages: int) -> tuple[int, ...]:
-    """The stage indices pipeline rank ``pp_rank`` (its ``pp`` coordinate) holds, increasing."""
+def local_stages(
+    pp_rank: int, pp: int, virtual_stages: int, *, v_shape: bool = False
+) -> tuple[int, ...]:
+    """The stage indices pipeline rank ``pp_rank`` (its ``pp`` coordinate) holds, increasing.
+
+    Loop: ``r, r + pp, ...``; ``v_shape`` (two stages per rank): ``r`` and ``2 pp - 1 - r``,
+    torch's ``generate_stage_to_rank_mapping(style="v")``.
+    """
+    if v_shape:
+        return (pp_rank, 2 * pp - 1 - pp_rank)
     return tuple(pp_rank + i * pp for i in range(virtual_stages))
+
+
+def last_stage_rank(plan: Any) -> int:
+    """The ``pp`` coordinate of the rank holding the last stage (the loss): ``pp - 1``, or 0 for
+    a V schedule (the V turns back to rank 0)."""
+    return 0 if schedule_named(plan.schedule).v_shape else plan.sizes.pp - 1
 
 
 def stage_layers(n_layer: int, num_stages: int, stage: int) -> range:
@@ -171,6 +189,19 @@ def check_pipeline(plan: Any, *, model_config: Any, factory_cfg: Mapping[str, An
         raise ValueError(
             f"parallel.plan.pp={pp} splits a GPT into stages (model=gpt_tiny); "
             f"{type(model_config).__name__} is not one"
+        )
+    if schedule.split_backward and factory_cfg.get("reshard_after_forward") not in (None, False):
+        raise ValueError(
+            f"parallel.reshard_after_forward={factory_cfg['reshard_after_forward']} with "
+            f"parallel.plan.schedule={schedule.name}: a block resharded after each forward "
+            "loses the weight gradients its deferred weight step computes (measured, torch "
+            "2.13); leave it unset (the stages keep their blocks unsharded until REDUCE_GRAD)"
+        )
+    if schedule.split_backward and factory_cfg.get("find_unused_parameters"):
+        raise ValueError(
+            f"parallel.find_unused_parameters=true with parallel.plan.schedule={schedule.name}: "
+            "its input-gradient step detaches the stage's outputs before the weight step, so DDP "
+            "could not find the used parameters; every gpt_tiny parameter is used, leave it false"
         )
     for key, value in (("optimizer", "optim"), ("optimizer_step", "by_block")):
         if factory_cfg.get(key) == value:
