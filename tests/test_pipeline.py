@@ -7,6 +7,7 @@ import contextlib
 import functools
 import os
 import re
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -293,7 +294,7 @@ CASES = {
     ),
 }
 WRAPPERS = {
-    "ok.ddp": ok.ddp,
+    "ok.ddp": functools.partial(ok.ddp, bucket_mb=0.01),  # several buckets per stage
     "ok.GradBucketer": functools.partial(ok.GradBucketer, bucket_mb=0.01),
     "ok.fsdp": ok.fsdp,
 }
@@ -310,7 +311,7 @@ over dp (the tied embedding summed locally under the V schedules)."""
 CASES |= {
     f"{schedule} pp=4 v=2 n_layer=8": Case(
         PlanConfig.of(pp=4, schedule=schedule, virtual_stages=2),
-        ok.ddp,
+        WRAPPERS["ok.ddp"],
         config=V_CONFIG,
         micro_batches=8,  # DualPipeV: one per stage
     )
@@ -332,6 +333,7 @@ def _train_case(rank: int, world_size: int, topology, case, device: torch.device
         model, factory, layout, loss_fn=GPT.loss, micro_batches=micro, device=device
     )
     optimizer = _optimizer(par.model.parameters())
+    weight_steps = _time_weight_steps(par) if plan.schedule in ZERO_BUBBLE else {}
     shard, shards = layout.data_shard(rank, world_size)
     losses, norms = [], []
     with profiler or contextlib.nullcontext():
@@ -357,7 +359,45 @@ def _train_case(rank: int, world_size: int, topology, case, device: torch.device
         "expected_losses": expected_losses[shard],
         "description": par.description,
         "shards": shards,
+        "reductions": _reductions(par, weight_steps),
     }
+
+
+def _time_weight_steps(par) -> dict[int, list[tuple[float, float]]]:
+    """Each stage's steps that add to its weight gradients as they run: ``(start, end)`` in
+    ``perf_counter`` ms, the clock of ``ok.comm_stats``'s launches. The weight steps (W; stage
+    0 runs its whole backward there) and the full backwards (B: DualPipeV runs some)."""
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for stage in par.forward_backward.__self__.stages:
+        into = windows[stage.stage_index] = []
+        weight, backward = stage.backward_weight_one_chunk, stage.backward_one_chunk
+
+        def timed(run, *args, into=into, **kwargs):
+            start = time.perf_counter() * 1e3
+            run(*args, **kwargs)
+            if kwargs.get("full_backward", True):
+                into.append((start, time.perf_counter() * 1e3))
+
+        stage.backward_weight_one_chunk = functools.partial(timed, weight)
+        stage.backward_one_chunk = functools.partial(timed, backward)
+    return windows
+
+
+def _reductions(par, weight_steps: dict) -> dict[int, dict]:
+    """Per stage under ``ok.ddp`` / ``ok.GradBucketer``: its last weight step (or full backward)
+    of the last step and the launch times of that step's all-reduces (``ok.comm_stats``)."""
+    out = {}
+    for stage in par.forward_backward.__self__.stages if weight_steps else ():
+        owner = stage.bucketer if stage.bucketer is not None else stage.submod
+        if not isinstance(owner, ok.GradBucketer | torch.nn.parallel.DistributedDataParallel):
+            continue
+        records = ok.comm_stats(owner).records
+        last = max(r.step for r in records)
+        out[stage.stage_index] = {
+            "weight_step": weight_steps[stage.stage_index][-1],
+            "launches": sorted(r.launch_ms for r in records if r.step == last),
+        }
+    return out
 
 
 def _layouts_match_one_process(rank: int, world_size: int, profile_dir: str) -> dict:
@@ -406,6 +446,27 @@ def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(one_process_layo
         assert (send_recv.count, send_recv.nbytes) == (2 * MICRO, 2 * MICRO * BATCH * 8 * 16 * 4)
         assert 0 < send_recv.exposed_ms <= send_recv.time_ms
     assert re.search(r"send_recv 8x 0.01 MiB \(\d+\.\d\d ms exposed\)", format_report(report))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero_bubble_stages_reduce_from_their_last_weight_step(one_process_layouts):
+    results = one_process_layouts[0]["pipeline"]
+    observed = [n for n in CASES if n.startswith(ZERO_BUBBLE) and "ok.fsdp" not in n]
+    assert len(observed) == 8
+    for name in observed:
+        for result in results:
+            reductions = result[name]["reductions"]
+            assert len(reductions) == 2, name  # both stages of the rank
+            for stage, seen in reductions.items():
+                start, end = seen["weight_step"]
+                launches = seen["launches"]
+                # Several buckets, every one launched while the stage's last weight step (or,
+                # under DualPipeV, full backward) runs, as its buckets complete: torch's own
+                # weight step writes .grad by hand, so none would be and DDP's average would be
+                # missing. The result is the equality with one process above.
+                assert len(launches) >= 2, (name, stage)
+                assert all(start < t < end for t in launches), (name, stage, seen)
 
 
 def test_summary_shows_the_planned_bubble_and_the_measured_send_recv():
