@@ -113,15 +113,6 @@ def _check(world_size: int = 4, grad_accum: int = MICRO, model=None, factory=DDP
         (
             dict(
                 pp=2,
-                schedule="ZBVZeroBubble",
-                virtual_stages=2,
-                factory={"_target_": "overlapkit.fsdp", "reshard_after_forward": True},
-            ),
-            r"parallel.reshard_after_forward=True with parallel.plan.schedule=ZBVZeroBubble",
-        ),
-        (
-            dict(
-                pp=2,
                 schedule="InterleavedZeroBubble",
                 virtual_stages=2,
                 factory={"_target_": "overlapkit.ddp", "find_unused_parameters": True},

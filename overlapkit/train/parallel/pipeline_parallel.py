@@ -218,21 +218,13 @@ class Pipeline:
         return norm
 
 
-def _stage_kwargs(
-    factory: Callable[..., object], layout: Layout, stage: GPT, *, split_backward: bool
-) -> dict:
-    """The factory's group or mesh, and for ``ok.fsdp`` the stage's blocks, blocking reduce,
-    and under a split backward the blocks kept unsharded from forward to the weight step."""
+def _stage_kwargs(factory: Callable[..., object], layout: Layout, stage: GPT) -> dict:
+    """The factory's group or mesh, and for ``ok.fsdp`` the stage's blocks, blocking reduce."""
     kwargs = group_kwargs(factory, layout)
     accepted = inspect.signature(factory).parameters
     if "blocks" in accepted and "overlap_reduce_scatter" in accepted:
         present = [b for b in stage.blocks if not isinstance(b, nn.Identity)]
         kwargs |= dict(blocks=present, overlap_reduce_scatter=False)
-        if split_backward:
-            # Measured (torch 2.13, gloo): a block resharded after each forward loses the
-            # weight gradients of the micro-batches whose weight step runs after a later
-            # micro-batch's forward; unsharded until the schedule's REDUCE_GRAD, they are exact.
-            kwargs["reshard_after_forward"] = False
     return kwargs
 
 
@@ -280,8 +272,7 @@ def apply_pipeline(
     stages, bucketers, what = [], [], None
     for index in mine:
         view = split_stage(model, layers[index], first=index == 0, last=index == last)
-        kwargs = _stage_kwargs(factory, layout, view, split_backward=schedule.split_backward)
-        wrapped = factory(view, **kwargs)
+        wrapped = factory(view, **_stage_kwargs(factory, layout, view))
         common = dict(stage_index=index, num_stages=num_stages, device=device)
         stage, what = _stage_of(view, wrapped, factory, group=layout.pp_mesh.get_group(), **common)
         stages.append(stage)

@@ -190,13 +190,6 @@ def check_pipeline(plan: Any, *, model_config: Any, factory_cfg: Mapping[str, An
             f"parallel.plan.pp={pp} splits a GPT into stages (model=gpt_tiny); "
             f"{type(model_config).__name__} is not one"
         )
-    if schedule.split_backward and factory_cfg.get("reshard_after_forward") not in (None, False):
-        raise ValueError(
-            f"parallel.reshard_after_forward={factory_cfg['reshard_after_forward']} with "
-            f"parallel.plan.schedule={schedule.name}: a block resharded after each forward "
-            "loses the weight gradients its deferred weight step computes (measured, torch "
-            "2.13); leave it unset (the stages keep their blocks unsharded until REDUCE_GRAD)"
-        )
     if schedule.split_backward and factory_cfg.get("find_unused_parameters"):
         raise ValueError(
             f"parallel.find_unused_parameters=true with parallel.plan.schedule={schedule.name}: "

@@ -26,12 +26,11 @@ before the last; ``ok.fsdp``: FSDP2's post-backward stays the schedule's ``REDUC
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
@@ -39,27 +38,21 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.ddp import GradBucketer
 
 
-def _accumulator(weight: nn.Parameter) -> Node:
-    """The ``AccumulateGrad`` node of a leaf ``weight`` (created on first ask, as torch does)."""
-    return weight.view_as(weight).grad_fn.next_functions[0][0]
-
-
-def accumulate_weight_grads(
-    weights: Iterable[nn.Parameter], param_groups: list[dict[str, Any]]
-) -> None:
+def accumulate_weight_grads(param_groups: list[dict[str, Any]]) -> None:
     """Add one micro-batch's weight gradients to ``.grad`` through the accumulators.
 
     The same sums as ``stage_backward_weight`` (each group's saved output gradients, clamped so
     that an intermediate reached through another is not counted twice, as torch 2.13 does), but
     every parameter's ``AccumulateGrad`` runs, with its hooks.
 
+    The weights are the accumulators' own (``AccumulateGrad.variable``): the ones the forward
+    used, whatever the module holds now (FSDP2 swaps sharded and unsharded parameters).
+
     Args:
-        weights: the stage's parameters (``stage.submod.parameters()``).
         param_groups: what the input-gradient step saved (``stage_backward_input``): per group
             the parameters' accumulator nodes, the intermediates and their saved gradients;
             consumed (the graph behind them is freed).
     """
-    by_node = {_accumulator(w): w for w in weights}
     for group in reversed(param_groups):
         edges, grads = [], []
         for saved, intermediate in zip(group["grads"], group["intermediates"], strict=True):
@@ -75,7 +68,7 @@ def accumulate_weight_grads(
             ]
         try:
             if edges:
-                inputs = [by_node[node] for node in group["params"]]
+                inputs = [node.variable for node in group["params"]]
                 torch.autograd.backward(edges, grad_tensors=grads, inputs=inputs)
         finally:
             for handle in handles:
@@ -104,11 +97,23 @@ class SplitBackwardStage(PipelineStage):
     ) -> tuple:
         # The hook torch's docstring names for adapting data parallelism to the schedules.
         with self._bucketer_sync(last_backward):
+            if backward_type == "input":
+                self._unshard()
             if backward_type != "weight":
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             with self._wrapper_sync(last_backward):
-                accumulate_weight_grads(self.submod.parameters(), bwd_kwargs["param_groups"])
+                accumulate_weight_grads(bwd_kwargs["param_groups"])
             return (), None
+
+    def _unshard(self) -> None:
+        """Register FSDP2's unsharded parameters before the input step collects the stage's
+        parameters (``stage_backward_input`` reads ``submod.parameters()`` before autograd runs
+        FSDP2's pre-backward unshard): a block resharded after its forward would otherwise show
+        its sharded parameters, which the graph does not use, and the micro-batch's weight
+        gradients would never be computed (measured with torch 2.13: half of them lost)."""
+        for module in self.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
 
     def _bucketer_sync(self, last_backward: bool) -> contextlib.AbstractContextManager:
         if self.bucketer is None or last_backward:
