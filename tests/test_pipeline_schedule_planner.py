@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from overlapkit.autoplan import pipeline_schedule
+from bench.harness.train_layout import compose_run, planned_layout
 from overlapkit.autoplan.framework import MEGATRON, OVERLAPKIT_TRAIN, TORCHTITAN
 from overlapkit.autoplan.handoff.run_config import train_overrides
 from overlapkit.autoplan.handoff.torchtitan import torchtitan_run
@@ -72,34 +72,40 @@ def test_the_step_carries_each_schedules_bubble_and_activations():
     assert bubble_s(INTERLEAVED, passes) > 0
 
 
-def test_the_search_proposes_what_the_table_plans(monkeypatch):
+def test_the_search_proposes_what_the_table_plans():
     topology, model = load_topology("dgx-h100x2"), load_model("llama3-8b")
     request = dict(global_batch=32, seq_len=8192, fixed={"pp": 4, "tp": 4})
-
-    def schedules(settings) -> set:
-        found = searched_layouts(topology, model, settings=settings, **request)
-        return {layout.schedule for layout in found if layout.schedule}
-
     planned = {s.name for s in table.SCHEDULES if s.planned} & set(ZERO_BUBBLE)
-    assert schedules(SearchSettings(framework=TORCHTITAN)) == planned
-    every = tuple(
-        dataclasses.replace(s, planned=True) if s.name in ZERO_BUBBLE else s
-        for s in table.SCHEDULES
-    )
-    monkeypatch.setattr(pipeline_schedule, "SCHEDULES", every)
-    assert schedules(SearchSettings(framework=TORCHTITAN)) == set(ZERO_BUBBLE)
-    assert schedules(SearchSettings(framework=MEGATRON)) == set()
-    v_layouts = [
-        layout
-        for layout in searched_layouts(
-            topology, model, settings=SearchSettings(framework=TORCHTITAN), **request
+    assert planned == set(ZERO_BUBBLE)
+    found = {
+        framework.name: searched_layouts(
+            topology, model, settings=SearchSettings(framework=framework), **request
         )
-        if layout.schedule in ("ZBVZeroBubble", "DualPipeV")
-    ]
-    assert v_layouts and all(
+        for framework in (TORCHTITAN, MEGATRON)
+    }
+    assert {layout.schedule for layout in found["torchtitan"]} == {None, *ZERO_BUBBLE}
+    assert {layout.schedule for layout in found["megatron"]} == {None}
+    assert all(
         layout.virtual_stages == 2 and layout.num_micro_batches >= 2 * layout.pp
-        for layout in v_layouts
+        for layout in found["torchtitan"]
+        if layout.schedule in ("ZBVZeroBubble", "DualPipeV")
     )
+
+
+def test_a_run_prices_itself_on_its_schedule():
+    """overlapkit-train's layout of a run (``run_layout``) names its zero-bubble schedule."""
+    for schedule, named in (("ZBVZeroBubble", "ZBVZeroBubble"), ("Interleaved1F1B", None)):
+        config = compose_run(
+            [
+                "model=gpt_tiny",
+                "model.config.n_layer=8",
+                "train.grad_accum=8",
+                "parallel=pp_dp",
+                f"parallel.plan.schedule={schedule}",
+                "parallel.plan.virtual_stages=2",
+            ]
+        )
+        assert planned_layout(config, world_size=4).schedule == named
 
 
 @pytest.mark.parametrize("name", ZERO_BUBBLE)

@@ -131,11 +131,13 @@ CASES = (
         for name in ("Interleaved1F1B", "InterleavedZeroBubble")
         for pp, m, v in ((2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 4), (8, 16, 2))
     ]
+    + [("InterleavedZeroBubble", pp, m, v) for pp, m, v in ((4, 6, 2), (3, 4, 3), (4, 10, 3))]
     + [
         (name, pp, m, 2)
         for name in ("ZBVZeroBubble", "DualPipeV")
         for pp, m in ((2, 4), (2, 5), (3, 6), (4, 8), (4, 12), (8, 16))
     ]
+    + [("ZBVZeroBubble", pp, 2 * pp - 1, 2) for pp in (2, 4)]
 )
 
 
@@ -167,6 +169,9 @@ def test_zero_bubble_h1_and_the_stretch():
     assert bubble_s(zero_bubble, passes) == pytest.approx(3 * (f + (i + w) - 2 * w))
     assert bubble_s(layout, passes, stretch=1.5) == pytest.approx(1.5 * 3 * (f + i + w))
     assert not priced("ZBVZeroBubble", TrainingLayout(pp=4, num_micro_batches=6, virtual_stages=2))
+    assert not priced(
+        "InterleavedZeroBubble", TrainingLayout(pp=4, num_micro_batches=3, virtual_stages=2)
+    )
     assert not priced("DualPipeV", TrainingLayout(pp=4, num_micro_batches=8, virtual_stages=3))
 
 

@@ -4,9 +4,10 @@
 dividing the sequence; ep dividing the experts (MoE models); pp at most the layers; dp what is
 left of the world (``world = pp x dp x ep x cp x tp``); every block of the traffic order inside a
 domain or covering whole ones (``group_costs.blocks_intact``). ``variants``: micro-batch sizes
-dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``, the
-micro-batches a multiple of pp, as Megatron-LM requires), and each zero-bubble schedule the
-search proposes where it is priced (``pipeline_schedule.schedule_variants``); recomputation
+dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``), on each
+schedule the search proposes where it is priced (``pipeline_schedule.priced``: interleaved 1F1B
+with the micro-batches a multiple of pp, as Megatron-LM requires; the zero-bubble schedules,
+``pipeline_schedule.schedule_variants``, as torch takes them); recomputation
 none / selective / full; sharding ddp, zero1, zero2, fsdp and hsdp (every proper ``dp_shard``
 of dp). A pinned choice (``PartialLayout``) replaces the options of its own; the rest stay free.
 """
@@ -18,7 +19,7 @@ import math
 
 from overlapkit.autoplan.group_costs import TRAFFIC_ORDER, blocks_intact, domain_size
 from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.autoplan.pipeline_schedule import schedule_variants
+from overlapkit.autoplan.pipeline_schedule import priced, schedule_of, schedule_variants
 from overlapkit.autoplan.settings import PlanSearchError
 from overlapkit.layout import RECOMPUTE, SHARDING, PartialLayout, TrainingLayout
 from overlapkit.topology.model import Topology
@@ -104,10 +105,17 @@ def _free_sizes(topology: Topology, model: ModelSpec, seq_len: int) -> dict[str,
 
 
 def variants(
-    dims: dict[str, int], model: ModelSpec, global_batch: int, pins: PartialLayout, domain: int
+    dims: dict[str, int],
+    model: ModelSpec,
+    global_batch: int,
+    pins: PartialLayout,
+    domain: int,
+    *,
+    zero_bubble: bool = False,
 ) -> list[TrainingLayout]:
     """Every layout of parallel sizes ``dims`` the pins allow (see module doc); none when the
-    batch does not split over the ``dp x ep`` replicas."""
+    batch does not split over the ``dp x ep`` replicas. ``zero_bubble``: also on torch's
+    zero-bubble schedules (``Framework.zero_bubble_schedules``)."""
     replicas = dims["dp"] * dims["ep"]
     if global_batch % replicas:
         return []  # the caller reports indivisible batches
@@ -138,7 +146,8 @@ def variants(
         for layout in out
         if layout.recompute_layers is None
         or layout.recompute_layers <= chunk_layers(model.layers, layout)
-        for scheduled in (layout, *schedule_variants(layout))
+        for scheduled in (layout, *(schedule_variants(layout) if zero_bubble else ()))
+        if priced(schedule_of(scheduled), scheduled)
     ]
 
 
@@ -154,8 +163,9 @@ def _micro_batches(per_replica: int, pins: PartialLayout) -> list[int]:
 
 
 def _stage_counts(pp: int, micro_batches: int, layers: int, pins: PartialLayout) -> list[int]:
-    """Interleaving: with pp > 1 and the micro-batches a multiple of pp (Megatron-LM's rule)."""
-    interleaves = pp > 1 and micro_batches % pp == 0
+    """Interleaving: with pp > 1 and at least pp micro-batches (which schedule prices which
+    count, ``variants`` asks ``pipeline_schedule.priced``)."""
+    interleaves = pp > 1 and micro_batches >= pp
     if pins.virtual_stages is not None:
         counts = [pins.virtual_stages] if pins.virtual_stages == 1 or interleaves else []
     else:

@@ -10,11 +10,13 @@ action lists (``_calculate_single_rank_operations``) with every action taking it
 waiting for the one it depends on (tests/test_pipeline_schedule_shapes.py replays the lists):
 
 - ``InterleavedZeroBubble`` (ZB-1P, v chunks per rank): ``(pp - 1) max(F + I - W, F, I)`` per
-  chunk, for every v and micro-batch count; with ``W <= F, I`` that is ZB-H1's
-  ``(pp - 1)(F + B - 2W)``.
+  chunk, for every v and every micro-batch count from pp up; with ``W <= F, I`` that is ZB-H1's
+  ``(pp - 1)(F + B - 2W)``. Fewer than pp micro-batches: torch pads the schedule with idle
+  steps, another shape, not priced (``priced``).
 - ``ZBVZeroBubble`` and ``DualPipeV`` (two chunks per rank in a V): the maxima below, for at
-  least ``2 pp`` micro-batches (fewer leave the V's warm-up unfilled; not priced). DualPipeV's
-  overlapped forward-and-backward runs one half after the other, as torch runs it.
+  least ``2 pp - 1`` and ``2 pp`` micro-batches (fewer leave the V's warm-up unfilled; not
+  priced). DualPipeV's overlapped forward-and-backward runs one half after the other, as torch
+  runs it.
 
 Stage 0 never splits its backward (torch's ``backward_one_chunk`` skips the input step of the
 first stage and runs the whole backward as its weight step); the shapes include it. Pipeline
@@ -25,7 +27,8 @@ of them replaces what ``I`` frees). The peak count on the busiest rank
 (``in_flight_micro_batches``), in micro-batches through all of a rank's chunks: 1F1B
 ``min(pp, m)``; interleaved 1F1B ``min(pp + (pp - 1) / v, m)`` (Korthikanti et al., section
 4.2.3: ``1 + (pp - 1) / (pp v)`` times 1F1B's, its warm-up capped at the step's micro-batches);
-InterleavedZeroBubble and ZBVZeroBubble ``min(pp, m)``; DualPipeV ``pp + 1/2``.
+InterleavedZeroBubble ``pp`` with m a multiple of pp (``((v - 1) r + pp) / v`` for rounds of
+``r`` micro-batches); ZBVZeroBubble ``pp``; DualPipeV ``pp + 1/2``.
 """
 
 from __future__ import annotations
@@ -109,17 +112,28 @@ def schedule_of(layout: TrainingLayout) -> str:
     return INTERLEAVED_1F1B if layout.virtual_stages > 1 else ONE_F_ONE_B
 
 
+def rounds(layout: TrainingLayout) -> int:
+    """Rounds torch's interleaved schedules run a step's micro-batches in: ``max(1, m // pp)``."""
+    return max(1, layout.num_micro_batches // layout.pp)
+
+
 def priced(schedule: str, layout: TrainingLayout) -> bool:
-    """Whether ``SHAPES`` prices ``schedule`` for ``layout``'s chunks and micro-batches: the V
-    schedules at two chunks per rank and ``2 pp`` micro-batches or more, interleaved schedules
-    with several chunks and the micro-batches a multiple of pp, 1F1B with one chunk."""
+    """Whether ``SHAPES`` prices ``schedule`` for ``layout``'s chunks and micro-batches (where
+    its shape is torch's): 1F1B with one chunk; interleaved 1F1B with several and the
+    micro-batches a multiple of pp; InterleavedZeroBubble with several, at least pp micro-batches
+    and a multiple of its rounds; ZBVZeroBubble at two chunks and ``2 pp - 1`` micro-batches or
+    more (fewer leave torch's warm-up unfilled), DualPipeV at two chunks and ``2 pp``."""
     if schedule not in SHAPES:
         return False
     v, pp, m = layout.virtual_stages, layout.pp, layout.num_micro_batches
-    if schedule in V_SCHEDULES:
+    if schedule == ZBV_ZERO_BUBBLE:
+        return v == 2 and m >= 2 * pp - 1
+    if schedule == DUAL_PIPE_V:
         return v == 2 and m >= 2 * pp
     if schedule == ONE_F_ONE_B:
         return v == 1
+    if schedule == INTERLEAVED_ZERO_BUBBLE:
+        return v > 1 and m >= pp and m % rounds(layout) == 0
     return v > 1 and m % pp == 0
 
 
@@ -147,13 +161,15 @@ def bubble_s(layout: TrainingLayout, passes: PassTimes, stretch: float = 1.0) ->
 def in_flight_micro_batches(layout: TrainingLayout) -> float:
     """Micro-batches whose activations the busiest pipeline rank holds at once (module doc),
     counted through all of its chunks."""
-    schedule, pp = schedule_of(layout), layout.pp
-    held = float(min(pp, layout.num_micro_batches))
+    schedule, pp, v = schedule_of(layout), layout.pp, layout.virtual_stages
     if schedule == INTERLEAVED_1F1B:
-        return min(pp + (pp - 1) / layout.virtual_stages, layout.num_micro_batches)
+        return min(pp + (pp - 1) / v, layout.num_micro_batches)
+    if schedule == INTERLEAVED_ZERO_BUBBLE:  # its warm-up: a round on each earlier chunk
+        per_round = layout.num_micro_batches / rounds(layout)
+        return ((v - 1) * per_round + pp) / v
     if schedule == DUAL_PIPE_V:
         return pp + 0.5
-    return held
+    return float(min(pp, layout.num_micro_batches))
 
 
 def schedule_variants(layout: TrainingLayout) -> list[TrainingLayout]:

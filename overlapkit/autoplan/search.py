@@ -166,8 +166,10 @@ def search(
     if not sizes:
         raise PlanSearchError(no_sizes_message(topology, model, seq_len, pins))
     tally = _Tally()
+    zero_bubble = pricing.settings.framework.zero_bubble_schedules
+    domain = domain_size(topology)
     for dims in sizes:
-        for layout in variants(dims, model, global_batch, pins, domain_size(topology)):
+        for layout in variants(dims, model, global_batch, pins, domain, zero_bubble=zero_bubble):
             _consider(layout, pricing, pins, tally)
     if not any(global_batch % (dims["dp"] * dims["ep"]) == 0 for dims in sizes):
         raise PlanSearchError(batch_message(global_batch, sizes))
@@ -298,7 +300,14 @@ def searched_layouts(
     return [
         layout
         for dims in parallel_sizes(topology, model, seq_len, pins)
-        for layout in variants(dims, model, global_batch, pins, domain_size(topology))
+        for layout in variants(
+            dims,
+            model,
+            global_batch,
+            pins,
+            domain_size(topology),
+            zero_bubble=framework.zero_bubble_schedules,
+        )
         if not framework.lacks(layout, layers=model.layers)
     ]
 

@@ -165,25 +165,26 @@ SCHEDULES = (
     Schedule(
         name="InterleavedZeroBubble",
         several_stages=True,
-        planned=False,
+        planned=True,
         micro_batches="multiple of its rounds",
         split_backward=True,
     ),
     Schedule(
-        name="ZBVZeroBubble", several_stages=True, planned=False, v_shape=True, split_backward=True
+        name="ZBVZeroBubble", several_stages=True, planned=True, v_shape=True, split_backward=True
     ),
     Schedule(
         name="DualPipeV",
         several_stages=True,
-        planned=False,
+        planned=True,
         micro_batches="at least 2 pp",
         v_shape=True,
         split_backward=True,
     ),
 )
 """Every schedule ``parallel.plan.schedule`` names. ``planned``: the ones the search proposes
-(1F1B with one stage per rank, interleaved 1F1B with several); GPipe and LoopedBFS run but are
-not priced (GPipe keeps every micro-batch's activations)."""
+(1F1B with one stage per rank; interleaved 1F1B and the zero-bubble schedules with several,
+priced by ``overlapkit.autoplan.pipeline_schedule``); GPipe and LoopedBFS run but are not
+priced (GPipe keeps every micro-batch's activations)."""
 
 
 def schedule_named(name: str) -> Schedule:
@@ -202,7 +203,8 @@ def schedule_named(name: str) -> Schedule:
 
 
 def planned_schedule(virtual_stages: int) -> Schedule:
-    """The schedule the planner prices for ``virtual_stages``: 1F1B, or interleaved 1F1B."""
+    """The schedule the planner prices for ``virtual_stages`` when a layout names none: 1F1B,
+    or interleaved 1F1B (the first planned one with several stages)."""
     several = virtual_stages > 1
     return next(s for s in SCHEDULES if s.planned and s.several_stages == several)
 
