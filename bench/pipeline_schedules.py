@@ -114,8 +114,9 @@ def build_runs(args: argparse.Namespace, topology: ok.Topology) -> tuple[dict, d
     return runs, layouts, refused
 
 
-def profiled_step(run: LayoutRun, logdir: Path) -> tuple[float, float, float]:
-    """(step, exposed send/recv, exposed all-reduce) ms of one profiled step on this rank."""
+def profiled_step(run: LayoutRun, logdir: Path) -> tuple[float, float, float, float]:
+    """(step, exposed send/recv, exposed all-reduce, compute) ms of one profiled step on this
+    rank."""
     with ok.profile(logdir, wait=0, warmup=1, active=1, write_outputs=False) as prof:
         for _ in range(2):
             run.step()
@@ -126,7 +127,7 @@ def profiled_step(run: LayoutRun, logdir: Path) -> tuple[float, float, float]:
         stats = step.kinds.get(kind)
         return 0.0 if stats is None else stats.exposed_ms
 
-    return step.step_ms, exposed("send_recv"), exposed("all_reduce")
+    return step.step_ms, exposed("send_recv"), exposed("all_reduce"), step.compute_ms
 
 
 def measure(runs: dict[str, LayoutRun], args: argparse.Namespace, scratch: Path) -> dict:
@@ -194,15 +195,21 @@ def summarize(report: dict) -> dict[str, dict]:
             statistics.fmean(r[1] / r[0] for r in ranks if r[0] > 0) for ranks in rows["profiled"]
         ]
         dp = [max(r[2] for r in ranks) for ranks in rows["profiled"]]
+        compute = [statistics.fmean(r[3] for r in ranks) for ranks in rows["profiled"]]
         step = report["predicted"][name]
         out[name] = {
             "step_ms": statistics.median(rows["step_s"]) * 1e3,
             "bubble_ms": statistics.median(bubbles),
             "bubble_share": statistics.median(shares),
             "dp_exposed_ms": statistics.median(dp),
+            "compute_ms": statistics.median(compute),
+            "profiled_step_ms": statistics.median(
+                statistics.fmean(r[0] for r in ranks) for ranks in rows["profiled"]
+            ),
             "predicted_step_ms": step["step_s"] * 1e3,
             "predicted_bubble_ms": step["bubble_s"] * 1e3,
             "predicted_bubble_share": step["bubble_s"] / step["step_s"],
+            "predicted_compute_ms": step["compute_s"] * 1e3,
         }
     return out
 
@@ -213,17 +220,21 @@ def render(report: dict, summary: dict, args: argparse.Namespace) -> str:
         f"ranks, link {args.rate}, {args.micro_batches} micro-batches of {args.batch} x "
         f"{SHAPE['block_size']} tokens per replica and step, {args.rounds} rounds; "
         f"load {report['load']}",
-        f"  {'run':<29} {'step':>7} {'bubble':>7} {'share':>6} {'dp exp':>7} "
-        f"{'pred step':>9} {'pred bubble':>11} {'share':>6}",
+        f"  {'run':<29} {'step':>7} {'bubble':>7} {'share':>6} {'dp exp':>7} {'compute':>7} "
+        f"{'pred step':>9} {'pred bubble':>11} {'share':>6} {'compute':>7}",
     ]
     for name, row in summary.items():
         lines.append(
             f"  {name:<29} {row['step_ms']:>7.1f} {row['bubble_ms']:>7.1f} "
-            f"{row['bubble_share']:>6.1%} {row['dp_exposed_ms']:>7.1f} "
+            f"{row['bubble_share']:>6.1%} {row['dp_exposed_ms']:>7.1f} {row['compute_ms']:>7.1f} "
             f"{row['predicted_step_ms']:>9.1f} {row['predicted_bubble_ms']:>11.1f} "
-            f"{row['predicted_bubble_share']:>6.1%}"
+            f"{row['predicted_bubble_share']:>6.1%} {row['predicted_compute_ms']:>7.1f}"
         )
-    lines.append("  (ms; bubble: exposed send/recv, mean over ranks; dp exp: exposed all-reduce)")
+    lines.append(
+        "  (ms; step: unprofiled, slowest rank; bubble: exposed send/recv of a profiled step, mean "
+        "over ranks, and its share of that step; dp exp: exposed all-reduce, slowest rank; "
+        "compute: a rank's compute in the profiled step, mean over ranks)"
+    )
     for name, why in report["refused"].items():
         lines.append(f"  {name}: refused: {why}")
     return "\n".join(lines)
