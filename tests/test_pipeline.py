@@ -212,7 +212,11 @@ def _optimizer(params) -> torch.optim.Optimizer:
 
 
 def _reference(
-    shards: int, device: torch.device, config: dict = CONFIG, micro_batches: int = MICRO
+    shards: int,
+    device: torch.device,
+    config: dict = CONFIG,
+    micro_batches: int = MICRO,
+    shared: bool = False,
 ) -> tuple[dict, list[float], list[list[float]]]:
     """One process, the unsplit model: each step the mean loss over every shard's micro-batches.
 
@@ -221,6 +225,8 @@ def _reference(
     """
     torch.manual_seed(0)
     model = GPT(GPTConfig(**config)).to(device)
+    if shared:
+        _share_inside_a_stage(model)
     optimizer = _optimizer(model.parameters())
     norms, losses = [], [[0.0] * STEPS for _ in range(shards)]
     for step in range(STEPS):
@@ -257,6 +263,16 @@ class Case(NamedTuple):
     """``(mode, layers)`` applied to each stage's blocks, as the loop applies it."""
     config: dict = CONFIG
     micro_batches: int = MICRO
+    shared: bool = False
+    """Block 1's ``attn.proj`` shares ``attn.q``'s weight (``_share_inside_a_stage``)."""
+
+
+def _share_inside_a_stage(model: GPT) -> None:
+    """One weight used twice inside block 1, the second use downstream of the first: a split
+    backward must not count the gradient that reaches the first use through the second twice
+    (torch clamps the saved gradients, PR #181365)."""
+    attn = model.blocks[1].attn
+    attn.proj.weight = attn.q.weight
 
 
 CASES = {
@@ -292,13 +308,14 @@ WRAPPERS = {
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 CASES |= {
     f"{schedule} v=2 {wrapper}": Case(
-        PlanConfig.of(pp=2, schedule=schedule, virtual_stages=2), factory
+        PlanConfig.of(pp=2, schedule=schedule, virtual_stages=2), factory, shared=True
     )
     for schedule in ZERO_BUBBLE
     for wrapper, factory in WRAPPERS.items()
 }
 """Every zero-bubble schedule with every wrapper, pp2 x dp2: the weight steps' gradients reduced
-over dp (the tied embedding summed locally under the V schedules)."""
+over dp (the tied embedding summed locally under the V schedules), with a weight shared inside
+the split stage 1."""
 CASES |= {
     f"{schedule} pp=4 v=2 n_layer=8": Case(
         PlanConfig.of(pp=4, schedule=schedule, virtual_stages=2),
@@ -314,9 +331,11 @@ PROFILED = "1F1B ok.ddp"
 
 def _train_case(rank: int, world_size: int, topology, case, device: torch.device, profiler) -> dict:
     """Two clipped AdamW steps of one layout; the parameters' gaps to one process and more."""
-    plan, factory, recompute, config, micro = Case(*case)
+    plan, factory, recompute, config, micro, shared = Case(*case)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**config)).to(device)
+    if shared:
+        _share_inside_a_stage(model)
     for blocks in stage_blocks(model.blocks, plan) if recompute else ():
         assert apply_recompute(blocks, *recompute) == [0]
     layout = build_layout(plan, topology, device)
@@ -336,7 +355,7 @@ def _train_case(rank: int, world_size: int, topology, case, device: torch.device
             norms.append(par.optimizer_step(optimizer, MAX_NORM).item())
             if profiler is not None:
                 profiler.step()
-    expected, expected_norms, expected_losses = _reference(shards, device, config, micro)
+    expected, expected_norms, expected_losses = _reference(shards, device, config, micro, shared)
     gaps = {}
     for name, tensor in _with_state(par.model, optimizer).items():
         reference = expected[name.replace("lm_head.weight", "wte.weight")]
