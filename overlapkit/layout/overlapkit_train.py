@@ -29,19 +29,14 @@ class Wrapper:
     """The ``TrainingLayout.sharding`` values it runs (``sharding_of`` tells which)."""
     runs_tp_and_ep: bool
     """Reduces tensor-parallel (DTensor) shards and expert parameters over their own groups."""
-    hooks: bool
-    """Reduces gradients from autograd hooks (False: FSDP2's post-backward)."""
 
 
-GRAD_BUCKETER = Wrapper(
-    target="overlapkit.GradBucketer", shardings=("ddp",), runs_tp_and_ep=True, hooks=True
-)
-DDP = Wrapper(target="overlapkit.ddp", shardings=("ddp",), runs_tp_and_ep=False, hooks=True)
+GRAD_BUCKETER = Wrapper(target="overlapkit.GradBucketer", shardings=("ddp",), runs_tp_and_ep=True)
+DDP = Wrapper(target="overlapkit.ddp", shardings=("ddp",), runs_tp_and_ep=False)
 FSDP = Wrapper(
     target="overlapkit.fsdp",
     shardings=("fsdp", "hsdp", "zero1", "zero2"),
     runs_tp_and_ep=False,
-    hooks=False,
 )
 WRAPPERS = (GRAD_BUCKETER, DDP, FSDP)
 TARGETS = tuple(w.target for w in WRAPPERS)
@@ -101,8 +96,8 @@ class Schedule:
 
     name: str
     several_stages: bool
-    """Runs ``virtual_stages > 1`` stages per rank (rank ``r`` holds ``r, r + pp, ...``); False:
-    exactly one."""
+    """Runs ``virtual_stages > 1`` stages per rank (rank ``r`` holds ``r, r + pp, ...``, or a V:
+    ``v_shape``); False: exactly one."""
     planned: bool
     """The auto-planner prices it (its bubble and memory) and proposes it."""
     micro_batches: Literal[
@@ -117,16 +112,6 @@ class Schedule:
     holds ``r, r + pp, ...``."""
     split_backward: bool = False
     """Splits a stage's backward into input- and weight-gradient steps (zero bubble)."""
-    refused_with_hooks: str | None = None
-    """Why it does not run under a wrapper reducing from hooks (None: it runs)."""
-    refused_with_fsdp: str | None = None
-    """Why it does not run under ``ok.fsdp`` (None: it runs)."""
-
-    def refusal(self, wrapper: Wrapper | None) -> str | None:
-        """Why it does not run under ``wrapper`` (None: it runs), ``{target}`` left to fill."""
-        if wrapper is None:
-            return None
-        return self.refused_with_hooks if wrapper.hooks else self.refused_with_fsdp
 
     def stages_refusal(self, virtual_stages: int) -> str | None:
         """Train's refusal of ``virtual_stages`` stages per rank (None: it runs them)."""
@@ -138,21 +123,12 @@ class Schedule:
         if self.several_stages == (virtual_stages > 1):
             return None
         want = "several stages" if self.several_stages else "one stage"
-        others = [
-            other.name
-            for other in SCHEDULES
-            if other.several_stages != self.several_stages and other.runs_somewhere
-        ]
+        others = [other.name for other in SCHEDULES if other.several_stages != self.several_stages]
         return (
             f"parallel.plan.schedule={self.name} runs {want} per rank, got "
             f"parallel.plan.virtual_stages={virtual_stages}; use {' or '.join(others)} for "
             f"{'one' if self.several_stages else 'several'}"
         )
-
-    @property
-    def runs_somewhere(self) -> bool:
-        """Runs under some wrapper of ``WRAPPERS``."""
-        return self.refused_with_hooks is None or self.refused_with_fsdp is None
 
 
 SCHEDULES = (

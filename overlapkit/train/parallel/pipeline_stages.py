@@ -31,9 +31,7 @@ from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from overlapkit.layout.overlapkit_train import (
-    SCHEDULES,
     schedule_named,
-    wrapper_of,
     wrapper_refusal,
 )
 from overlapkit.train.models.gpt import GPT, GPTConfig
@@ -160,9 +158,10 @@ def check_pipeline(plan: Any, *, model_config: Any, factory_cfg: Mapping[str, An
 
     Raises:
         ValueError: a schedule torch does not have; ``virtual_stages`` without ``pp`` or of the
-            wrong count for the schedule; a schedule the wrapper cannot run (zero bubble); a
-            model that is not a GPT; a wrapper other than ``ok.ddp``, ``ok.GradBucketer``,
-            ``ok.fsdp``; per-bucket or per-block optimizer updates.
+            wrong count for the schedule (a V schedule: 2); a model that is not a GPT; a
+            wrapper other than ``ok.ddp``, ``ok.GradBucketer``, ``ok.fsdp``; DDP's
+            ``find_unused_parameters`` under a split backward; per-bucket or per-block
+            optimizer updates.
     """
     schedule = schedule_named(plan.schedule)
     pp, virtual_stages = plan.sizes.pp, plan.sizes.virtual_stages
@@ -174,14 +173,6 @@ def check_pipeline(plan: Any, *, model_config: Any, factory_cfg: Mapping[str, An
             )
         return
     target = factory_cfg.get("_target_")
-    wrapper = wrapper_of(target)
-    why = schedule.refusal(wrapper)
-    if why is not None:
-        runs = [other.name for other in SCHEDULES if other.refusal(wrapper) is None]
-        raise ValueError(
-            f"parallel.plan.schedule={schedule.name} {why.format(target=target)}; use a "
-            f"schedule without zero bubble: {', '.join(runs)}"
-        )
     refusal = schedule.stages_refusal(virtual_stages) or wrapper_refusal("pp", pp, target)
     if refusal is not None:
         raise ValueError(refusal)
