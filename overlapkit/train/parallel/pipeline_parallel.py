@@ -6,29 +6,35 @@
 ``train.grad_accum`` micro-batches; each micro-batch loss is divided by their count, as the loop
 divides it without a pipeline (``scale_grads=False``), so the gradients are the same sums.
 
-Data parallelism inside a stage:
+Data parallelism inside a stage (every stage is a ``split_backward.SplitBackwardStage``):
 
 - ``ok.ddp``: torch's ``PipelineStage`` starts DDP's reduction itself on the stage's last
   backward; the whole schedule runs inside ``no_sync`` (``Pipeline.forward_backward`` says why).
-- ``ok.GradBucketer``: ``PipelineStage`` knows only DDP and FSDP, so ``BucketedStage`` runs every
-  backward but the stage's last inside ``bucketer.no_sync()``; ``finish_backward`` waits.
+- ``ok.GradBucketer``: ``PipelineStage`` knows only DDP and FSDP, so the stage runs every
+  backward but its last inside ``bucketer.no_sync()``; ``finish_backward`` waits.
 - ``ok.fsdp``: the schedule runs FSDP2's post-backward itself, after the last micro-batch and
   outside autograd (``PipelineStage.perform_reduce_grad``), where ``ok.fsdp``'s asynchronous
   reduce-scatter could not queue its autograd callback; the stage is wrapped with
   ``overlap_reduce_scatter=False`` (FSDP2's own reduce-scatter; no backward is left to overlap).
 
+Under the zero-bubble schedules (a split backward) the stage's last backward is a weight step:
+``SplitBackwardStage`` runs it through autograd's accumulators, so ``ok.ddp``'s and
+``ok.GradBucketer``'s buckets launch inside it as they complete; ``ok.fsdp`` still reduces at the
+schedule's ``REDUCE_GRAD``, right after it.
+
 **The tied embedding and head** (gpt_tiny's ``lm_head.weight is wte.weight``) live on the first
-and the last stage (pipeline ranks 0 and ``p - 1``). As Megatron-LM does, the last stage gets its
-own copy (equal at start), and after backward the two gradients are summed by one all-reduce
-between the first and last stage's ranks (its "embedding group"). Both copies then see the same
+and the last stage (pipeline ranks 0 and ``p - 1``; both on rank 0 under a V schedule). As
+Megatron-LM does, the last stage gets its own copy (equal at start), and after backward the two
+gradients are summed: by one all-reduce between the first and last stage's ranks (its
+"embedding group"), or on rank 0 itself under a V schedule. Both copies then see the same
 gradient and take the same optimizer update, so they stay equal.
 
 **Clipping**: the global norm over every stage (and every dp/tp shard): each rank's norm over its
 stages (the head's copy not counted twice), squared, summed over the ``pp`` group (as torchtitan's
 ``clip_grad_norm_`` reduces it over the pp mesh), then every gradient scaled alike.
 
-**The loss** exists on the last stage only; it is broadcast over the ``pp`` group, so rank 0 (a
-first stage) shows it and the summary records it.
+**The loss** exists on the last stage only; it is broadcast over the ``pp`` group from the last
+stage's rank (``pipeline_stages.last_stage_rank``), so rank 0 shows it and the summary records it.
 """
 
 from __future__ import annotations
