@@ -148,6 +148,7 @@ def variants(
         or layout.recompute_layers <= chunk_layers(model.layers, layout)
         for scheduled in (layout, *(schedule_variants(layout) if zero_bubble else ()))
         if priced(schedule_of(scheduled), scheduled)
+        and pins.schedule in (None, scheduled.pipeline_schedule)
     ]
 
 

@@ -39,9 +39,8 @@ from dataclasses import dataclass
 
 from overlapkit.layout import TrainingLayout
 from overlapkit.layout.overlapkit_train import SCHEDULES
+from overlapkit.layout.training_layout import INTERLEAVED_1F1B, ONE_F_ONE_B
 
-ONE_F_ONE_B = "1F1B"
-INTERLEAVED_1F1B = "Interleaved1F1B"
 INTERLEAVED_ZERO_BUBBLE = "InterleavedZeroBubble"
 ZBV_ZERO_BUBBLE = "ZBVZeroBubble"
 DUAL_PIPE_V = "DualPipeV"
@@ -102,14 +101,14 @@ SHAPES: dict[str, Shape] = {
     DUAL_PIPE_V: _dual_pipe_v,
 }
 """Each priced schedule's bubble per chunk (module doc)."""
-V_SCHEDULES = (ZBV_ZERO_BUBBLE, DUAL_PIPE_V)
+ZERO_BUBBLE_SCHEDULES = (INTERLEAVED_ZERO_BUBBLE, ZBV_ZERO_BUBBLE, DUAL_PIPE_V)
+"""torch's schedules that split the backward (``Framework.zero_bubble_schedules`` runs them)."""
 
 
 def schedule_of(layout: TrainingLayout) -> str:
-    """The schedule ``layout`` runs: its own, or 1F1B / interleaved 1F1B by its chunks."""
-    if layout.schedule is not None:
-        return layout.schedule
-    return INTERLEAVED_1F1B if layout.virtual_stages > 1 else ONE_F_ONE_B
+    """The schedule ``layout`` runs (``TrainingLayout.pipeline_schedule``; 1F1B's shape, with
+    no bubble, without a pipeline)."""
+    return layout.pipeline_schedule or ONE_F_ONE_B
 
 
 def rounds(layout: TrainingLayout) -> int:
@@ -183,6 +182,6 @@ def schedule_variants(layout: TrainingLayout) -> list[TrainingLayout]:
         dataclasses.replace(layout, schedule=schedule.name)
         for schedule in SCHEDULES
         if schedule.planned
-        and schedule.name not in (ONE_F_ONE_B, INTERLEAVED_1F1B)
+        and schedule.name in ZERO_BUBBLE_SCHEDULES
         and priced(schedule.name, layout)
     ]

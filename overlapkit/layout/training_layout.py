@@ -28,6 +28,10 @@ SHARDING = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 """Data-parallel state: ddp replicates all; zero1 shards optimizer state (Megatron's
 distributed optimizer), zero2 also gradients, fsdp (ZeRO-3) also parameters, hsdp shards over
 ``dp_shard`` ranks and replicates over the rest."""
+ONE_F_ONE_B = "1F1B"
+INTERLEAVED_1F1B = "Interleaved1F1B"
+"""The pipeline schedules a layout runs when it names none (``TrainingLayout.pipeline_schedule``:
+by its ``virtual_stages``), torch's names."""
 COUNTS = (*DIMS, "micro_batch", "num_micro_batches", "virtual_stages", "dp_shard")
 """The choices that are counts (integers >= 1)."""
 Spelling = Callable[[str], str]
@@ -48,6 +52,9 @@ def check_choice(key: str, value: object, spell: Spelling = as_named) -> None:
     """
     if key in COUNTS or key == "recompute_layers":
         check_int(spell(key), value, 1)
+    elif key == "schedule":
+        if not isinstance(value, str):
+            raise TypeError(f"{spell(key)} must be a schedule's name, got {value!r}")
     elif key in ("recompute", "sharding"):
         valid = RECOMPUTE if key == "recompute" else SHARDING
         if value not in valid:
@@ -156,6 +163,16 @@ class TrainingLayout:
     def sequence_parallel(self) -> bool:
         """Megatron sequence parallelism: on whenever tp > 1 (same traffic, less memory)."""
         return self.tp > 1
+
+    @property
+    def pipeline_schedule(self) -> str | None:
+        """The schedule its pipeline runs: ``schedule``, else 1F1B, or interleaved 1F1B with
+        ``virtual_stages > 1``; None without a pipeline."""
+        if self.pp == 1:
+            return None
+        if self.schedule is not None:
+            return self.schedule
+        return INTERLEAVED_1F1B if self.virtual_stages > 1 else ONE_F_ONE_B
 
     @property
     def pipeline_chunks(self) -> int:
