@@ -31,6 +31,7 @@ from overlapkit.train.parallel.pipeline_parallel import apply_pipeline
 from overlapkit.train.parallel.pipeline_stages import (
     bubble_share,
     local_stages,
+    pipeline_record,
     split_stage,
     stage_blocks,
     stage_layers,
@@ -482,6 +483,34 @@ def test_zero_bubble_stages_reduce_from_their_last_weight_step(one_process_layou
 def test_summary_shows_the_planned_bubble_and_the_measured_send_recv():
     assert bubble_share(2, 1, 4) == pytest.approx(1 / 5)  # (p - 1) / (v m + p - 1)
     assert bubble_share(2, 2, 4) == pytest.approx(1 / 9)
+    # A split backward at F = I = W (each 1 per micro-batch, 1/2 per chunk): ZB-V idles
+    # (p - 1) F per chunk (Qi et al., section 6), 1/2 beside the step's 4 x 3 of compute.
+    zbv = PlanConfig.of(pp=2, schedule="ZBVZeroBubble", virtual_stages=2)
+    record = pipeline_record(zbv, 4)
+    assert record["planned_bubble_share"] == pytest.approx(0.5 / (0.5 + 12))
+    assert record["planned_bubble_basis"] == "torch's ZBVZeroBubble at F = I = W"
+    assert pipeline_record(zbv, 2)["planned_bubble_share"] is None  # torch pads below 2p - 1
+    unpriced = RunSummary(
+        name="x",
+        world_size=4,
+        nodes=1,
+        parallel="pipeline",
+        unit="tok",
+        start_step=0,
+        final_step=1,
+        steps_run=1,
+        seconds=1.0,
+        steps_per_s=1.0,
+        items_per_s=1.0,
+        median_step_ms=1.0,
+        loss_first=5.0,
+        loss_last=4.0,
+        pipeline=pipeline_record(zbv, 2),
+    )
+    assert (
+        "pipeline ZBVZeroBubble: 4 stages, 2 micro-batches; planned bubble torch's ZBVZeroBubble "
+        "at F = I = W = not priced"
+    ) in unpriced.format()
     summary = RunSummary(
         name="x",
         world_size=4,

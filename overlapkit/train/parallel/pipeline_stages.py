@@ -24,12 +24,15 @@ options), with the config keys in the message.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from overlapkit.autoplan import pipeline_schedule
+from overlapkit.layout import TrainingLayout
 from overlapkit.layout.overlapkit_train import (
     schedule_named,
     wrapper_refusal,
@@ -100,18 +103,45 @@ def bubble_share(pp: int, virtual_stages: int, micro_batches: int) -> float:
     return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
 
 
+BALANCED = "F = I = W"
+"""What a split backward's planned share assumes: a micro-batch's forward, input- and
+weight-gradient steps take equal times (the zero-bubble paper's balanced case)."""
+
+
+def split_bubble_share(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
+    """The share of a step a rank idles under a split-backward ``schedule`` at ``BALANCED``
+    times: torch's shape as the auto-planner prices it (``autoplan.pipeline_schedule``; the
+    planner itself uses the layout's own F, I and W). NaN where it does not price the shape
+    (fewer micro-batches than the schedule fills)."""
+    layout = TrainingLayout(
+        pp=pp, virtual_stages=virtual_stages, num_micro_batches=micro_batches, schedule=schedule
+    )
+    if not pipeline_schedule.priced(schedule, layout):
+        return math.nan
+    bubble = pipeline_schedule.bubble_s(layout, pipeline_schedule.PassTimes(1.0, 1.0, 1.0))
+    return bubble / (bubble + 3.0 * micro_batches)
+
+
 def pipeline_record(plan: Any, micro_batches: int) -> dict | None:
-    """The schedule and the planner's bubble share of a step (``summary.json``'s ``pipeline``);
-    None without pipeline parallelism."""
+    """The schedule and the planner's bubble share of a step (``summary.json``'s ``pipeline``):
+    ``(p-1) / (v m + p-1)``, or under a split backward ``split_bubble_share`` (null where not
+    priced), with ``planned_bubble_basis`` saying which; None without pipeline parallelism."""
     pp, virtual_stages = plan.sizes.pp, plan.sizes.virtual_stages
     if pp == 1:
         return None
+    schedule = schedule_named(plan.schedule)
+    if schedule.split_backward:
+        share = split_bubble_share(schedule.name, pp, virtual_stages, micro_batches)
+        basis = f"torch's {schedule.name} at {BALANCED}"
+    else:
+        share, basis = bubble_share(pp, virtual_stages, micro_batches), "(p-1)/(v m + p-1)"
     return {
-        "schedule": resolve_schedule(plan.schedule),
+        "schedule": schedule.name,
         "pp": pp,
         "virtual_stages": virtual_stages,
         "micro_batches": micro_batches,
-        "planned_bubble_share": bubble_share(pp, virtual_stages, micro_batches),
+        "planned_bubble_share": None if math.isnan(share) else share,
+        "planned_bubble_basis": basis,
     }
 
 
