@@ -13,7 +13,7 @@ from overlapkit.autoplan.handoff.run_config import train_overrides
 from overlapkit.autoplan.handoff.torchtitan import torchtitan_run
 from overlapkit.autoplan.micro_batch import StageMicroBatch
 from overlapkit.autoplan.models import load_model
-from overlapkit.autoplan.pipeline_schedule import bubble_s
+from overlapkit.autoplan.pipeline_schedule import bubble_s, gradient_window_s
 from overlapkit.autoplan.search import price, searched_layouts
 from overlapkit.autoplan.settings import SearchSettings
 from overlapkit.autoplan.step_time import StepOptions, StepRates, micro_batch_compute
@@ -57,11 +57,16 @@ def test_the_step_carries_each_schedules_bubble_and_activations():
     for name in ZERO_BUBBLE:
         candidate = _priced(dataclasses.replace(INTERLEAVED, schedule=name))
         bubbles[name] = candidate.step.bubble_s
-        # The schedule changes the bubble and the activations in flight, nothing else.
-        assert candidate.step.step_s - candidate.step.bubble_s == pytest.approx(
-            base.step.step_s - base.step.bubble_s
+        # The schedule changes the bubble, the activations in flight and the window the
+        # data-parallel reduction starts in (the weight steps, less than a backward).
+        step, before = candidate.step, base.step
+        assert step.step_s - step.bubble_s - step.dp_s == pytest.approx(
+            before.step_s - before.bubble_s - before.dp_s
         )
+        assert step.dp_s >= before.dp_s  # here one bucket's worth, exposed under either
+        assert gradient_window_s(candidate.layout, passes) == passes.weight_s
         assert candidate.memory.activations < base.memory.activations
+    assert gradient_window_s(INTERLEAVED, passes) == passes.input_s + passes.weight_s
     # llama3-8b at 8k tokens: attention's backward makes I well above W, so the interleaved
     # zero-bubble schedule keeps (F + I - W) / (F + I + W), about half, of interleaved 1F1B's.
     assert max(bubbles.values()) < 0.6 * base.step.bubble_s

@@ -22,6 +22,10 @@ Stage 0 never splits its backward (torch's ``backward_one_chunk`` skips the inpu
 first stage and runs the whole backward as its weight step); the shapes include it. Pipeline
 traffic and other per-micro-batch costs stretch each pass alike (``bubble_s``).
 
+Data-parallel traffic: the step's last gradients are complete as the last micro-batch's
+backward ends, or under a split backward as its deferred weight steps do; the reduction that
+starts from them hides behind that compute (``gradient_window_s``), ``W`` rather than ``B``.
+
 Activations: a micro-batch's are held from its forward to its weight step (what ``W`` needs
 of them replaces what ``I`` frees). The peak count on the busiest rank
 (``in_flight_micro_batches``), in micro-batches through all of a rank's chunks: 1F1B
@@ -155,6 +159,15 @@ def bubble_s(layout: TrainingLayout, passes: PassTimes, stretch: float = 1.0) ->
     v = layout.virtual_stages
     per_chunk = shape(layout.pp - 1, passes.forward_s / v, passes.input_s / v, passes.weight_s / v)
     return max(0.0, per_chunk) * stretch
+
+
+def gradient_window_s(layout: TrainingLayout, passes: PassTimes) -> float:
+    """The compute a step's last gradient reduction can start in, seconds: the last
+    micro-batch's backward (``I + W``), or under a split backward its weight steps (``W``),
+    which finish the gradients and which the reduction starts from (module doc)."""
+    if schedule_of(layout) in ZERO_BUBBLE_SCHEDULES:
+        return passes.weight_s
+    return passes.input_s + passes.weight_s
 
 
 def in_flight_micro_batches(layout: TrainingLayout) -> float:

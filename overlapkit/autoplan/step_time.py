@@ -32,7 +32,7 @@ from overlapkit.autoplan.micro_batch import (
     tensor_parallel,
 )
 from overlapkit.autoplan.model_spec import ModelSpec
-from overlapkit.autoplan.pipeline_schedule import PassTimes, bubble_s
+from overlapkit.autoplan.pipeline_schedule import PassTimes, bubble_s, gradient_window_s
 from overlapkit.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 
@@ -308,7 +308,7 @@ def predict_step(
         framework=framework,
         windows=StepWindows(
             compute_s=compute.total_s,
-            backward_s=compute.backward_s,
+            backward_s=gradient_window_s(layout, compute.passes()),
             overlap_efficiency=options.overlap_efficiency,
         ),
         forward_s=compute.forward_s,
