@@ -147,53 +147,62 @@ def planner_spec(name: str) -> ModelSpec:
     return train_model_spec(CONFIGS[name], name=name)
 
 
-def make_model(name: str) -> torch.nn.Module:
+def make_model(config: GPTConfig | MoEConfig) -> torch.nn.Module:
     torch.manual_seed(0)
-    return (MoEGPT if name == "moe_tiny" else GPT)(CONFIGS[name])
+    return (MoEGPT if isinstance(config, MoEConfig) else GPT)(config)
 
 
-def batch(rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    rank: int, args: argparse.Namespace, config: GPTConfig | MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch of random tokens, for the host calibration."""
     generator = torch.Generator().manual_seed(100 + rank)
-    shape = (args.batch, SHAPE["block_size"] + 1)
-    idx = torch.randint(SHAPE["vocab_size"], shape, generator=generator)
+    shape = (args.batch, config.block_size + 1)
+    idx = torch.randint(config.vocab_size, shape, generator=generator)
     return idx[:, :-1], idx[:, 1:]
 
 
-def calibrate(name: str, alone: dist.ProcessGroup, args: argparse.Namespace) -> dict:
-    """``name``'s host terms for the planner (``overlapkit.train.planning.host_calibration``)."""
-    inputs, targets = batch(dist.get_rank(), args)
-    spec = planner_spec(name)
-    flops = spec.model_flops_per_token(SHAPE["block_size"]) * args.batch * SHAPE["block_size"]
+def calibrate(
+    config: GPTConfig | MoEConfig,
+    alone: dist.ProcessGroup,
+    args: argparse.Namespace,
+    *,
+    tensor_parallel: bool,
+) -> dict:
+    """The model's host terms for the planner (``overlapkit.train.planning.host_calibration``);
+    ``tensor_parallel``: also its tensor-parallel dispatch."""
+    inputs, targets = batch(dist.get_rank(), args, config)
+    spec = train_model_spec(config, name="calibrated")
+    flops = spec.model_flops_per_token(config.block_size) * args.batch * config.block_size
     rate, dispatch_s = compute_calibration(
-        functools.partial(make_model, name),
+        functools.partial(make_model, config),
         inputs,
         targets,
         flops=flops,
-        layers=SHAPE["n_layer"],
-        tensor_parallel=name in TENSOR_PARALLEL,
+        layers=config.n_layer,
+        tensor_parallel=tensor_parallel,
         alone=alone,
         steps=args.calibrate_steps,
     )
-    overlap = overlap_calibration(make_model(name), inputs, targets, trials=args.overlap_trials)
+    overlap = overlap_calibration(make_model(config), inputs, targets, trials=args.overlap_trials)
     return {
         "compute_GFLOPs": rate / 1e9,
         "tp_layer_dispatch_s": dispatch_s,
         "overlap": overlap,
-        **optimizer_calibration(make_model(name), alone=alone, steps=args.optimizer_steps),
+        **optimizer_calibration(make_model(config), alone=alone, steps=args.optimizer_steps),
     }
 
 
 def predictions(
-    name: str,
+    spec: ModelSpec,
     layouts: dict[str, TrainingLayout],
     predictor: ok.Topology,
     overhead_s: float,
     measured: dict,
 ) -> dict[str, dict]:
-    """The planner's predicted step of every layout (``StepTime.to_dict``: seconds), as
-    overlapkit-train runs it, with the host terms ``measured`` here (``calibrate``)."""
-    spec = planner_spec(name)
+    """The planner's predicted step of every layout of ``spec`` (``StepTime.to_dict``:
+    seconds), as overlapkit-train runs it, with the host terms ``measured`` here
+    (``calibrate``), for sequences of ``SHAPE``'s ``block_size``."""
     accelerator = measured_accelerator(measured["compute_GFLOPs"] / 1e3, memory_GB=8)
     topology = predictor.with_accelerator(accelerator)
     options = StepOptions(
@@ -260,8 +269,9 @@ def worker(args: argparse.Namespace) -> None:
     for name in args.models:
         configs = {n: run_config(name, n, args) for n in LAYOUTS[name]}
         layouts = {n: planned_layout(c, dist.get_world_size()) for n, c in configs.items()}
-        measured = calibrate(name, alone, args)
-        predicted = predictions(name, layouts, predictor, max(overhead.values()), measured)
+        measured = calibrate(CONFIGS[name], alone, args, tensor_parallel=name in TENSOR_PARALLEL)
+        overhead_s = max(overhead.values())
+        predicted = predictions(planner_spec(name), layouts, predictor, overhead_s, measured)
         runs = {n: layout_run(c, topology) for n, c in configs.items()}
         report[name] = {
             "measured_terms": measured,

@@ -36,6 +36,7 @@ CANDIDATE_KEYS = {
     "recompute_layers",
     "sharding",
     "dp_shard",
+    "schedule",
     "step_time_s",
     "tokens_per_s_per_gpu",
     "model_tflops_per_gpu",

@@ -54,7 +54,11 @@ def _assert_same_training_state(a: dict, b: dict) -> None:
             assert torch.equal(value, b["optim"]["state"][name][key]), (name, key)
 
 
+TEST_CONF = Path(__file__).parent / "conf"
+"""Test-only config options (``parallel=pp_zbv``), on Hydra's search path."""
 COMMON = [
+    f"hydra.searchpath=[file://{TEST_CONF}]",
+    "model.config.n_layer=4",  # pp_zbv's 2 x 2 stages
     "train.steps=6",
     "train.checkpoint_every=2",
     "train.keep_checkpoints=0",
@@ -68,8 +72,9 @@ COMMON = [
 # pipeline of 2 stages (rank 1, the one killed, is the last stage: it computes the loss), its
 # optimizer state saved per parameter, the tied head's copy on rank 1. ddp: rank 1 overwrites
 # step 4's ``.metadata`` with a pickled callable (as a tampered checkpoint would hold) right
-# before it kills itself.
-PARALLEL = ["bucketer_overlap", "pp_dp", "ddp"]
+# before it kills itself. pp_zbv: the zero-bubble ZBVZeroBubble, rank 1 holding the V's middle
+# stages, rank 0 the first and last (the loss, both copies of the tied weight).
+PARALLEL = ["bucketer_overlap", "pp_dp", "pp_zbv", "ddp"]
 DAMAGED = "ddp"
 KILLED = "rank 1 will SIGKILL itself in step 5"
 
@@ -79,7 +84,7 @@ def restarts(tmp_path_factory) -> tuple[dict[str, tuple[Path, Path]], str]:
     """Per layout, the run directories of an uninterrupted run and of one whose rank 1 is
     SIGKILLed in step 5, and the multirun's output.
 
-    Jobs 0 .. 2 run without a start-up hook; jobs 3 .. 5, the same layouts with ``tests.faults``
+    Jobs 0 .. 3 run without a start-up hook; jobs 4 .. 7, the same layouts with ``tests.faults``
     armed (the sweep's first override varies slowest).
     """
     directory = tmp_path_factory.mktemp("restarts")

@@ -7,10 +7,14 @@ import contextlib
 import functools
 import os
 import re
+import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.tensor import DTensor
 
 import overlapkit as ok
@@ -27,6 +31,7 @@ from overlapkit.train.parallel.pipeline_parallel import apply_pipeline
 from overlapkit.train.parallel.pipeline_stages import (
     bubble_share,
     local_stages,
+    pipeline_record,
     split_stage,
     stage_blocks,
     stage_layers,
@@ -42,6 +47,8 @@ from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 
 CONFIG = dict(n_layer=4, n_head=2, n_embd=16, block_size=8)
+V_CONFIG = CONFIG | {"n_layer": 8}
+"""pp4 x v2: eight stages of one block."""
 BATCH = 2  # sequences per micro-batch
 MICRO = 4  # micro-batches per step (train.grad_accum)
 STEPS = 2
@@ -81,13 +88,38 @@ def _check(world_size: int = 4, grad_accum: int = MICRO, model=None, factory=DDP
             r"train.grad_accum=3 micro-batches per step are not a multiple of parallel.plan.pp=2",
         ),
         (
-            dict(pp=2, schedule="ZBVZeroBubble", factory={"_target_": "overlapkit.GradBucketer"}),
-            r"ZBVZeroBubble writes weight gradients by hand .* hooks of "
-            r"parallel._target_=overlapkit.GradBucketer never see them",
+            dict(pp=2, schedule="ZBVZeroBubble", virtual_stages=4, model=GPTConfig(**V_CONFIG)),
+            r"schedule=ZBVZeroBubble places exactly 2 stages per rank in a V, got "
+            r"parallel.plan.virtual_stages=4; set it to 2",
         ),
         (
-            dict(pp=2, schedule="DualPipeV", factory={"_target_": "overlapkit.fsdp"}),
-            r"DualPipeV splits backward .* FSDP2",
+            dict(pp=2, schedule="DualPipeV", virtual_stages=1),
+            r"schedule=DualPipeV places exactly 2 stages per rank",
+        ),
+        (
+            dict(pp=2, schedule="DualPipeV", virtual_stages=2, grad_accum=3),
+            r"train.grad_accum=3 micro-batches per step is fewer than the 2 x 2 stages "
+            r"parallel.plan.schedule=DualPipeV runs \(one each\); set train.grad_accum >= 4",
+        ),
+        (
+            dict(pp=2, schedule="InterleavedZeroBubble", virtual_stages=2, grad_accum=5),
+            r"train.grad_accum=5 micro-batches per step are not a multiple of the 2 rounds "
+            r"\(max\(1, grad_accum // parallel.plan.pp\)\) "
+            r"parallel.plan.schedule=InterleavedZeroBubble",
+        ),
+        (
+            dict(pp=4, schedule="ZBVZeroBubble", virtual_stages=2),
+            r"4 x 2 = 8 stages must divide model.config.n_layer \(4\)",
+        ),
+        (
+            dict(
+                pp=2,
+                schedule="InterleavedZeroBubble",
+                virtual_stages=2,
+                factory={"_target_": "overlapkit.ddp", "find_unused_parameters": True},
+            ),
+            r"parallel.find_unused_parameters=true with "
+            r"parallel.plan.schedule=InterleavedZeroBubble",
         ),
         (dict(pp=2, schedule="2F2B"), r"schedule='2F2B' is not a torch.distributed.pipelining"),
         (dict(virtual_stages=2), r"virtual_stages=2 needs pipeline parallelism"),
@@ -126,6 +158,11 @@ def test_good_pipeline_layouts_pass_the_checks():
     _check(pp=2, schedule="Interleaved1F1B", virtual_stages=2, grad_accum=4)
     _check(pp=2, dp_shard=2, factory={"_target_": "overlapkit.fsdp"})
     _check(pp=2, tp=2, factory={"_target_": "overlapkit.GradBucketer"})
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        for target in ("overlapkit.ddp", "overlapkit.GradBucketer", "overlapkit.fsdp"):
+            _check(pp=2, schedule=schedule, virtual_stages=2, factory={"_target_": target})
+    _check(pp=2, schedule="InterleavedZeroBubble", virtual_stages=2, grad_accum=3)  # 1 round
+    _check(pp=4, schedule="DualPipeV", virtual_stages=2, grad_accum=8, model=GPTConfig(**V_CONFIG))
     plan, _ = split_parallel({"_target_": "overlapkit.ddp", "plan": {"pp": 2}})
     sizes = plan.sizes
     assert (sizes.pp, plan.schedule, sizes.virtual_stages, plan.trivial) == (2, "1F1B", 1, False)
@@ -134,6 +171,12 @@ def test_good_pipeline_layouts_pass_the_checks():
 
 def test_pipeline_ranks_hold_looped_stages_of_consecutive_blocks():
     assert [local_stages(r, 2, 2) for r in range(2)] == [(0, 2), (1, 3)]
+    # V schedules: as torch's generate_stage_to_rank_mapping(style="v") places them.
+    for pp in (2, 4):
+        v = generate_stage_to_rank_mapping(pp, 2 * pp, style="v")
+        assert [local_stages(r, pp, 2, v_shape=True) for r in range(pp)] == [
+            tuple(sorted(s for s, rank in v.items() if rank == r)) for r in range(pp)
+        ]
     assert [stage_layers(8, 4, s) for s in range(4)] == [range(2 * s, 2 * s + 2) for s in range(4)]
     # The stages of one pipeline read one batch shard; dp replicas read their own.
     pp_dp = ok.plan(ok.load_topology("cpu-gloox2"), pp=2)
@@ -169,30 +212,68 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def _reference(shards: int, device: torch.device) -> tuple[dict, list[float], list[list[float]]]:
+def _reference(
+    shards: int,
+    device: torch.device,
+    config: dict = CONFIG,
+    micro_batches: int = MICRO,
+    shared: bool = False,
+) -> tuple[dict, list[float], list[list[float]]]:
     """One process, the unsplit model: each step the mean loss over every shard's micro-batches.
 
-    Returns the parameters after the steps, each step's norm, and each shard's loss per step.
+    Returns the parameters and AdamW's state after the steps (``name``, ``name.exp_avg``,
+    ``name.exp_avg_sq``), each step's norm, and each shard's loss per step.
     """
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CONFIG)).to(device)
+    model = GPT(GPTConfig(**config)).to(device)
+    if shared:
+        _share_inside_a_stage(model)
     optimizer = _optimizer(model.parameters())
     norms, losses = [], [[0.0] * STEPS for _ in range(shards)]
     for step in range(STEPS):
         optimizer.zero_grad()
         for shard in range(shards):
-            for micro in range(MICRO):
+            for micro in range(micro_batches):
                 inputs, targets = (t.to(device) for t in _batch(shard, step, micro))
-                loss = GPT.loss(model(inputs), targets) / MICRO
+                loss = GPT.loss(model(inputs), targets) / micro_batches
                 (loss / shards).backward()
                 losses[shard][step] += loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, losses
+    return _with_state(model, optimizer), norms, losses
+
+
+def _with_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``model``'s parameters and their AdamW moments by name, whole (DTensors gathered)."""
+    out = {}
+    for name, param in model.named_parameters():
+        out[name] = _full(param.detach()).clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}.{key}"] = _full(optimizer.state[param][key]).clone()
+    return out
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class Case(NamedTuple):
+    plan: PlanConfig
+    factory: Callable
+    recompute: tuple[str, int] | None = None
+    """``(mode, layers)`` applied to each stage's blocks, as the loop applies it."""
+    config: dict = CONFIG
+    micro_batches: int = MICRO
+    shared: bool = False
+    """Block 1's ``attn.proj`` shares ``attn.q``'s weight (``_share_inside_a_stage``)."""
+
+
+def _share_inside_a_stage(model: GPT) -> None:
+    """One weight used twice inside block 1, the second use downstream of the first: a split
+    backward must not count the gradient that reaches the first use through the second twice
+    (torch clamps the saved gradients, PR #181365)."""
+    attn = model.blocks[1].attn
+    attn.proj.weight = attn.q.weight
 
 
 CASES = {
@@ -217,8 +298,33 @@ CASES = {
     "1F1B ZeRO-1 recompute=full:1": (
         PlanConfig.of(pp=2),
         functools.partial(ok.fsdp, zero=1, reshard_after_forward=None),
-        ("full", 1),  # each stage's first block, as the loop applies it
+        ("full", 1),  # each stage's first block
     ),
+}
+WRAPPERS = {
+    "ok.ddp": functools.partial(ok.ddp, bucket_mb=0.01),  # several buckets per stage
+    "ok.GradBucketer": functools.partial(ok.GradBucketer, bucket_mb=0.01),
+    "ok.fsdp": ok.fsdp,
+}
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+CASES |= {
+    f"{schedule} v=2 {wrapper}": Case(
+        PlanConfig.of(pp=2, schedule=schedule, virtual_stages=2), factory, shared=True
+    )
+    for schedule in ZERO_BUBBLE
+    for wrapper, factory in WRAPPERS.items()
+}
+"""Every zero-bubble schedule with every wrapper, pp2 x dp2: the weight steps' gradients reduced
+over dp (the tied embedding summed locally under the V schedules), with a weight shared inside
+the split stage 1."""
+CASES |= {
+    f"{schedule} pp=4 v=2 n_layer=8": Case(
+        PlanConfig.of(pp=4, schedule=schedule, virtual_stages=2),
+        WRAPPERS["ok.ddp"],
+        config=V_CONFIG,
+        micro_batches=8,  # DualPipeV: one per stage
+    )
+    for schedule in ("ZBVZeroBubble", "DualPipeV")
 }
 PROFILED = "1F1B ok.ddp"
 """Its second step is traced: the report's send/recv."""
@@ -226,32 +332,35 @@ PROFILED = "1F1B ok.ddp"
 
 def _train_case(rank: int, world_size: int, topology, case, device: torch.device, profiler) -> dict:
     """Two clipped AdamW steps of one layout; the parameters' gaps to one process and more."""
-    plan, factory, *recompute = case
+    plan, factory, recompute, config, micro, shared = Case(*case)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CONFIG)).to(device)
+    model = GPT(GPTConfig(**config)).to(device)
+    if shared:
+        _share_inside_a_stage(model)
     for blocks in stage_blocks(model.blocks, plan) if recompute else ():
-        assert apply_recompute(blocks, *recompute[0]) == [0]
+        assert apply_recompute(blocks, *recompute) == [0]
     layout = build_layout(plan, topology, device)
     par = apply_pipeline(
-        model, factory, layout, loss_fn=GPT.loss, micro_batches=MICRO, device=device
+        model, factory, layout, loss_fn=GPT.loss, micro_batches=micro, device=device
     )
     optimizer = _optimizer(par.model.parameters())
+    weight_steps = _time_weight_steps(par) if plan.schedule in ZERO_BUBBLE else {}
     shard, shards = layout.data_shard(rank, world_size)
     losses, norms = [], []
     with profiler or contextlib.nullcontext():
         for step in range(STEPS):
             optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
-            batches = [tuple(t.to(device) for t in _batch(shard, step, m)) for m in range(MICRO)]
+            batches = [tuple(t.to(device) for t in _batch(shard, step, m)) for m in range(micro)]
             losses.append(par.forward_backward(batches).item())
             par.finish_backward()
             norms.append(par.optimizer_step(optimizer, MAX_NORM).item())
             if profiler is not None:
                 profiler.step()
-    expected, expected_norms, expected_losses = _reference(shards, device)
+    expected, expected_norms, expected_losses = _reference(shards, device, config, micro, shared)
     gaps = {}
-    for name, param in par.model.named_parameters():
-        reference = expected["wte.weight" if name == "lm_head.weight" else name]
-        gaps[name] = (_full(param.detach()) - reference).abs().max().item()
+    for name, tensor in _with_state(par.model, optimizer).items():
+        reference = expected[name.replace("lm_head.weight", "wte.weight")]
+        gaps[name] = (tensor - reference).abs().max().item()
     dist.barrier()
     return {
         "gaps": gaps,
@@ -261,7 +370,45 @@ def _train_case(rank: int, world_size: int, topology, case, device: torch.device
         "expected_losses": expected_losses[shard],
         "description": par.description,
         "shards": shards,
+        "reductions": _reductions(par, weight_steps),
     }
+
+
+def _time_weight_steps(par) -> dict[int, list[tuple[float, float]]]:
+    """Each stage's steps that add to its weight gradients as they run: ``(start, end)`` in
+    ``perf_counter`` ms, the clock of ``ok.comm_stats``'s launches. The weight steps (W; stage
+    0 runs its whole backward there) and the full backwards (B: DualPipeV runs some)."""
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for stage in par.forward_backward.__self__.stages:
+        into = windows[stage.stage_index] = []
+        weight, backward = stage.backward_weight_one_chunk, stage.backward_one_chunk
+
+        def timed(run, *args, into=into, **kwargs):
+            start = time.perf_counter() * 1e3
+            run(*args, **kwargs)
+            if kwargs.get("full_backward", True):
+                into.append((start, time.perf_counter() * 1e3))
+
+        stage.backward_weight_one_chunk = functools.partial(timed, weight)
+        stage.backward_one_chunk = functools.partial(timed, backward)
+    return windows
+
+
+def _reductions(par, weight_steps: dict) -> dict[int, dict]:
+    """Per stage under ``ok.ddp`` / ``ok.GradBucketer``: its last weight step (or full backward)
+    of the last step and the launch times of that step's all-reduces (``ok.comm_stats``)."""
+    out = {}
+    for stage in par.forward_backward.__self__.stages if weight_steps else ():
+        owner = stage.bucketer if stage.bucketer is not None else stage.submod
+        if not isinstance(owner, ok.GradBucketer | torch.nn.parallel.DistributedDataParallel):
+            continue
+        records = ok.comm_stats(owner).records
+        last = max(r.step for r in records)
+        out[stage.stage_index] = {
+            "weight_step": weight_steps[stage.stage_index][-1],
+            "launches": sorted(r.launch_ms for r in records if r.step == last),
+        }
+    return out
 
 
 def _layouts_match_one_process(rank: int, world_size: int, profile_dir: str) -> dict:
@@ -295,7 +442,9 @@ def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(one_process_layo
     results = parts["pipeline"]
     names = {n for result in results for n in result[next(iter(CASES))]["gaps"]}
     # Every parameter, on some rank.
-    assert names == set(GPT(GPTConfig(**CONFIG)).state_dict())  # the head's copy included
+    moments = ("", ".exp_avg", ".exp_avg_sq")  # the parameters and AdamW's state of each
+    every = {n + m for n in GPT(GPTConfig(**CONFIG)).state_dict() for m in moments}
+    assert names == every  # the head's copy included
     # Measured: <= 1.0e-6; with tp 2.6e-5 (its row-parallel partial sums add in another order,
     # and AdamW's first steps turn a gradient's relative error into lr x that error).
     _assert_matches_one_process(results, CASES, lambda name: 1e-4 if "tp=" in name else 1e-5)
@@ -310,9 +459,58 @@ def test_every_pipeline_layout_trains_as_one_process_on_4_ranks(one_process_layo
     assert re.search(r"send_recv 8x 0.01 MiB \(\d+\.\d\d ms exposed\)", format_report(report))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero_bubble_stages_reduce_from_their_last_weight_step(one_process_layouts):
+    results = one_process_layouts[0]["pipeline"]
+    observed = [n for n in CASES if n.startswith(ZERO_BUBBLE) and "ok.fsdp" not in n]
+    assert len(observed) == 8
+    for name in observed:
+        for result in results:
+            reductions = result[name]["reductions"]
+            assert len(reductions) == 2, name  # both stages of the rank
+            for stage, seen in reductions.items():
+                start, end = seen["weight_step"]
+                launches = seen["launches"]
+                # Several buckets, every one launched while the stage's last weight step (or,
+                # under DualPipeV, full backward) runs, as its buckets complete: torch's own
+                # weight step writes .grad by hand, so none would be and DDP's average would be
+                # missing. The result is the equality with one process above.
+                assert len(launches) >= 2, (name, stage)
+                assert all(start < t < end for t in launches), (name, stage, seen)
+
+
 def test_summary_shows_the_planned_bubble_and_the_measured_send_recv():
     assert bubble_share(2, 1, 4) == pytest.approx(1 / 5)  # (p - 1) / (v m + p - 1)
     assert bubble_share(2, 2, 4) == pytest.approx(1 / 9)
+    # A split backward at F = I = W (each 1 per micro-batch, 1/2 per chunk): ZB-V idles
+    # (p - 1) F per chunk (Qi et al., section 6), 1/2 beside the step's 4 x 3 of compute.
+    zbv = PlanConfig.of(pp=2, schedule="ZBVZeroBubble", virtual_stages=2)
+    record = pipeline_record(zbv, 4)
+    assert record["planned_bubble_share"] == pytest.approx(0.5 / (0.5 + 12))
+    assert record["planned_bubble_basis"] == "torch's ZBVZeroBubble at F = I = W"
+    assert pipeline_record(zbv, 2)["planned_bubble_share"] is None  # torch pads below 2p - 1
+    unpriced = RunSummary(
+        name="x",
+        world_size=4,
+        nodes=1,
+        parallel="pipeline",
+        unit="tok",
+        start_step=0,
+        final_step=1,
+        steps_run=1,
+        seconds=1.0,
+        steps_per_s=1.0,
+        items_per_s=1.0,
+        median_step_ms=1.0,
+        loss_first=5.0,
+        loss_last=4.0,
+        pipeline=pipeline_record(zbv, 2),
+    )
+    assert (
+        "pipeline ZBVZeroBubble: 4 stages, 2 micro-batches; planned bubble torch's ZBVZeroBubble "
+        "at F = I = W = not priced"
+    ) in unpriced.format()
     summary = RunSummary(
         name="x",
         world_size=4,

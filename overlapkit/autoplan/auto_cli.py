@@ -39,6 +39,7 @@ from overlapkit.autoplan.pins import (
     plan_call,
     plan_command,
 )
+from overlapkit.autoplan.pipeline_schedule import SHAPES
 from overlapkit.autoplan.published_runs import render_run_checks, validate
 from overlapkit.autoplan.settings import ATTENTION, SearchSettings, flash_attention_of
 from overlapkit.layout import SHARDING, PartialLayout
@@ -78,6 +79,11 @@ def add_auto_arguments(
     )
     auto.add_argument(
         "--virtual-stages", type=int, metavar="V", help="pin interleaving (1: plain 1F1B)"
+    )
+    auto.add_argument(
+        "--schedule",
+        metavar="|".join(SHAPES),
+        help="pin the pipeline schedule (torch's name; searched among those the framework runs)",
     )
     auto.add_argument(
         "--attention",
@@ -124,13 +130,15 @@ def fixed_from_args(args: argparse.Namespace) -> PartialLayout:
 
 
 def choices_from_args(args: argparse.Namespace) -> PartialLayout:
-    """The pins beyond the parallel sizes: micro-batch, interleaving, recomputation, sharding."""
+    """The pins beyond the parallel sizes: micro-batch, interleaving, recomputation, sharding,
+    the pipeline schedule."""
     choices = {
         "dp_shard": args.dp_shard,
         "micro_batch": args.micro_batch,
         "virtual_stages": args.virtual_stages,
         "recompute": args.recompute,
         "sharding": args.sharding,
+        "schedule": args.schedule,
     }
     return pins_from(choices, spell=cli_flag)
 

@@ -116,7 +116,7 @@ def header_lines(answer: AutoPlan) -> list[str]:
 
 
 TABLE_HEADER = (
-    *("#", "dims", "mb x m", "v", "recompute", "sharding"),
+    *("#", "dims", "mb x m", "v", "schedule", "recompute", "sharding"),
     *("step s", "tok/s/GPU", "MFU", "GB/GPU", "fits"),
 )
 
@@ -131,6 +131,7 @@ def candidate_row(rank: int, candidate: Candidate) -> list[str]:
         _cell_dims(layout),
         f"{layout.micro_batch}x{layout.num_micro_batches}",
         str(layout.virtual_stages),
+        layout.pipeline_schedule or "-",
         recompute_text(layout),
         shard,
         f"{candidate.step.step_s:.4g}",

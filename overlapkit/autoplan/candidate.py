@@ -69,6 +69,7 @@ def layout_dict(layout: TrainingLayout) -> dict:
         "recompute_layers": layout.recompute_layers,
         "sharding": layout.sharding,
         "dp_shard": layout.dp_shard,
+        "schedule": layout.schedule,
     }
 
 

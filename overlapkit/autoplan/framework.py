@@ -4,9 +4,10 @@
 framework runs (``Framework.lacks``; a pinned value it cannot run is refused by name) and prices
 each layout as that framework splits the model. ``FRAMEWORKS`` holds those ``--framework``
 accepts: ``MEGATRON`` (the default, what the published runs used: runs every layout the search
-enumerates), ``OVERLAPKIT_TRAIN`` (its refusals are ``overlapkit.layout.overlapkit_train``'s
-table, the one overlapkit-train's checks raise from) and ``TORCHTITAN`` (0.3.0, the framework
-``autoplan.handoff.torchtitan`` hands a layout to). How each splits a step: docs/auto-planner.md
+enumerates but torch's zero-bubble schedules), ``OVERLAPKIT_TRAIN`` (its refusals are
+``overlapkit.layout.overlapkit_train``'s table, the one overlapkit-train's checks raise from)
+and ``TORCHTITAN`` (0.3.0, the framework ``autoplan.handoff.torchtitan`` hands a layout to).
+How each splits a step: docs/auto-planner.md
 ("What each framework runs").
 """
 
@@ -73,6 +74,10 @@ class Framework:
     fsdp_reduce_after_pipeline: bool = False
     """Under pp, FSDP's gradient reduction runs after the whole schedule (torch's
     ``PipelineStage`` runs FSDP2's post-backward itself), with no backward left to hide it."""
+    zero_bubble_schedules: bool = False
+    """Runs torch's zero-bubble pipeline schedules (``TrainingLayout.schedule``): the search
+    proposes them where the table plans them (``pipeline_schedule.schedule_variants``); False:
+    1F1B and interleaved 1F1B only, a layout naming another refused."""
 
     def lacks(self, layout: TrainingLayout, *, layers: int | None = None) -> list[str]:
         """What of ``layout`` this framework does not run, in words (empty: it runs it).
@@ -90,8 +95,18 @@ class Framework:
         return f"{self.name} does not run {', '.join(lacks)}" if lacks else None
 
 
+ZERO_BUBBLE_REFUSED = Refused(
+    when=lambda job: job.layout.schedule is not None,
+    lacks="torch's {schedule} pipeline schedule",
+)
+"""A framework without ``zero_bubble_schedules`` (Megatron-LM's own zero-bubble schedules are
+not torch's, and not priced here)."""
 MEGATRON = Framework(
-    name="megatron", sequence_parallel=True, vocab_parallel=True, dtensor_parameters=False
+    name="megatron",
+    refused=(ZERO_BUBBLE_REFUSED,),
+    sequence_parallel=True,
+    vocab_parallel=True,
+    dtensor_parameters=False,
 )
 OVERLAPKIT_TRAIN = Framework(
     name="overlapkit-train",
@@ -107,6 +122,7 @@ OVERLAPKIT_TRAIN = Framework(
     cp_all_gather=True,
     tied_embedding_all_reduce=True,
     fsdp_reduce_after_pipeline=True,
+    zero_bubble_schedules=True,
 )
 """Counted on gpt_tiny: 24 all-reduces in a forward and backward of its 4 layers at tp = 2
 (2 forward and 4 backward per layer: ``q``, ``k`` and ``v`` are separate modules)."""
@@ -144,6 +160,7 @@ TORCHTITAN = Framework(
     selective=TORCHTITAN_OP_SAC,
     fsdp_gathered_across_micro_batches=True,
     grad_sync_every_micro_batch=True,
+    zero_bubble_schedules=True,
 )
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (MEGATRON, OVERLAPKIT_TRAIN, TORCHTITAN)}
 """The frameworks ``--framework`` names (a new one is added here, with its refusal)."""

@@ -58,7 +58,9 @@ class StepWindows:
     compute_s: float
     """One micro-batch's compute."""
     backward_s: float
-    """One micro-batch's backward (recomputation included)."""
+    """The last micro-batch's backward the step's gradient reduction starts in (recomputation
+    included): its whole backward, or under a split backward its weight steps
+    (``pipeline_schedule.gradient_window_s``)."""
     overlap_efficiency: float
 
 

@@ -4,10 +4,12 @@
 dividing the sequence; ep dividing the experts (MoE models); pp at most the layers; dp what is
 left of the world (``world = pp x dp x ep x cp x tp``); every block of the traffic order inside a
 domain or covering whole ones (``group_costs.blocks_intact``). ``variants``: micro-batch sizes
-dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``, the
-micro-batches a multiple of pp, as Megatron-LM requires); recomputation none / selective / full;
-sharding ddp, zero1, zero2, fsdp and hsdp (every proper ``dp_shard`` of dp). A pinned choice
-(``PartialLayout``) replaces the options of its own; the rest stay free.
+dividing a replica's sequences per step; interleaving ``v`` (``pp x v <= layers``), on each
+schedule the search proposes where it is priced (``pipeline_schedule.priced``: interleaved 1F1B
+with the micro-batches a multiple of pp, as Megatron-LM requires; the zero-bubble schedules,
+``pipeline_schedule.schedule_variants``, as torch takes them); recomputation
+none / selective / full; sharding ddp, zero1, zero2, fsdp and hsdp (every proper ``dp_shard``
+of dp). A pinned choice (``PartialLayout``) replaces the options of its own; the rest stay free.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 
 from overlapkit.autoplan.group_costs import TRAFFIC_ORDER, blocks_intact, domain_size
 from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.pipeline_schedule import priced, schedule_of, schedule_variants
 from overlapkit.autoplan.settings import PlanSearchError
 from overlapkit.layout import RECOMPUTE, SHARDING, PartialLayout, TrainingLayout
 from overlapkit.topology.model import Topology
@@ -102,10 +105,17 @@ def _free_sizes(topology: Topology, model: ModelSpec, seq_len: int) -> dict[str,
 
 
 def variants(
-    dims: dict[str, int], model: ModelSpec, global_batch: int, pins: PartialLayout, domain: int
+    dims: dict[str, int],
+    model: ModelSpec,
+    global_batch: int,
+    pins: PartialLayout,
+    domain: int,
+    *,
+    zero_bubble: bool = False,
 ) -> list[TrainingLayout]:
     """Every layout of parallel sizes ``dims`` the pins allow (see module doc); none when the
-    batch does not split over the ``dp x ep`` replicas."""
+    batch does not split over the ``dp x ep`` replicas. ``zero_bubble``: also on torch's
+    zero-bubble schedules (``Framework.zero_bubble_schedules``)."""
     replicas = dims["dp"] * dims["ep"]
     if global_batch % replicas:
         return []  # the caller reports indivisible batches
@@ -132,10 +142,13 @@ def variants(
             )
     # A model chunk shorter than the pinned number of layers cannot recompute that many.
     return [
-        layout
+        scheduled
         for layout in out
         if layout.recompute_layers is None
         or layout.recompute_layers <= chunk_layers(model.layers, layout)
+        for scheduled in (layout, *(schedule_variants(layout) if zero_bubble else ()))
+        if priced(schedule_of(scheduled), scheduled)
+        and pins.schedule in (None, scheduled.pipeline_schedule)
     ]
 
 
@@ -151,8 +164,9 @@ def _micro_batches(per_replica: int, pins: PartialLayout) -> list[int]:
 
 
 def _stage_counts(pp: int, micro_batches: int, layers: int, pins: PartialLayout) -> list[int]:
-    """Interleaving: with pp > 1 and the micro-batches a multiple of pp (Megatron-LM's rule)."""
-    interleaves = pp > 1 and micro_batches % pp == 0
+    """Interleaving: with pp > 1 and at least pp micro-batches (which schedule prices which
+    count, ``variants`` asks ``pipeline_schedule.priced``)."""
+    interleaves = pp > 1 and micro_batches >= pp
     if pins.virtual_stages is not None:
         counts = [pins.virtual_stages] if pins.virtual_stages == 1 or interleaves else []
     else:

@@ -26,8 +26,10 @@ equations exactly without recomputation, with tensor and sequence parallelism an
 recomputation. Context parallelism divides the tokens by cp.
 
 **Pipeline**: under 1F1B the first stage holds ``min(pp, m)`` micro-batches in flight, and the
-interleaved schedule ``1 + (pp - 1) / (pp x v)`` times that (Korthikanti, section 4.2.3). The
-last stage also holds one micro-batch of logits (bf16 and the fp32 copy cross-entropy uses).
+interleaved schedule ``1 + (pp - 1) / (pp x v)`` times that (Korthikanti, section 4.2.3); the
+zero-bubble schedules hold each micro-batch until its deferred weight step
+(``autoplan.pipeline_schedule.in_flight_micro_batches``). The last stage also holds one
+micro-batch of logits (bf16 and the fp32 copy cross-entropy uses).
 
 **Allowance**: a CUDA context (PyTorch forum: the first CUDA call takes ~723 MiB, "the CUDA
 context"), NCCL's communicator buffers and cuBLAS workspaces, together ``RESERVED_GB``; and
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.pipeline_schedule import in_flight_micro_batches
 from overlapkit.autoplan.selective import ATTENTION_CORE, SelectiveRecompute
 from overlapkit.layout import TrainingLayout
 
@@ -347,16 +350,6 @@ def _layer_activation_bytes(
         )
     sp_part, tp_part, core = saved
     return tokens * (sp_part / sp_divisor + (tp_part + core) / tp)
-
-
-def in_flight_micro_batches(layout: TrainingLayout) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak."""
-    if layout.pp == 1:
-        return 1.0
-    held = min(layout.pp, layout.num_micro_batches)
-    if layout.virtual_stages > 1:
-        held *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages)
-    return held
 
 
 def memory_breakdown(

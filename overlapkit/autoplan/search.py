@@ -28,6 +28,7 @@ from overlapkit.autoplan.layout_space import (
 from overlapkit.autoplan.memory import MemoryBreakdown
 from overlapkit.autoplan.model_spec import ModelSpec
 from overlapkit.autoplan.pins import cli_flag, pins_from, pins_text
+from overlapkit.autoplan.pipeline_schedule import SHAPES, ZERO_BUBBLE_SCHEDULES
 from overlapkit.autoplan.settings import PlanSearchError, SearchSettings
 from overlapkit.autoplan.step_time import StepOptions, predict_step
 from overlapkit.layout import SHARDING, PartialLayout, TrainingLayout
@@ -162,12 +163,20 @@ def search(
     start = time.perf_counter()
     pins = _checked_request(model, global_batch, seq_len, candidates, as_pins(fixed))
     pricing = Pricing.of(topology, model, seq_len, settings or SearchSettings(), costs)
+    framework = pricing.settings.framework
+    if pins.schedule in ZERO_BUBBLE_SCHEDULES and not framework.zero_bubble_schedules:
+        raise PlanSearchError(
+            f"--schedule {pins.schedule}: {framework.name} does not run torch's zero-bubble "
+            "schedules; --framework overlapkit-train or torchtitan does"
+        )
     sizes = parallel_sizes(topology, model, seq_len, pins)
     if not sizes:
         raise PlanSearchError(no_sizes_message(topology, model, seq_len, pins))
     tally = _Tally()
+    zero_bubble = framework.zero_bubble_schedules
+    domain = domain_size(topology)
     for dims in sizes:
-        for layout in variants(dims, model, global_batch, pins, domain_size(topology)):
+        for layout in variants(dims, model, global_batch, pins, domain, zero_bubble=zero_bubble):
             _consider(layout, pricing, pins, tally)
     if not any(global_batch % (dims["dp"] * dims["ep"]) == 0 for dims in sizes):
         raise PlanSearchError(batch_message(global_batch, sizes))
@@ -197,6 +206,11 @@ def _checked_request(
         raise ValueError(
             f"--recompute full:{layers}: {model.name} has {model.layers} layers (K counts the "
             "layers of each pipeline stage's model chunk)"
+        )
+    if pins.schedule is not None and pins.schedule not in SHAPES:
+        raise ValueError(
+            f"--schedule {pins.schedule!r} is not a schedule the planner prices; valid: "
+            f"{', '.join(SHAPES)}"
         )
     return pins
 
@@ -298,7 +312,14 @@ def searched_layouts(
     return [
         layout
         for dims in parallel_sizes(topology, model, seq_len, pins)
-        for layout in variants(dims, model, global_batch, pins, domain_size(topology))
+        for layout in variants(
+            dims,
+            model,
+            global_batch,
+            pins,
+            domain_size(topology),
+            zero_bubble=framework.zero_bubble_schedules,
+        )
         if not framework.lacks(layout, layers=model.layers)
     ]
 

@@ -32,6 +32,7 @@ from overlapkit.autoplan.micro_batch import (
     tensor_parallel,
 )
 from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.pipeline_schedule import PassTimes, bubble_s, gradient_window_s
 from overlapkit.layout import TrainingLayout
 from overlapkit.topology.accelerator import Accelerator
 
@@ -184,6 +185,14 @@ class MicroBatchCompute:
     """Forward, backward, recomputation, head, loss, and tp's host dispatch."""
     attention_forward_s: float
     """One layer's attention forward (what cp's ring hides behind, with its backward)."""
+    weight_s: float
+    """The backward's weight gradients: one forward of the layers' and the head's GEMMs (what
+    a zero-bubble schedule defers; the rest of the backward is its input-gradient step)."""
+
+    def passes(self) -> PassTimes:
+        """Forward (head, loss and tp's dispatch with it), input- and weight-gradient steps."""
+        forward = self.total_s - self.backward_s
+        return PassTimes(forward, self.backward_s - self.weight_s, self.weight_s)
 
 
 def _attention_s(stage: StageMicroBatch, flash: bool, rates: GemmRates) -> tuple[float, float]:
@@ -247,16 +256,18 @@ def micro_batch_compute(
     if layout.tp > 1:  # forward, backward and the recomputed forward through each sharded layer
         total += layers * (2 + recomputed) * options.tp_layer_dispatch_s
     backward_total = backward + extra + BACKWARD_OVER_FORWARD * head_fwd + loss_bwd
-    return MicroBatchCompute(forward, backward_total, total, attention_fwd)
+    weight = layers * matmul_fwd + head_fwd
+    return MicroBatchCompute(forward, backward_total, total, attention_fwd, weight)
 
 
 def predict_step(
     model: ModelSpec, layout: TrainingLayout, options: StepOptions, costs: AxisCosts
 ) -> StepTime:
     """Predict one training step of ``layout``: per micro-batch on the slowest pipeline stage
-    its compute and exposed tp / cp / ep / pp traffic, ``(m + (pp - 1) / v)`` of those (1F1B,
-    interleaved: Narayanan et al., SC'21), then the exposed data-parallel traffic and the
-    optimizer step.
+    its compute and exposed tp / cp / ep / pp traffic, ``m`` of those plus the schedule's
+    bubble (``autoplan.pipeline_schedule``: ``(pp - 1) / v`` of them under 1F1B and interleaved
+    1F1B, Narayanan et al., SC'21; less under the zero-bubble schedules), then the exposed
+    data-parallel traffic and the optimizer step.
 
     Args:
         model (ModelSpec): the model.
@@ -297,7 +308,7 @@ def predict_step(
         framework=framework,
         windows=StepWindows(
             compute_s=compute.total_s,
-            backward_s=compute.backward_s,
+            backward_s=gradient_window_s(layout, compute.passes()),
             overlap_efficiency=options.overlap_efficiency,
         ),
         forward_s=compute.forward_s,
@@ -306,7 +317,7 @@ def predict_step(
     micro_batch_s = (
         compute.total_s + tp.exposed_s + cp.exposed_s + ep.exposed_s + pp_s + sync.per_micro_batch_s
     )
-    bubble = (layout.pp - 1) / layout.virtual_stages * micro_batch_s
+    bubble = bubble_s(layout, compute.passes(), stretch=micro_batch_s / compute.total_s)
     local_params = _local_params(layout, dense_params, expert_params)
     optimizer = optimizer_s(model, layout, options, local_params, (first, last), rates)
     model_flops, hardware_flops = _step_flops(stage)

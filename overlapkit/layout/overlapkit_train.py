@@ -29,19 +29,14 @@ class Wrapper:
     """The ``TrainingLayout.sharding`` values it runs (``sharding_of`` tells which)."""
     runs_tp_and_ep: bool
     """Reduces tensor-parallel (DTensor) shards and expert parameters over their own groups."""
-    hooks: bool
-    """Reduces gradients from autograd hooks (False: FSDP2's post-backward)."""
 
 
-GRAD_BUCKETER = Wrapper(
-    target="overlapkit.GradBucketer", shardings=("ddp",), runs_tp_and_ep=True, hooks=True
-)
-DDP = Wrapper(target="overlapkit.ddp", shardings=("ddp",), runs_tp_and_ep=False, hooks=True)
+GRAD_BUCKETER = Wrapper(target="overlapkit.GradBucketer", shardings=("ddp",), runs_tp_and_ep=True)
+DDP = Wrapper(target="overlapkit.ddp", shardings=("ddp",), runs_tp_and_ep=False)
 FSDP = Wrapper(
     target="overlapkit.fsdp",
     shardings=("fsdp", "hsdp", "zero1", "zero2"),
     runs_tp_and_ep=False,
-    hooks=False,
 )
 WRAPPERS = (GRAD_BUCKETER, DDP, FSDP)
 TARGETS = tuple(w.target for w in WRAPPERS)
@@ -101,53 +96,41 @@ class Schedule:
 
     name: str
     several_stages: bool
-    """Runs ``virtual_stages > 1`` stages per rank (rank ``r`` holds ``r, r + pp, ...``); False:
-    exactly one."""
+    """Runs ``virtual_stages > 1`` stages per rank (rank ``r`` holds ``r, r + pp, ...``, or a V:
+    ``v_shape``); False: exactly one."""
     planned: bool
     """The auto-planner prices it (its bubble and memory) and proposes it."""
-    micro_batches: Literal["any", "at least pp", "multiple of pp"] = "any"
-    """What it needs of a step's micro-batches (``train.grad_accum``)."""
-    refused_with_hooks: str | None = None
-    """Why it does not run under a wrapper reducing from hooks (None: it runs)."""
-    refused_with_fsdp: str | None = None
-    """Why it does not run under ``ok.fsdp`` (None: it runs)."""
-
-    def refusal(self, wrapper: Wrapper | None) -> str | None:
-        """Why it does not run under ``wrapper`` (None: it runs), ``{target}`` left to fill."""
-        if wrapper is None:
-            return None
-        return self.refused_with_hooks if wrapper.hooks else self.refused_with_fsdp
+    micro_batches: Literal[
+        "any", "at least pp", "multiple of pp", "multiple of its rounds", "at least 2 pp"
+    ] = "any"
+    """What it needs of a step's micro-batches (``train.grad_accum``): ``multiple of its
+    rounds`` is ``ScheduleInterleavedZeroBubble``'s ``m % max(1, m // pp) == 0``, ``at least 2
+    pp`` ``ScheduleDualPipeV``'s one per stage."""
+    v_shape: bool = False
+    """Places exactly two stages per rank in a V: rank ``r`` holds stages ``r`` and
+    ``2 pp - 1 - r`` (the first and the last stage both on rank 0); False: loop, rank ``r``
+    holds ``r, r + pp, ...``."""
+    split_backward: bool = False
+    """Splits a stage's backward into input- and weight-gradient steps (zero bubble)."""
 
     def stages_refusal(self, virtual_stages: int) -> str | None:
         """Train's refusal of ``virtual_stages`` stages per rank (None: it runs them)."""
+        if self.v_shape and virtual_stages != 2:
+            return (
+                f"parallel.plan.schedule={self.name} places exactly 2 stages per rank in a V, "
+                f"got parallel.plan.virtual_stages={virtual_stages}; set it to 2"
+            )
         if self.several_stages == (virtual_stages > 1):
             return None
         want = "several stages" if self.several_stages else "one stage"
-        others = [
-            other.name
-            for other in SCHEDULES
-            if other.several_stages != self.several_stages and other.runs_somewhere
-        ]
+        others = [other.name for other in SCHEDULES if other.several_stages != self.several_stages]
         return (
             f"parallel.plan.schedule={self.name} runs {want} per rank, got "
             f"parallel.plan.virtual_stages={virtual_stages}; use {' or '.join(others)} for "
             f"{'one' if self.several_stages else 'several'}"
         )
 
-    @property
-    def runs_somewhere(self) -> bool:
-        """Runs under some wrapper of ``WRAPPERS``."""
-        return self.refused_with_hooks is None or self.refused_with_fsdp is None
 
-
-_SPLIT_BACKWARD_HOOKS = (
-    "writes weight gradients by hand (split backward), so the hooks of parallel._target_="
-    "{target} never see them"
-)
-_SPLIT_BACKWARD_FSDP = (
-    "splits backward into input and weight passes, and with FSDP2's post-backward the gradients "
-    "differ from one process's (measured with torch 2.13 on gloo)"
-)
 SCHEDULES = (
     Schedule(name="1F1B", several_stages=False, planned=True, micro_batches="at least pp"),
     Schedule(name="GPipe", several_stages=False, planned=False),
@@ -155,20 +138,29 @@ SCHEDULES = (
         name="Interleaved1F1B", several_stages=True, planned=True, micro_batches="multiple of pp"
     ),
     Schedule(name="LoopedBFS", several_stages=True, planned=False),
-    *(
-        Schedule(
-            name=name,
-            several_stages=True,
-            planned=False,
-            refused_with_hooks=_SPLIT_BACKWARD_HOOKS,
-            refused_with_fsdp=_SPLIT_BACKWARD_FSDP,
-        )
-        for name in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    Schedule(
+        name="InterleavedZeroBubble",
+        several_stages=True,
+        planned=True,
+        micro_batches="multiple of its rounds",
+        split_backward=True,
+    ),
+    Schedule(
+        name="ZBVZeroBubble", several_stages=True, planned=True, v_shape=True, split_backward=True
+    ),
+    Schedule(
+        name="DualPipeV",
+        several_stages=True,
+        planned=True,
+        micro_batches="at least 2 pp",
+        v_shape=True,
+        split_backward=True,
     ),
 )
 """Every schedule ``parallel.plan.schedule`` names. ``planned``: the ones the search proposes
-(1F1B with one stage per rank, interleaved 1F1B with several); GPipe and LoopedBFS run but are
-not priced (GPipe keeps every micro-batch's activations)."""
+(1F1B with one stage per rank; interleaved 1F1B and the zero-bubble schedules with several,
+priced by ``overlapkit.autoplan.pipeline_schedule``); GPipe and LoopedBFS run but are not
+priced (GPipe keeps every micro-batch's activations)."""
 
 
 def schedule_named(name: str) -> Schedule:
@@ -187,7 +179,8 @@ def schedule_named(name: str) -> Schedule:
 
 
 def planned_schedule(virtual_stages: int) -> Schedule:
-    """The schedule the planner prices for ``virtual_stages``: 1F1B, or interleaved 1F1B."""
+    """The schedule the planner prices for ``virtual_stages`` when a layout names none: 1F1B,
+    or interleaved 1F1B (the first planned one with several stages)."""
     several = virtual_stages > 1
     return next(s for s in SCHEDULES if s.planned and s.several_stages == several)
 
@@ -206,10 +199,13 @@ class Job:
 
     @classmethod
     def planned(cls, layout: TrainingLayout, layers: int | None = None) -> Job:
-        """``layout`` as the search proposes it: on its planned schedule."""
+        """``layout`` as the search proposes it: on its own schedule (``layout.schedule``), or
+        on the one planned for its ``virtual_stages``."""
+        named = layout.schedule
+        schedule = schedule_named(named) if named else planned_schedule(layout.virtual_stages)
         return cls(
             layout=layout,
-            schedule=planned_schedule(layout.virtual_stages),
+            schedule=schedule,
             layers=layers,
             shard_group=layout.dp_shard,
         )
@@ -223,6 +219,7 @@ class Job:
             "schedule": self.schedule.name,
             "layers": self.layers,
             "chunks": layout.pipeline_chunks,
+            "rounds": _rounds(layout.num_micro_batches, layout.pp),
             "shard_group": self.shard_group,
             "spread": " and ".join(spread),
             "under": f"FSDP ({layout.sharding})" if zero else "FSDP",
@@ -247,11 +244,21 @@ def _no_wrapper_runs_tp_and_ep(job: Job) -> bool:
 
 def _micro_batches_short(job: Job) -> bool:
     need, layout = job.schedule.micro_batches, job.layout
+    m = layout.num_micro_batches
     if layout.pp == 1 or need == "any":
         return False
     if need == "at least pp":
-        return layout.num_micro_batches < layout.pp
-    return layout.num_micro_batches % layout.pp != 0
+        return m < layout.pp
+    if need == "at least 2 pp":
+        return m < 2 * layout.pp
+    if need == "multiple of its rounds":
+        return m % _rounds(m, layout.pp) != 0
+    return m % layout.pp != 0
+
+
+def _rounds(micro_batches: int, pp: int) -> int:
+    """``ScheduleInterleavedZeroBubble``'s rounds of a step: ``max(1, m // pp)``."""
+    return max(1, micro_batches // pp)
 
 
 _USE_ONE = "; use one of them"
@@ -325,7 +332,29 @@ REFUSED = (
         ">= {pp}",
     ),
     Refused(
-        when=lambda job: _micro_batches_short(job) and job.schedule.micro_batches != "at least pp",
+        when=lambda job: (
+            _micro_batches_short(job) and job.schedule.micro_batches == "at least 2 pp"
+        ),
+        lacks="a {schedule} pipeline of {pp} ranks with {num_micro_batches} micro-batches per "
+        "step (fewer than its 2 x {pp} stages)",
+        config="train.grad_accum={num_micro_batches} micro-batches per step is fewer than the "
+        "2 x {pp} stages parallel.plan.schedule={schedule} runs (one each); set train.grad_accum "
+        ">= {chunks}",
+    ),
+    Refused(
+        when=lambda job: (
+            _micro_batches_short(job) and job.schedule.micro_batches == "multiple of its rounds"
+        ),
+        lacks="a {schedule} pipeline of {pp} stages with {num_micro_batches} micro-batches per "
+        "step (not a multiple of its {rounds} rounds)",
+        config="train.grad_accum={num_micro_batches} micro-batches per step are not a multiple "
+        "of the {rounds} rounds (max(1, grad_accum // parallel.plan.pp)) "
+        "parallel.plan.schedule={schedule} runs them in; use a multiple of {pp}",
+    ),
+    Refused(
+        when=lambda job: (
+            _micro_batches_short(job) and job.schedule.micro_batches == "multiple of pp"
+        ),
         lacks="a {schedule} pipeline of {pp} stages with {num_micro_batches} micro-batches per "
         "step (not a multiple of its stages)",
         config="train.grad_accum={num_micro_batches} micro-batches per step are not a multiple of "

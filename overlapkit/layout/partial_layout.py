@@ -51,6 +51,9 @@ class PartialLayout:
     recompute_layers: int | Literal["all"] | None = None
     sharding: str | None = None
     dp_shard: int | None = None
+    schedule: str | None = None
+    """The pipeline schedule, torch's name (``1F1B`` and ``Interleaved1F1B`` included: what
+    ``TrainingLayout.pipeline_schedule`` says)."""
 
     def __post_init__(self) -> None:
         check_partial(self.given())
@@ -75,7 +78,9 @@ class PartialLayout:
     def of(cls, layout: TrainingLayout) -> PartialLayout:
         """Every choice of ``layout`` fixed (``recompute_layers`` ``"all"`` for full of every
         layer, ``dp_shard`` with hsdp only)."""
-        values = {key: getattr(layout, key) for key in CHOICES}
+        values = {key: getattr(layout, key) for key in CHOICES} | {
+            "schedule": layout.pipeline_schedule
+        }
         if layout.recompute == "full" and layout.recompute_layers is None:
             values["recompute_layers"] = ALL_LAYERS
         return cls(**values)
@@ -107,7 +112,10 @@ class PartialLayout:
         fixed = self.given()
         if fixed.get("recompute_layers") == ALL_LAYERS:
             fixed["recompute_layers"] = None
-        return all(getattr(layout, key) == value for key, value in fixed.items())
+        chosen = {key: getattr(layout, key) for key in fixed} | (
+            {"schedule": layout.pipeline_schedule} if "schedule" in fixed else {}
+        )
+        return all(chosen[key] == value for key, value in fixed.items())
 
 
 CHOICES = tuple(f.name for f in fields(PartialLayout))

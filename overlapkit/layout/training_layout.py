@@ -28,6 +28,10 @@ SHARDING = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 """Data-parallel state: ddp replicates all; zero1 shards optimizer state (Megatron's
 distributed optimizer), zero2 also gradients, fsdp (ZeRO-3) also parameters, hsdp shards over
 ``dp_shard`` ranks and replicates over the rest."""
+ONE_F_ONE_B = "1F1B"
+INTERLEAVED_1F1B = "Interleaved1F1B"
+"""The pipeline schedules a layout runs when it names none (``TrainingLayout.pipeline_schedule``:
+by its ``virtual_stages``), torch's names."""
 COUNTS = (*DIMS, "micro_batch", "num_micro_batches", "virtual_stages", "dp_shard")
 """The choices that are counts (integers >= 1)."""
 Spelling = Callable[[str], str]
@@ -48,6 +52,9 @@ def check_choice(key: str, value: object, spell: Spelling = as_named) -> None:
     """
     if key in COUNTS or key == "recompute_layers":
         check_int(spell(key), value, 1)
+    elif key == "schedule":
+        if not isinstance(value, str):
+            raise TypeError(f"{spell(key)} must be a schedule's name, got {value!r}")
     elif key in ("recompute", "sharding"):
         valid = RECOMPUTE if key == "recompute" else SHARDING
         if value not in valid:
@@ -82,8 +89,8 @@ class TrainingLayout:
     Raises:
         TypeError / ValueError: a size that is not an integer >= 1, an unknown recompute or
             sharding mode, ``recompute_layers`` without full, ``dp_shard`` that is not a proper
-            divisor of ``dp`` for hsdp (or given without hsdp), ``virtual_stages`` without pp,
-            naming it.
+            divisor of ``dp`` for hsdp (or given without hsdp), ``virtual_stages`` or
+            ``schedule`` without pp, naming it.
     """
 
     tp: int = 1
@@ -104,6 +111,9 @@ class TrainingLayout:
     sharding: str = "ddp"
     dp_shard: int | None = None
     """hsdp: ranks of one shard group (the inner dp axis)."""
+    schedule: str | None = None
+    """The pipeline schedule, torch's name (``parallel.plan.schedule``: InterleavedZeroBubble,
+    ZBVZeroBubble, DualPipeV); None: 1F1B, or interleaved 1F1B with ``virtual_stages > 1``."""
 
     def __post_init__(self) -> None:
         choices = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -115,6 +125,8 @@ class TrainingLayout:
             raise ValueError(
                 f"virtual_stages ({self.virtual_stages}) must be 1 without pipeline parallelism"
             )
+        if self.schedule is not None and self.pp == 1:
+            raise ValueError(f"schedule ({self.schedule}) needs pipeline parallelism (pp > 1)")
         if self.sharding == "hsdp" and (
             self.dp_shard is None or not 1 < self.dp_shard < self.dp or self.dp % self.dp_shard
         ):
@@ -153,6 +165,16 @@ class TrainingLayout:
         return self.tp > 1
 
     @property
+    def pipeline_schedule(self) -> str | None:
+        """The schedule its pipeline runs: ``schedule``, else 1F1B, or interleaved 1F1B with
+        ``virtual_stages > 1``; None without a pipeline."""
+        if self.pp == 1:
+            return None
+        if self.schedule is not None:
+            return self.schedule
+        return INTERLEAVED_1F1B if self.virtual_stages > 1 else ONE_F_ONE_B
+
+    @property
     def pipeline_chunks(self) -> int:
         """Model chunks the pipeline cuts the layers into: ``pp x virtual_stages``."""
         return self.pp * self.virtual_stages
@@ -164,8 +186,9 @@ class TrainingLayout:
         recompute = self.recompute
         if self.recompute_layers is not None:
             recompute += f"({self.recompute_layers} layers)"
+        schedule = f" {self.schedule}" if self.schedule else ""
         return (
-            f"{dims} mb={self.micro_batch}x{self.num_micro_batches}{stages} "
+            f"{dims} mb={self.micro_batch}x{self.num_micro_batches}{stages}{schedule} "
             f"recompute={recompute} {shard}"
         )
 

@@ -13,9 +13,9 @@ tp > 1                 ``parallel=tp_dp parallel.plan.tp=T`` (``ok.GradBucketer`
 otherwise, by sharding ``parallel=ddp``, ``fsdp``, ``zero1``, ``zero2``, ``hsdp
                        parallel.plan.dp_shard=Z``; pp with ddp ``parallel=pp_dp``, cp with
                        ddp ``parallel=cp_dp``
-pp > 1                 ``parallel.plan.pp=P`` (the schedule the planner prices:
-                       ``Interleaved1F1B`` with ``parallel.plan.virtual_stages=v`` for v > 1,
-                       1F1B otherwise)
+pp > 1                 ``parallel.plan.pp=P`` (the schedule the planner prices: the
+                       layout's own with ``parallel.plan.virtual_stages=v`` (a zero-bubble
+                       one), ``Interleaved1F1B`` for v > 1, 1F1B otherwise)
 cp > 1                 ``parallel.plan.cp=C``
 =====================  ===============================================================
 
@@ -31,9 +31,9 @@ import dataclasses
 
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN, Framework
 from overlapkit.autoplan.ok_plan import AutoPlan
+from overlapkit.autoplan.pipeline_schedule import schedule_of
 from overlapkit.autoplan.search import price
 from overlapkit.layout import TrainingLayout
-from overlapkit.layout.overlapkit_train import planned_schedule
 
 TRAIN_MODELS = ("gpt_tiny", "moe_tiny", "mlp")
 """overlapkit-train's model zoo (``conf/model``)."""
@@ -67,9 +67,8 @@ def plan_overrides(layout: TrainingLayout, group: str) -> list[str]:
         "pp": layout.pp,
         "dp_shard": layout.dp_shard,
     }
-    if layout.pp > 1 and layout.virtual_stages > 1:
-        schedule = planned_schedule(layout.virtual_stages).name
-        sizes |= {"schedule": schedule, "virtual_stages": layout.virtual_stages}
+    if layout.pp > 1 and (layout.virtual_stages > 1 or layout.schedule is not None):
+        sizes |= {"schedule": schedule_of(layout), "virtual_stages": layout.virtual_stages}
     own = _GROUP_PLAN_KEYS.get(group, ())
     out = []
     for key, value in sizes.items():

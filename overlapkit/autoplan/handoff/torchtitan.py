@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from overlapkit.autoplan.memory import layers_per_stage
 from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.pipeline_schedule import schedule_of
 from overlapkit.layout import TrainingLayout
 from overlapkit.planner.placement import Placement
 
@@ -242,7 +243,7 @@ def torchtitan_run(
     args += ["--parallelism.fsdp_reshard_after_forward", "never" if keep else "always"]
     args += [
         "--parallelism.pipeline_parallel_schedule",
-        "Interleaved1F1B" if layout.virtual_stages > 1 else "1F1B",
+        schedule_of(layout),
         "--parallelism.pipeline_parallel_microbatch_size",
         str(layout.micro_batch),
     ]

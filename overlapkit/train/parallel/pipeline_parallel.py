@@ -6,29 +6,35 @@
 ``train.grad_accum`` micro-batches; each micro-batch loss is divided by their count, as the loop
 divides it without a pipeline (``scale_grads=False``), so the gradients are the same sums.
 
-Data parallelism inside a stage:
+Data parallelism inside a stage (every stage is a ``split_backward.SplitBackwardStage``):
 
 - ``ok.ddp``: torch's ``PipelineStage`` starts DDP's reduction itself on the stage's last
   backward; the whole schedule runs inside ``no_sync`` (``Pipeline.forward_backward`` says why).
-- ``ok.GradBucketer``: ``PipelineStage`` knows only DDP and FSDP, so ``BucketedStage`` runs every
-  backward but the stage's last inside ``bucketer.no_sync()``; ``finish_backward`` waits.
+- ``ok.GradBucketer``: ``PipelineStage`` knows only DDP and FSDP, so the stage runs every
+  backward but its last inside ``bucketer.no_sync()``; ``finish_backward`` waits.
 - ``ok.fsdp``: the schedule runs FSDP2's post-backward itself, after the last micro-batch and
   outside autograd (``PipelineStage.perform_reduce_grad``), where ``ok.fsdp``'s asynchronous
   reduce-scatter could not queue its autograd callback; the stage is wrapped with
   ``overlap_reduce_scatter=False`` (FSDP2's own reduce-scatter; no backward is left to overlap).
 
+Under the zero-bubble schedules (a split backward) the stage's last backward is a weight step:
+``SplitBackwardStage`` runs it through autograd's accumulators, so ``ok.ddp``'s and
+``ok.GradBucketer``'s buckets launch inside it as they complete; ``ok.fsdp`` still reduces at the
+schedule's ``REDUCE_GRAD``, right after it.
+
 **The tied embedding and head** (gpt_tiny's ``lm_head.weight is wte.weight``) live on the first
-and the last stage (pipeline ranks 0 and ``p - 1``). As Megatron-LM does, the last stage gets its
-own copy (equal at start), and after backward the two gradients are summed by one all-reduce
-between the first and last stage's ranks (its "embedding group"). Both copies then see the same
+and the last stage (pipeline ranks 0 and ``p - 1``; both on rank 0 under a V schedule). As
+Megatron-LM does, the last stage gets its own copy (equal at start), and after backward the two
+gradients are summed: by one all-reduce between the first and last stage's ranks (its
+"embedding group"), or on rank 0 itself under a V schedule. Both copies then see the same
 gradient and take the same optimizer update, so they stay equal.
 
 **Clipping**: the global norm over every stage (and every dp/tp shard): each rank's norm over its
 stages (the head's copy not counted twice), squared, summed over the ``pp`` group (as torchtitan's
 ``clip_grad_norm_`` reduces it over the pp mesh), then every gradient scaled alike.
 
-**The loss** exists on the last stage only; it is broadcast over the ``pp`` group, so rank 0 (a
-first stage) shows it and the summary records it.
+**The loss** exists on the last stage only; it is broadcast over the ``pp`` group from the last
+stage's rank (``pipeline_stages.last_stage_rank``), so rank 0 shows it and the summary records it.
 """
 
 from __future__ import annotations
@@ -52,15 +58,18 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.ddp import GradBucketer
 from overlapkit.fsdp import zero_stage
 from overlapkit.group.process_group import inherit_timeout
+from overlapkit.layout.overlapkit_train import schedule_named
 from overlapkit.train.models.gpt import GPT
 from overlapkit.train.parallel.mesh import Layout, PlanConfig
 from overlapkit.train.parallel.pipeline_stages import (
+    last_stage_rank,
     local_stages,
     resolve_schedule,
     schedule_class,
     split_stage,
     stage_layers,
 )
+from overlapkit.train.parallel.split_backward import SplitBackwardStage
 from overlapkit.train.parallel.wrappers import (
     Parallelized,
     apply_tensor_parallel,
@@ -74,52 +83,44 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class BucketedStage(PipelineStage):
-    """A ``PipelineStage`` whose gradients an ``ok.GradBucketer`` reduces.
-
-    Every backward but the stage's last accumulates inside ``bucketer.no_sync()``; the last one
-    launches the bucketer's all-reduces, as DDP's does under ``PipelineStage``.
-
-    Args:
-        bucketer (GradBucketer): the bucketer over the stage's parameters.
-        *args, **kwargs: ``PipelineStage``'s.
-    """
-
-    def __init__(self, *args: object, bucketer: GradBucketer, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self.bucketer = bucketer
-
-    def backward_maybe_with_nosync(
-        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
-    ) -> tuple:
-        # The hook torch's docstring names for adapting data parallelism to the schedules.
-        with contextlib.nullcontext() if last_backward else self.bucketer.no_sync():
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-
-
 @dataclass(frozen=True, slots=True)
 class TiedGradients:
-    """This rank's copy of the tied embedding and head weight, and who holds the other copy.
+    """This rank's copies of the tied embedding and head weight, and who holds the others.
 
     Attributes:
-        param: ``wte.weight`` on the first stage's rank, ``lm_head.weight`` on the last's.
-        group: the first and the last stage's ranks of this pipeline.
+        params: ``wte.weight`` on the first stage's rank, ``lm_head.weight`` on the last's;
+            both on pipeline rank 0 under a V schedule.
+        group: the first and the last stage's ranks of this pipeline; None when this rank
+            holds both copies (a V schedule: summed locally).
     """
 
-    param: nn.Parameter
-    group: dist.ProcessGroup
+    params: tuple[nn.Parameter, ...]
+    group: dist.ProcessGroup | None
 
     def sum(self) -> None:
-        """Make the gradient the sum of both copies' (after the data-parallel reduction)."""
-        grad = self.param.grad
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+        """Make every copy's gradient the sum of both copies' (after the data-parallel
+        reduction)."""
+        grads = [_local(p.grad) for p in self.params]
+        if self.group is not None:
+            dist.all_reduce(grads[0], group=self.group)
+            return
+        total = torch.stack(grads).sum(dim=0)
+        for grad in grads:
+            grad.copy_(total)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _embedding_group(layout: Layout) -> dist.ProcessGroup | None:
-    """The first and last ``pp`` rank of this rank's pipeline; None for the ranks between.
+    """The first and last ``pp`` rank of this rank's pipeline; None for the ranks between, and
+    under a V schedule (rank 0 holds both stages).
 
     A collective: every rank creates every pipeline's pair, in the same order.
     """
+    if schedule_named(layout.plan.schedule).v_shape:
+        return None
     if layout.plan.sizes.pp == 2:
         return layout.pp_mesh.get_group()
     mine = None
@@ -267,7 +268,8 @@ def apply_pipeline(
     if plan.sizes.tp > 1:
         apply_tensor_parallel(model, layout.tp_mesh)
     tied = _untie_head(model)
-    mine = local_stages(pp_rank, plan.sizes.pp, plan.sizes.virtual_stages)
+    schedule = schedule_named(schedule_name)
+    mine = local_stages(pp_rank, plan.sizes.pp, plan.sizes.virtual_stages, v_shape=schedule.v_shape)
     last = num_stages - 1
     layers = {s: stage_layers(n_layer, num_stages, s) for s in mine}
     local = split_stage(
@@ -282,13 +284,13 @@ def apply_pipeline(
         stages.append(stage)
         if isinstance(wrapped, GradBucketer):
             bucketers.append(wrapped)
-    schedule = _schedule(schedule_name, stages, loss_fn, micro_batches)
+    runner = _schedule(schedule_name, stages, loss_fn, micro_batches)
     tie, uncounted = _tied_gradients(layout, local) if tied else (None, ())
     pipeline = Pipeline(
-        schedule=schedule,
+        schedule=runner,
         stages=stages,
         group=layout.pp_mesh.get_group(),
-        last_stage_rank=plan.sizes.pp - 1,
+        last_stage_rank=last_stage_rank(plan),
         bucketers=tuple(bucketers),
         ddps=tuple(s.submod for s in stages if isinstance(s.submod, DistributedDataParallel)),
         tied=tie,
@@ -336,13 +338,13 @@ def _stage_of(
     """
     match wrapped:
         case GradBucketer():
-            return BucketedStage(view, bucketer=wrapped, **stage_kwargs), "ok.GradBucketer"
+            return SplitBackwardStage(view, bucketer=wrapped, **stage_kwargs), "ok.GradBucketer"
         case DistributedDataParallel():
-            return PipelineStage(wrapped, **stage_kwargs), "ok.ddp"
+            return SplitBackwardStage(wrapped, **stage_kwargs), "ok.ddp"
         case FSDPModule():
             zero = zero_stage(wrapped)
             what = "ok.fsdp" if zero is None else f"ok.fsdp ZeRO-{zero}"
-            return PipelineStage(wrapped, **stage_kwargs), what
+            return SplitBackwardStage(wrapped, **stage_kwargs), what
         case _:
             raise TypeError(
                 f"parallel.plan.pp: the factory {factory!r} returned "
@@ -367,12 +369,12 @@ def _schedule(
 def _tied_gradients(
     layout: Layout, local: GPT
 ) -> tuple[TiedGradients | None, tuple[nn.Parameter, ...]]:
-    """For a tied embedding and head: this rank's copy and the group summing both copies'
+    """For a tied embedding and head: this rank's copies and the group summing both copies'
     gradients (None between the first and last stage), and the head's copy, which the
     clipping norm leaves uncounted. A collective (``_embedding_group``)."""
     group = _embedding_group(layout)
-    copy = local.wte if local.wte is not None else local.lm_head
-    tie = TiedGradients(copy.weight, group) if copy is not None else None
+    copies = tuple(m.weight for m in (local.wte, local.lm_head) if m is not None)
+    tie = TiedGradients(copies, group) if copies else None
     uncounted = (local.lm_head.weight,) if local.lm_head is not None else ()
     return tie, uncounted
 

@@ -11,6 +11,10 @@ A stage is a ``GPT`` that shares the full model's modules and lacks the others' 
 so its parameter names are the unsplit model's (``blocks.2.attn.q.weight`` on whichever stage runs
 block 2): a DCP checkpoint names every tensor as an unsplit run does.
 
+The V schedules (``ZBVZeroBubble``, ``DualPipeV``) place two stages per rank in a V instead:
+rank ``r`` holds stages ``r`` and ``2 p - 1 - r``, so the first and the last stage are both on
+pipeline rank 0 (``local_stages``, ``last_stage_rank``).
+
 The schedules are torch's (``torch.distributed.pipelining``); which of them run, and what each
 needs of the layout, is ``overlapkit.layout.overlapkit_train``'s table (``SCHEDULES``, ``REFUSED``:
 ``run_layout.check_layout`` raises its refusals), read by the auto-planner's search too.
@@ -20,16 +24,17 @@ options), with the config keys in the message.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from overlapkit.autoplan import pipeline_schedule
+from overlapkit.layout import TrainingLayout
 from overlapkit.layout.overlapkit_train import (
-    SCHEDULES,
     schedule_named,
-    wrapper_of,
     wrapper_refusal,
 )
 from overlapkit.train.models.gpt import GPT, GPTConfig
@@ -51,9 +56,23 @@ def schedule_class(name: str) -> type:
     return get_schedule_class(resolve_schedule(name))
 
 
-def local_stages(pp_rank: int, pp: int, virtual_stages: int) -> tuple[int, ...]:
-    """The stage indices pipeline rank ``pp_rank`` (its ``pp`` coordinate) holds, increasing."""
+def local_stages(
+    pp_rank: int, pp: int, virtual_stages: int, *, v_shape: bool = False
+) -> tuple[int, ...]:
+    """The stage indices pipeline rank ``pp_rank`` (its ``pp`` coordinate) holds, increasing.
+
+    Loop: ``r, r + pp, ...``; ``v_shape`` (two stages per rank): ``r`` and ``2 pp - 1 - r``,
+    torch's ``generate_stage_to_rank_mapping(style="v")``.
+    """
+    if v_shape:
+        return (pp_rank, 2 * pp - 1 - pp_rank)
     return tuple(pp_rank + i * pp for i in range(virtual_stages))
+
+
+def last_stage_rank(plan: Any) -> int:
+    """The ``pp`` coordinate of the rank holding the last stage (the loss): ``pp - 1``, or 0 for
+    a V schedule (the V turns back to rank 0)."""
+    return 0 if schedule_named(plan.schedule).v_shape else plan.sizes.pp - 1
 
 
 def stage_layers(n_layer: int, num_stages: int, stage: int) -> range:
@@ -84,18 +103,45 @@ def bubble_share(pp: int, virtual_stages: int, micro_batches: int) -> float:
     return (pp - 1) / (virtual_stages * micro_batches + pp - 1)
 
 
+BALANCED = "F = I = W"
+"""What a split backward's planned share assumes: a micro-batch's forward, input- and
+weight-gradient steps take equal times (the zero-bubble paper's balanced case)."""
+
+
+def split_bubble_share(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> float:
+    """The share of a step a rank idles under a split-backward ``schedule`` at ``BALANCED``
+    times: torch's shape as the auto-planner prices it (``autoplan.pipeline_schedule``; the
+    planner itself uses the layout's own F, I and W). NaN where it does not price the shape
+    (fewer micro-batches than the schedule fills)."""
+    layout = TrainingLayout(
+        pp=pp, virtual_stages=virtual_stages, num_micro_batches=micro_batches, schedule=schedule
+    )
+    if not pipeline_schedule.priced(schedule, layout):
+        return math.nan
+    bubble = pipeline_schedule.bubble_s(layout, pipeline_schedule.PassTimes(1.0, 1.0, 1.0))
+    return bubble / (bubble + 3.0 * micro_batches)
+
+
 def pipeline_record(plan: Any, micro_batches: int) -> dict | None:
-    """The schedule and the planner's bubble share of a step (``summary.json``'s ``pipeline``);
-    None without pipeline parallelism."""
+    """The schedule and the planner's bubble share of a step (``summary.json``'s ``pipeline``):
+    ``(p-1) / (v m + p-1)``, or under a split backward ``split_bubble_share`` (null where not
+    priced), with ``planned_bubble_basis`` saying which; None without pipeline parallelism."""
     pp, virtual_stages = plan.sizes.pp, plan.sizes.virtual_stages
     if pp == 1:
         return None
+    schedule = schedule_named(plan.schedule)
+    if schedule.split_backward:
+        share = split_bubble_share(schedule.name, pp, virtual_stages, micro_batches)
+        basis = f"torch's {schedule.name} at {BALANCED}"
+    else:
+        share, basis = bubble_share(pp, virtual_stages, micro_batches), "(p-1)/(v m + p-1)"
     return {
-        "schedule": resolve_schedule(plan.schedule),
+        "schedule": schedule.name,
         "pp": pp,
         "virtual_stages": virtual_stages,
         "micro_batches": micro_batches,
-        "planned_bubble_share": bubble_share(pp, virtual_stages, micro_batches),
+        "planned_bubble_share": None if math.isnan(share) else share,
+        "planned_bubble_basis": basis,
     }
 
 
@@ -142,9 +188,10 @@ def check_pipeline(plan: Any, *, model_config: Any, factory_cfg: Mapping[str, An
 
     Raises:
         ValueError: a schedule torch does not have; ``virtual_stages`` without ``pp`` or of the
-            wrong count for the schedule; a schedule the wrapper cannot run (zero bubble); a
-            model that is not a GPT; a wrapper other than ``ok.ddp``, ``ok.GradBucketer``,
-            ``ok.fsdp``; per-bucket or per-block optimizer updates.
+            wrong count for the schedule (a V schedule: 2); a model that is not a GPT; a
+            wrapper other than ``ok.ddp``, ``ok.GradBucketer``, ``ok.fsdp``; DDP's
+            ``find_unused_parameters`` under a split backward; per-bucket or per-block
+            optimizer updates.
     """
     schedule = schedule_named(plan.schedule)
     pp, virtual_stages = plan.sizes.pp, plan.sizes.virtual_stages
@@ -156,14 +203,6 @@ def check_pipeline(plan: Any, *, model_config: Any, factory_cfg: Mapping[str, An
             )
         return
     target = factory_cfg.get("_target_")
-    wrapper = wrapper_of(target)
-    why = schedule.refusal(wrapper)
-    if why is not None:
-        runs = [other.name for other in SCHEDULES if other.refusal(wrapper) is None]
-        raise ValueError(
-            f"parallel.plan.schedule={schedule.name} {why.format(target=target)}; use a "
-            f"schedule without zero bubble: {', '.join(runs)}"
-        )
     refusal = schedule.stages_refusal(virtual_stages) or wrapper_refusal("pp", pp, target)
     if refusal is not None:
         raise ValueError(refusal)
@@ -171,6 +210,12 @@ def check_pipeline(plan: Any, *, model_config: Any, factory_cfg: Mapping[str, An
         raise ValueError(
             f"parallel.plan.pp={pp} splits a GPT into stages (model=gpt_tiny); "
             f"{type(model_config).__name__} is not one"
+        )
+    if schedule.split_backward and factory_cfg.get("find_unused_parameters"):
+        raise ValueError(
+            f"parallel.find_unused_parameters=true with parallel.plan.schedule={schedule.name}: "
+            "its input-gradient step detaches the stage's outputs before the weight step, so DDP "
+            "could not find the used parameters; every gpt_tiny parameter is used, leave it false"
         )
     for key, value in (("optimizer", "optim"), ("optimizer_step", "by_block")):
         if factory_cfg.get(key) == value:

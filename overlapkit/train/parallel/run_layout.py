@@ -57,6 +57,8 @@ def run_layout(
     if sharding is None:
         return None
     full = train.recompute == "full"
+    # The layout names the zero-bubble schedules; 1F1B and interleaved 1F1B are its default.
+    schedule = schedule_named(plan.schedule) if (sizes.pp or 1) > 1 else None
     return TrainingLayout(
         **sizes.given() | {"dp": dp, "dp_shard": sizes.dp_shard if sharding == "hsdp" else None},
         micro_batch=train.batch_size,
@@ -64,6 +66,7 @@ def run_layout(
         recompute=train.recompute,
         recompute_layers=train.recompute_layers if full else None,
         sharding=sharding,
+        schedule=schedule.name if schedule is not None and schedule.split_backward else None,
     )
 
 

@@ -57,9 +57,10 @@ class RunSummary:
     pipeline: dict | None = None
     """With ``parallel.plan.pp > 1``: ``schedule``, ``pp``, ``virtual_stages``,
     ``micro_batches``, ``planned_bubble_share`` (the planner's idle share of a step,
-    ``(p - 1) / (v m + p - 1)``) and, when profiled, ``send_recv_exposed_share`` (exposed
-    send/recv / step time over the profiled rank-steps: the stages' waits for each other, the
-    bubble, plus the transfers)."""
+    ``(p - 1) / (v m + p - 1)``, or a split backward's at F = I = W; None where not priced),
+    ``planned_bubble_basis`` (which of the two) and, when profiled,
+    ``send_recv_exposed_share`` (exposed send/recv / step time over the profiled rank-steps: the
+    stages' waits for each other, the bubble, plus the transfers)."""
     ep_dispatch: list[dict] | None = None
     """Per rank, per MoE layer: the ``ep`` group its all-to-alls ran over and how many ran."""
     baseline_items_per_s: float | None = None
@@ -110,10 +111,12 @@ class RunSummary:
         if self.pipeline is not None:
             pipeline = self.pipeline
             stages = pipeline["pp"] * pipeline["virtual_stages"]
+            planned = pipeline["planned_bubble_share"]
+            basis = pipeline.get("planned_bubble_basis", "(p-1)/(v m + p-1)")
             line = (
                 f"  pipeline {pipeline['schedule']}: {stages} stages, "
-                f"{pipeline['micro_batches']} micro-batches; planned bubble (p-1)/(v m + p-1) = "
-                f"{100 * pipeline['planned_bubble_share']:.1f}% of the step"
+                f"{pipeline['micro_batches']} micro-batches; planned bubble {basis} = "
+                + ("not priced" if planned is None else f"{100 * planned:.1f}% of the step")
             )
             exposed = pipeline.get("send_recv_exposed_share")
             if exposed is not None:
