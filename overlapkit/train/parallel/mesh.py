@@ -75,6 +75,9 @@ class PlanConfig:
     (``overlapkit.layout.overlapkit_train.SCHEDULES``)."""
     order: tuple[str, ...] | None = None
     """Mesh axes outermost first, overriding the planner's traffic order (``ok.plan(order=)``)."""
+    ep_chunks: int = 1
+    """Token chunks each MoE layer's dispatch and combine are pipelined in with its experts
+    (``overlapkit.inlayer.chunked_ep``); 1 is the synchronous exchange."""
 
     @classmethod
     def of(cls, **section: Any) -> PlanConfig:
@@ -84,7 +87,7 @@ class PlanConfig:
             TypeError / ValueError: an unknown key (the valid ones listed) or a bad value,
                 named ``parallel.plan.<key>``.
         """
-        valid = (*PLAN_SIZES, "schedule", "order")
+        valid = (*PLAN_SIZES, "schedule", "order", "ep_chunks")
         unknown = sorted(set(section) - set(valid))
         if unknown:
             raise ValueError(
@@ -99,6 +102,7 @@ class PlanConfig:
             sizes=PartialLayout.from_mapping(RUN_SIZES.given() | sizes, spell=config_key),
             schedule=section.get("schedule", "1F1B"),
             order=None if order is None else tuple(str(axis) for axis in order),
+            ep_chunks=positive_count(section, "ep_chunks", 1),
         )
 
     @property
@@ -111,6 +115,18 @@ class PlanConfig:
         """The data-parallel size on ``world_size`` ranks (``parallel.plan.dp``, or the rest)."""
         sizes = self.sizes
         return sizes.dp or world_size // (sizes.tp * sizes.ep * sizes.cp * sizes.pp)
+
+
+def positive_count(section: Mapping[str, Any], key: str, default: int) -> int:
+    """``section[key]`` (``default`` when absent), an integer >= 1.
+
+    Raises:
+        ValueError: anything else, named ``parallel.plan.<key>``.
+    """
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{config_key(key)} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, Any]]:
@@ -161,6 +177,28 @@ def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: 
         refusal = wrapper_refusal(key, getattr(sizes, key), target)
         if refusal is not None:
             raise ValueError(refusal)
+
+
+def check_ep_chunks(plan: PlanConfig, *, batch_size: int, seq_len: int | None) -> None:
+    """Refuse an ``ep_chunks`` that cannot run: above 1 without ep, or more chunks than tokens.
+
+    Raises:
+        ValueError: one line naming ``parallel.plan.ep_chunks`` and the constraint.
+    """
+    chunks = plan.ep_chunks
+    if chunks == 1:
+        return
+    if plan.sizes.ep == 1:
+        raise ValueError(
+            f"parallel.plan.ep_chunks={chunks} pipelines expert parallelism's all-to-alls; "
+            "parallel.plan.ep is 1 (set parallel.plan.ep > 1, or ep_chunks=1)"
+        )
+    tokens = batch_size * (seq_len or 1)
+    if chunks > tokens:
+        raise ValueError(
+            f"parallel.plan.ep_chunks={chunks} must be at most the tokens each rank routes per "
+            f"micro-batch (train.batch_size x data.seq_len = {tokens})"
+        )
 
 
 def _check_world(plan: PlanConfig, world_size: int) -> None:

@@ -310,7 +310,7 @@ def _owning_modules(root: nn.Module, exclude: nn.Module) -> nn.ModuleList:
 def _expert_parallel(
     model: nn.Module, factory: Callable[..., object], layout: Layout
 ) -> Parallelized:
-    layers: list[MoE] = shard_experts(model, layout.ep_mesh)
+    layers: list[MoE] = shard_experts(model, layout.ep_mesh, chunks=layout.plan.ep_chunks)
     experts = nn.ModuleList(layer.experts for layer in layers)
     dense = factory(_owning_modules(model, experts), process_group=layout.dense_group)
     sharded = factory(experts, process_group=layout.dp_group)
