@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from overlapkit.group.dim_labels import (
     COMM_DIMS,
@@ -13,15 +12,6 @@ from overlapkit.group.dim_labels import (
     dim_of_group_desc,
     dim_of_label,
 )
-
-
-def test_comm_dim_writes_a_range_the_report_reads_back():
-    with profile(activities=[ProfilerActivity.CPU]) as prof, comm_dim("ep"):
-        torch.ones(4).sum()
-    names = [e.name for e in prof.events()]
-    labels = [n for n in names if n.startswith(LABEL_PREFIX)]
-    assert labels == ["overlapkit.dim:ep"]
-    assert dim_of_label(labels[0]) == "ep"
 
 
 def test_every_dim_round_trips_and_others_are_no_label():
@@ -54,3 +44,63 @@ def test_an_unknown_dim_is_refused_in_one_line():
 )
 def test_mesh_group_descriptions_name_their_dim(desc, dim):
     assert dim_of_group_desc(desc) == dim
+
+
+CHUNKS = 2
+
+
+def _known_traffic(rank: int, world_size: int, logdir: str) -> None:
+    """Three groups described as mesh axes but gloo (the trace says none of it), each step: a
+    tp all-gather (sync), a dp all-reduce and an ep all-to-all in flight under a matmul, a
+    chunked expert dispatch forward and backward, and an unlabelled all-reduce on the world."""
+    import torch.distributed as dist
+
+    import overlapkit as ok
+    from overlapkit.inlayer.chunked_ep import dispatch_combine
+
+    groups = {d: dist.new_group([0, 1], group_desc=f"mesh_{d}") for d in ("tp", "dp", "ep")}
+    weights = torch.randn(2, 8, 8, requires_grad=True)
+    with ok.profile(logdir, wait=0, warmup=1, active=2, record_shapes=True) as prof:
+        for _ in range(3):
+            with comm_dim("tp"):
+                gathered = torch.empty(2000)
+                dist.all_gather_into_tensor(gathered, torch.ones(1000), group=groups["tp"])
+            with comm_dim("dp"):
+                reduced = dist.all_reduce(torch.ones(3000), group=groups["dp"], async_op=True)
+            with comm_dim("ep"):
+                out = torch.empty(400)
+                sent = dist.all_to_all_single(
+                    out, torch.ones(400), group=groups["ep"], async_op=True
+                )
+            torch.randn(300, 300) @ torch.randn(300, 300)
+            reduced.wait()
+            sent.wait()
+            rows = torch.randn(12, 8, requires_grad=True)
+            experts = lambda x, counts: torch.cat(  # noqa: E731
+                [r @ weights[e] for e, r in enumerate(torch.split(x, list(counts)))]
+            )
+            expert_of = torch.arange(12) % 4
+            y = dispatch_combine(rows, expert_of, 4, experts, group=groups["ep"], chunks=CHUNKS)
+            y.sum().backward()
+            dist.all_reduce(torch.ones(10))
+            prof.step()
+
+
+def test_report_dims_split_a_gloo_run_by_the_labels_of_its_issuers(tmp_path):
+    from overlapkit.profiling.analysis import analyze_run
+    from tests.multiproc import run_on_ranks
+
+    run_on_ranks(_known_traffic, 2, str(tmp_path), total_timeout_s=120)
+    report = analyze_run(tmp_path)
+    assert len(report.steps) == 4  # 2 ranks x 2 active steps
+    for row in report.steps:
+        counts = {dim: s.count for dim, s in row.dims.items()}
+        # ep: the explicit all-to-all, the dispatch's routing counts, then dispatch and combine
+        # per chunk, forward and backward.
+        assert counts == {"tp": 1, "dp": 1, "ep": 1 + 1 + 4 * CHUNKS, "other": 1}, row.dims
+        assert row.dims["dp"].nbytes == 3000 * 4
+        assert sum(s.count for s in row.kinds.values()) == sum(counts.values())
+        assert sum(s.time_ms for s in row.dims.values()) >= row.comm_ms - 1e-6
+        # Nothing hid the synchronous all-gather.
+        assert row.dims["tp"].exposed_ms == pytest.approx(row.dims["tp"].time_ms)
+        assert set(row.to_dict()["dims"]["ep"]) == {"count", "bytes", "time_ms", "exposed_ms"}

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from overlapkit.group.dim_labels import LABEL_PREFIX, dim_of_label
 from overlapkit.profiling.record_store import RecordTable, SpillStore
 from overlapkit.profiling.trace_events import (
     LAUNCH_CATEGORIES,
@@ -172,10 +173,12 @@ class EnqueueOp:
 
 
 # What a host range (cpu_op / user_annotation) is, decided once per distinct name.
-_OP, _STEP, _GLOO, _LOADER, _ENQUEUE, _OTHER = range(6)
+_OP, _STEP, _GLOO, _LOADER, _ENQUEUE, _OTHER, _LABEL = range(7)
 
 
 def _host_class(name: str) -> int:
+    if name.startswith(LABEL_PREFIX) and dim_of_label(name) is not None:
+        return _LABEL
     if _STEP_NAME.match(name):
         return _STEP
     if name.startswith("gloo:"):
@@ -215,6 +218,8 @@ class EventCollector:
         self.metadata: dict[Any, tuple[str, int | None, str | None, int | None]] = {}
         self.enqueues: list[EnqueueOp] = []
         self.dataloader: list[tuple[float, float, int]] = []
+        self.labels: list[tuple[float, float, int, str]] = []
+        """``comm_dim`` ranges: (start, end, thread, dim)."""
         self.batch: list = []
 
     def _thread_codes(self, items: list) -> np.ndarray:
@@ -408,7 +413,7 @@ class EventCollector:
             self.ops.append(rows)
 
     def _special(self, kind: int, name: str, e: Any, start: float, end: float, thread: int) -> None:
-        """File a step, gloo, DataLoader or enqueue range."""
+        """File a step, gloo, DataLoader, dim label or enqueue range."""
         args = e.args or NO_ARGS
         if kind == _STEP:
             digits = _STEP_NAME.match(name).group(1)
@@ -421,6 +426,8 @@ class EventCollector:
             self.gloo.append((start, end, thread, collective_kind(name), nbytes, elements))
         elif kind == _LOADER:
             self.dataloader.append((start, end, thread))
+        elif kind == _LABEL:
+            self.labels.append((start, end, thread, dim_of_label(name)))
         else:  # an enqueue op
             if name == "record_param_comms":
                 kind_name = collective_kind(str(args.collective or ""))

@@ -118,12 +118,16 @@ class RankTrace:
     enqueues: list[EnqueueOp]
     dataloader: list[tuple[float, float, int]]
     groups: list[dict[str, Any]]
-    """``distributedInfo.pg_config``: ``pg_name``, ``ranks`` of each group this rank is in."""
+    """``distributedInfo.pg_config``: ``pg_name``, ``ranks`` (and ``pg_desc`` when given) of
+    each group this rank is in."""
     backend: str | None
     host: str | None
     """The trace's ``host_name``: ranks on one host share one clock."""
     store: SpillStore
     warnings: list[str] = field(default_factory=list)
+    labels: list[tuple[float, float, int, str]] = field(default_factory=list)
+    """``comm_dim`` ranges, ``(start, end, thread, dim)``: which dimension the collectives
+    issued inside serve (``overlapkit.group.dim_labels``)."""
 
     def close(self) -> None:
         self.store.close()
@@ -171,7 +175,10 @@ def _groups(header: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         ranks = group.get("ranks")
         if isinstance(ranks, list) and all(_is_int(r) for r in ranks) and "pg_name" in group:
-            out.append({"pg_name": str(group["pg_name"]), "ranks": ranks})
+            entry = {"pg_name": str(group["pg_name"]), "ranks": ranks}
+            if isinstance(group.get("pg_desc"), str):
+                entry["pg_desc"] = group["pg_desc"]
+            out.append(entry)
     return out
 
 
@@ -260,4 +267,5 @@ def load_rank_trace(path: str | Path, *, store: SpillStore | None = None) -> Ran
         host=header["host_name"] if isinstance(header.get("host_name"), str) else None,
         store=store,
         warnings=warnings,
+        labels=col.labels,
     )
