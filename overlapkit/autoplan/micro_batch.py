@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlapkit.autoplan.framework import Framework
+from overlapkit.autoplan.gemm import GemmRates, gemms_pass_seconds, routed_expert_gemms
 from overlapkit.autoplan.group_costs import LayoutCollectives
 from overlapkit.autoplan.memory import Precision, layers_per_stage
 from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.pipelined_comm import pipelined_exposed
 from overlapkit.layout import TrainingLayout
 
 BACKWARD_OVER_FORWARD = 2
@@ -149,10 +151,23 @@ def context_parallel(
 
 
 def expert_parallel(
-    stage: StageMicroBatch, collectives: LayoutCollectives, *, overlap: float
+    stage: StageMicroBatch,
+    collectives: LayoutCollectives,
+    *,
+    overlap: float,
+    chunks: int = 1,
+    rates: GemmRates | None = None,
 ) -> CommSeconds:
     """ep's all-to-alls of each token's ``topk`` copies per MoE layer, forward, backward and a
-    recomputed forward; ``overlap`` is the share hidden (DualPipe-style), the rest exposed."""
+    recomputed forward; ``overlap`` is the share hidden (DualPipe-style), the rest exposed.
+
+    With ``chunks > 1`` (overlapkit-train's ``parallel.plan.ep_chunks``, ``rates`` given) each
+    pass is priced as its pipeline (``pipelined_comm``): ``2 x chunks`` all-to-alls of a
+    ``chunks``-th of the bytes each (every call's latency and overhead counted: the extra
+    launches), hidden under the other chunks' expert GEMMs, forward and backward; the exposed
+    part also carries what the experts lose running ``chunks`` GEMMs of a ``chunks``-th of the
+    rows (``gemm``'s wave and tile model) instead of one.
+    """
     layout, model = stage.layout, stage.model
     ep_bytes = (
         stage.tokens
@@ -161,9 +176,24 @@ def expert_parallel(
         * model.dispatch_copies
         * stage.activation_bytes
     )
-    calls = ALL_TO_ALLS_PER_MOE_PASS * (2 + stage.recomputed)
-    total = stage.moe_layers * calls * collectives("all_to_all", ep_bytes, "ep")
-    return CommSeconds(total, (1 - overlap) * total)
+    passes = 2 + stage.recomputed
+    if chunks == 1 or rates is None or layout.ep == 1:
+        calls = ALL_TO_ALLS_PER_MOE_PASS * passes
+        total = stage.moe_layers * calls * collectives("all_to_all", ep_bytes, "ep")
+        return CommSeconds(total, (1 - overlap) * total)
+    comm = collectives("all_to_all", ep_bytes / chunks, "ep")
+    whole = routed_expert_gemms(model, stage.tokens, tp=layout.tp, ep=layout.ep, cp=layout.cp)
+    full_fwd, full_bwd = gemms_pass_seconds(whole, rates)
+    part_fwd, part_bwd = gemms_pass_seconds(
+        routed_expert_gemms(model, stage.tokens / chunks, tp=layout.tp, ep=layout.ep, cp=layout.cp),
+        rates,
+    )
+    forwards = 1 + stage.recomputed
+    exposed = forwards * pipelined_exposed(comm, part_fwd, chunks)
+    exposed += pipelined_exposed(comm, part_bwd, chunks)
+    lost = forwards * (chunks * part_fwd - full_fwd) + (chunks * part_bwd - full_bwd)
+    total = stage.moe_layers * passes * ALL_TO_ALLS_PER_MOE_PASS * chunks * comm
+    return CommSeconds(total, stage.moe_layers * (exposed + max(0.0, lost)))
 
 
 def pipeline_parallel(

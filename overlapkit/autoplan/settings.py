@@ -50,6 +50,8 @@ class SearchSettings:
     """None: the topology library's default."""
     tp_overlap: float = 0.0
     ep_overlap: float = 0.0
+    ep_chunks: int = 1
+    """Token chunks of overlapkit-train's pipelined ep (``StepOptions.ep_chunks``)."""
     fsdp_prefetch: int = 1
     accelerator: Accelerator | None = None
     """Overrides the topology's (a measured CPU, another memory size). An accelerator with a
@@ -107,6 +109,7 @@ class SearchSettings:
             flash_attention=self.flash_attention,
             tp_overlap=self.tp_overlap,
             ep_overlap=self.ep_overlap,
+            ep_chunks=self.ep_chunks,
             framework=self.framework,
             **host_terms,
         )

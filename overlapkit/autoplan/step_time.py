@@ -9,7 +9,7 @@ step".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from overlapkit.autoplan.compute import gemm_rates
 from overlapkit.autoplan.framework import MEGATRON, Framework
@@ -25,6 +25,7 @@ from overlapkit.autoplan.memory import BF16, Precision, StageParams, sharding_gr
 from overlapkit.autoplan.memory_traffic import layer_memory_seconds, loss_bytes
 from overlapkit.autoplan.micro_batch import (
     BACKWARD_OVER_FORWARD,
+    CommSeconds,
     StageMicroBatch,
     context_parallel,
     expert_parallel,
@@ -60,6 +61,9 @@ class StepOptions:
     """Share of tp communication hidden (async TP); 0: all on the critical path."""
     ep_overlap: float = 0.0
     """Share of ep all-to-all hidden behind compute (DualPipe-style schedules)."""
+    ep_chunks: int = 1
+    """Token chunks each MoE layer's all-to-alls are pipelined in with its experts
+    (overlapkit-train's ``parallel.plan.ep_chunks``; ``micro_batch.expert_parallel``)."""
     collective_overhead_s: float = 0.0
     """Seconds every collective call costs beyond what the cost model prices: its launch and
     the wait for the last rank to arrive. 0 by default (NCCL's launch is microseconds); where
@@ -111,6 +115,9 @@ class StepTime:
     """Per step, all GPUs: 6N + attention per token, no recomputation."""
     hardware_flops: float
     """Per step, all GPUs, recomputation counted."""
+    hidden_share: dict[str, float] = field(default_factory=dict)
+    """Per dimension whose communication a mode pipelines with compute (``ep`` with
+    ``ep_chunks > 1``), the share of it the model hides."""
 
     def to_dict(self) -> dict:
         return {
@@ -127,6 +134,7 @@ class StepTime:
             "bubble_s": self.bubble_s,
             "optimizer_s": self.optimizer_s,
             "comm_total_s": self.comm_total_s,
+            "hidden_share": dict(self.hidden_share),
         }
 
 
@@ -281,7 +289,13 @@ def predict_step(
     tp = tensor_parallel(stage, collectives, overlap=options.tp_overlap)
     ring_window = options.overlap_efficiency * RING_WINDOW_FORWARDS * compute.attention_forward_s
     cp = context_parallel(stage, collectives, ring_window_s=ring_window)
-    ep = expert_parallel(stage, collectives, overlap=options.ep_overlap)
+    ep = expert_parallel(
+        stage,
+        collectives,
+        overlap=options.ep_overlap,
+        chunks=options.ep_chunks,
+        rates=rates.matmul,
+    )
     pp_s, tied_s = pipeline_parallel(stage, collectives)
     first, last = (
         stage_params(model, layout, stage=i, vocab_parallel=framework.vocab_parallel)
@@ -326,7 +340,16 @@ def predict_step(
         + sync.total_s,
         model_flops=model_flops,
         hardware_flops=hardware_flops,
+        hidden_share=_hidden_share(ep, options.ep_chunks),
     )
+
+
+def _hidden_share(ep: CommSeconds, chunks: int) -> dict[str, float]:
+    """ep's hidden share under chunking (what the chunks lose in GEMM efficiency counts as
+    exposed, so a mode that loses more than it hides shows 0)."""
+    if chunks == 1 or ep.total_s == 0:
+        return {}
+    return {"ep": max(0.0, 1.0 - ep.exposed_s / ep.total_s)}
 
 
 def _local_params(layout: TrainingLayout, dense_params: float, expert_params: float) -> float:

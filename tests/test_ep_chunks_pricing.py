@@ -1,0 +1,85 @@
+"""The planner's price of chunked expert parallelism (``parallel.plan.ep_chunks``): the pipeline
+formula, and a step priced from its parts (cost model, GEMM model, extra calls)."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
+from overlapkit.autoplan.gemm import GemmRates, gemms_pass_seconds, routed_expert_gemms
+from overlapkit.autoplan.group_costs import AxisCosts, LayoutCollectives
+from overlapkit.autoplan.models import load_model
+from overlapkit.autoplan.pipelined_comm import pipelined_exposed
+from overlapkit.autoplan.step_time import StepOptions, StepRates, predict_step
+from overlapkit.layout import TrainingLayout
+from overlapkit.topology import bare_link
+from overlapkit.topology.accelerator import Accelerator
+
+GPU = Accelerator(name="test", memory_GB=80, peak_bf16_tflops=1000, sms=None)
+MIXTRAL = load_model("mixtral-8x7b")
+LAYOUT = TrainingLayout(ep=8, dp=1, micro_batch=1, num_micro_batches=1)
+
+
+@pytest.mark.parametrize(
+    ("comm", "compute", "chunks", "exposed"),
+    [
+        (1.0, 5.0, 1, 2.0),  # one chunk: synchronous, all of it exposed
+        (1.0, 0.5, 2, 3.0),  # 2 + (1 - 0.5) under each chunk (one exchange in flight each)
+        (1.0, 3.0, 3, 2.0),  # compute hides every middle exchange: the first and last remain
+        (1.0, 0.0, 3, 6.0),  # nothing to hide behind: every one of the 2 x 3 exchanges
+        (1.0, 1.5, 3, 2.5),  # the middle chunk has two in flight (2 - 1.5), the ends one each
+    ],
+)
+def test_pipelined_exposure_follows_its_formula(comm, compute, chunks, exposed):
+    assert pipelined_exposed(comm, compute, chunks) == pytest.approx(exposed)
+    # Never more hidden than the compute, never more exposed than every exchange.
+    total = 2 * chunks * comm
+    assert total - chunks * compute <= exposed <= total
+
+
+def _options(chunks: int) -> StepOptions:
+    return StepOptions(
+        seq_len=4096,
+        accelerator=GPU,
+        achievable=0.5,
+        overlap_efficiency=0.9,
+        framework=OVERLAPKIT_TRAIN,
+        ep_chunks=chunks,
+    )
+
+
+def test_chunked_ep_is_priced_from_the_cost_model_the_gemm_model_and_the_pipeline():
+    topology = bare_link(25.0, 10.0, 8).with_accelerator(GPU)  # 25 GB/s, 10 us
+    costs = AxisCosts(topology)
+    sync = predict_step(MIXTRAL, LAYOUT, _options(1), costs)
+    assert sync.hidden_share == {} and sync.ep_s > 0
+    for chunks in (2, 4):
+        step = predict_step(MIXTRAL, LAYOUT, _options(chunks), costs)
+        # Rebuilt here from the parts the docstring names.
+        collectives = LayoutCollectives(costs, LAYOUT)
+        tokens = 4096
+        ep_bytes = tokens * MIXTRAL.hidden * MIXTRAL.dispatch_copies * 2
+        comm = collectives("all_to_all", ep_bytes / chunks, "ep")
+        rates: GemmRates = StepRates.of(_options(chunks)).matmul
+        gemms = lambda rows: gemms_pass_seconds(  # noqa: E731
+            routed_expert_gemms(MIXTRAL, rows, tp=1, ep=8, cp=1), rates
+        )
+        (full_f, full_b), (part_f, part_b) = gemms(tokens), gemms(tokens / chunks)
+        per_layer = pipelined_exposed(comm, part_f, chunks) + pipelined_exposed(
+            comm, part_b, chunks
+        )
+        per_layer += max(0.0, chunks * (part_f + part_b) - full_f - full_b)
+        assert step.ep_s == pytest.approx(MIXTRAL.moe_layers * per_layer, rel=1e-9)
+        total = MIXTRAL.moe_layers * 2 * 2 * chunks * comm
+        share = step.hidden_share["ep"]
+        assert share == pytest.approx(max(0.0, 1 - step.ep_s / total), rel=1e-9)
+        assert 0 < share < 1
+        assert step.ep_s < sync.ep_s  # a slow link under large experts: chunking pays
+        assert step.to_dict()["hidden_share"] == {"ep": share}
+
+
+def test_chunking_tiny_experts_on_a_high_latency_link_costs_more_than_it_hides():
+    topology = bare_link(25.0, 5000.0, 8).with_accelerator(GPU)  # 5 ms per call
+    costs = AxisCosts(topology)
+    sync, chunked = (predict_step(MIXTRAL, LAYOUT, _options(c), costs) for c in (1, 8))
+    assert chunked.ep_s > sync.ep_s  # the extra launches' latency is not hidden
