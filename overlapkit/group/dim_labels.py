@@ -10,7 +10,11 @@ that issues it (synchronous or async) in ``comm_dim(dim)``: a ``torch.profiler``
 enqueue op. ``overlapkit report`` reads the ranges back (``dim_of_label``) and attributes each
 collective to a dimension (the report's per-step ``dims``).
 
-Outside a profiled region the range costs one ``record_function`` enter and exit (about a
+A thread that blocks on a collective's ``wait()`` inside an operator's range (an autograd
+node's backward that waits for its exchange) would look busy to the report; ``comm_wait()``
+marks the wait (``overlapkit.wait``), and the report does not count it as compute.
+
+Outside a profiled region a range costs one ``record_function`` enter and exit (about a
 microsecond on the host), so it is left on in every run.
 
 A leaf beside ``process_group``: the wrappers (``ddp``, ``fsdp``), the in-layer overlap, the
@@ -28,6 +32,8 @@ COMM_DIMS = ("tp", "cp", "ep", "pp", "dp", "other")
 """The keys of the report's ``dims``: a layout's dimensions, and ``other`` for the rest."""
 LABEL_PREFIX = "overlapkit.dim:"
 """How a dimension's range is named in the trace: ``overlapkit.dim:tp``."""
+WAIT_LABEL = "overlapkit.wait"
+"""How ``comm_wait``'s range is named in the trace."""
 _MESH_DESC = "mesh_"
 # DeviceMesh axis names that are data parallel under another name (HSDP's two axes, the
 # flattened dp x cp group the gradient reducers get under context parallelism).
@@ -51,6 +57,13 @@ def comm_dim(dim: str) -> Iterator[None]:
         ValueError: ``dim`` is not one of ``COMM_DIMS``.
     """
     with record_function(LABEL_PREFIX + _checked(dim)):
+        yield
+
+
+@contextlib.contextmanager
+def comm_wait() -> Iterator[None]:
+    """Mark a thread's wait for a collective (``work.wait()`` inside), which is not compute."""
+    with record_function(WAIT_LABEL):
         yield
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from overlapkit.group.dim_labels import comm_dim
+from overlapkit.group.dim_labels import comm_dim, comm_wait
 
 Experts = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
 """``experts(rows, counts)``: rows grouped by local expert (``counts[e]`` rows for expert ``e``,
@@ -95,7 +95,8 @@ class _Link:
         assert self.pending is not None, "an exchange is waited for once, after it started"
         work, out = self.pending
         self.pending = None
-        work.wait()
+        with comm_wait():  # not compute, even inside an autograd node (the report)
+            work.wait()
         return out
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from overlapkit.group.dim_labels import LABEL_PREFIX, dim_of_label
+from overlapkit.group.dim_labels import LABEL_PREFIX, WAIT_LABEL, dim_of_label
 from overlapkit.profiling.record_store import RecordTable, SpillStore
 from overlapkit.profiling.trace_events import (
     LAUNCH_CATEGORIES,
@@ -173,10 +173,12 @@ class EnqueueOp:
 
 
 # What a host range (cpu_op / user_annotation) is, decided once per distinct name.
-_OP, _STEP, _GLOO, _LOADER, _ENQUEUE, _OTHER, _LABEL = range(7)
+_OP, _STEP, _GLOO, _LOADER, _ENQUEUE, _OTHER, _LABEL, _WAIT = range(8)
 
 
 def _host_class(name: str) -> int:
+    if name == WAIT_LABEL:
+        return _WAIT
     if name.startswith(LABEL_PREFIX) and dim_of_label(name) is not None:
         return _LABEL
     if _STEP_NAME.match(name):
@@ -220,6 +222,8 @@ class EventCollector:
         self.dataloader: list[tuple[float, float, int]] = []
         self.labels: list[tuple[float, float, int, str]] = []
         """``comm_dim`` ranges: (start, end, thread, dim)."""
+        self.waits: list[tuple[float, float, int]] = []
+        """``comm_wait`` ranges: (start, end, thread)."""
         self.batch: list = []
 
     def _thread_codes(self, items: list) -> np.ndarray:
@@ -413,7 +417,7 @@ class EventCollector:
             self.ops.append(rows)
 
     def _special(self, kind: int, name: str, e: Any, start: float, end: float, thread: int) -> None:
-        """File a step, gloo, DataLoader, dim label or enqueue range."""
+        """File a step, gloo, DataLoader, dim label, wait or enqueue range."""
         args = e.args or NO_ARGS
         if kind == _STEP:
             digits = _STEP_NAME.match(name).group(1)
@@ -428,6 +432,8 @@ class EventCollector:
             self.dataloader.append((start, end, thread))
         elif kind == _LABEL:
             self.labels.append((start, end, thread, dim_of_label(name)))
+        elif kind == _WAIT:
+            self.waits.append((start, end, thread))
         else:  # an enqueue op
             if name == "record_param_comms":
                 kind_name = collective_kind(str(args.collective or ""))

@@ -13,7 +13,9 @@ What counts as what (Kineto traces written by ``torch.profiler``):
 - **CPU traces**: communication is the ``gloo:*`` ranges that gloo's worker threads
   (``pt_gloo_runloop``) record around each collective; compute is the main thread's operators
   (``cpu_op``), except the collectives' own enqueue ops (``c10d::*``, ``record_param_comms``),
-  which only hand work to gloo. A gloo range belongs to the step in which it started.
+  which only hand work to gloo, and the waits overlapkit marks (``overlapkit.wait``: a thread
+  blocked on a collective inside an operator, such as an autograd node's backward). A gloo
+  range belongs to the step in which it started.
 - **Backward compute** (for the tail): operators named ``autograd::engine::evaluate_function:*``
   on CPU; on GPU, kernels launched from inside such an operator (on any thread, since CUDA
   backward runs on autograd's device threads).
@@ -128,6 +130,8 @@ class RankTrace:
     labels: list[tuple[float, float, int, str]] = field(default_factory=list)
     """``comm_dim`` ranges, ``(start, end, thread, dim)``: which dimension the collectives
     issued inside serve (``overlapkit.group.dim_labels``)."""
+    waits: list[tuple[float, float, int]] = field(default_factory=list)
+    """``comm_wait`` ranges, ``(start, end, thread)``: a thread blocked on a collective."""
 
     def close(self) -> None:
         self.store.close()
@@ -268,4 +272,5 @@ def load_rank_trace(path: str | Path, *, store: SpillStore | None = None) -> Ran
         store=store,
         warnings=warnings,
         labels=col.labels,
+        waits=col.waits,
     )

@@ -11,10 +11,11 @@ CPU) and ``compute`` the compute intervals assigned to it:
 - ``overlap_ratio`` = 1 - exposed / comm (None for a step without communication).
 
 Compute is a table of intervals with the time that assigns them to a step (``anchor``): on CPU
-the main thread's busy time (the union of its operators, less the collectives' enqueue ops), on
-GPU the compute kernels, anchored at their launch. ``compute_table`` builds it block by block
-from the record tables, and ``step_rows`` computes windows of steps at a time (all of them when
-nothing was spilled), each in a few array operations whatever its number of steps.
+the main thread's busy time (the union of its operators, less the collectives' enqueue ops and
+the waits overlapkit marks), on GPU the compute kernels, anchored at their launch.
+``compute_table`` builds it block by block from the record tables, and ``step_rows`` computes
+windows of steps at a time (all of them when nothing was spilled), each in a few array
+operations whatever its number of steps.
 """
 
 from __future__ import annotations
@@ -123,10 +124,12 @@ def _streamed_union(blocks: Iterator[np.ndarray]) -> Iterator[tuple[np.ndarray, 
 
 
 def _cpu_compute(trace: RankTrace, out: RecordTable) -> None:
-    """The main thread's busy intervals: its operators' union less the enqueue ops'; then its
-    backward intervals, the same way (the table holds both; unions count them once)."""
+    """The main thread's busy intervals: its operators' union less the enqueue ops' and the
+    marked waits'; then its backward intervals, the same way (the table holds both; unions
+    count them once)."""
     main = trace.main_thread
     enqueue = [(q.start, q.end) for q in trace.enqueues if q.thread == main]
+    enqueue += [(start, end) for start, end, thread in trace.waits if thread == main]
     cut_s, cut_e = ia.union(
         np.array([s for s, _ in enqueue], float), np.array([e for _, e in enqueue], float)
     )
