@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "NonFiniteGradients": "overlapkit.ddp.finite",
     "fsdp": "overlapkit.fsdp.wrap",
     "fsdp_stats": "overlapkit.fsdp.state",
+    "SequenceParallel": "overlapkit.inlayer.sequence_parallel",
+    "sequence_parallel": "overlapkit.inlayer.sequence_parallel",
     "Estimate": "overlapkit.cost.estimate",
     "Placement": "overlapkit.planner.placement",
     "estimate": "overlapkit.cost.estimate",

@@ -13,11 +13,14 @@ user's own block (a gated MLP whose two column-parallel linears share their inpu
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from importlib.resources import files
 
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -34,7 +37,11 @@ from overlapkit.inlayer.sequence_parallel import (
 from overlapkit.inlayer.split_overlap import check_chunks
 from overlapkit.inlayer.tp_collectives import TpGroup
 from overlapkit.train.models.gpt import GPT, GPTConfig
+from overlapkit.train.parallel.mesh import PlanConfig
+from overlapkit.train.parallel.tensor_parallel import check_tensor_parallel
 from overlapkit.train.parallel.wrappers import clip_grad_norm
+from tests.cuda import requires_cuda
+from tests.multiproc import run_on_ranks
 
 CONFIG = dict(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=16)
 BATCH, SEQ, CHUNKS = 4, 8, 2
@@ -225,3 +232,87 @@ def test_refusals_name_the_mode_the_chunks_and_the_sequence():
         check_sequence(4, 6)
     check_sequence(4, 8)
     check_chunks(2, 4)
+
+
+@pytest.mark.parametrize(
+    ("section", "batch_size", "seq_len", "message"),
+    [
+        (dict(tp=2, tp_comm="rings"), 4, 8, r"parallel.plan.tp_comm must be one of sync, split"),
+        (dict(tp=2, tp_chunks=0), 4, 8, r"parallel.plan.tp_chunks must be an integer >= 1, got 0"),
+        (dict(tp_comm="ring"), 4, 8, r"tp_comm=ring overlaps .*parallel.plan.tp is 1"),
+        (dict(tp=4), 4, 6, r"into tp=4 equal slices, which must divide data.seq_len \(6\)"),
+        (dict(tp=2, cp=2), 4, 12, r"tp x 2 x cp = 2 x 2 x 2 = 8 equal slices, .*seq_len \(12\)"),
+        (dict(tp=2, tp_comm="split", tp_chunks=3), 4, 8, r"tp_chunks \(3\) must divide train.b"),
+    ],
+)
+def test_overlapkit_train_refuses_tp_settings_in_one_line(section, batch_size, seq_len, message):
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(PlanConfig.of(**section), batch_size=batch_size, seq_len=seq_len)
+
+
+def test_tp_dp_declares_the_modes_defaults():
+    plan = PlanConfig.of(tp=2)
+    assert (plan.tp_comm, plan.tp_chunks) == ("sync", 2)
+    declared = OmegaConf.load(files("overlapkit.conf") / "parallel" / "tp_dp.yaml").plan
+    assert PlanConfig.of(**declared) == plan
+    check_tensor_parallel(PlanConfig.of(tp=2, tp_comm="split"), batch_size=4, seq_len=8)
+
+
+NCCL_ENV = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"}
+
+
+def _blocks_without_host_sync(model: GPT, device: torch.device) -> None:
+    """Forward and backward of the (sequence-parallel) blocks with any host sync an error."""
+    x = torch.randn(BATCH, SEQ, CONFIG["n_embd"], device=device, requires_grad=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = x
+        for block in model.blocks:
+            out = block(out)
+        out.square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    model.zero_grad()
+
+
+def _nccl_modes_match_sync(rank: int, world_size: int) -> dict:
+    if torch.cuda.device_count() >= world_size:
+        device = torch.device("cuda", rank)
+    else:  # one GPU: NCCL joins the two ranks through its socket transport, as two "hosts"
+        os.environ["NCCL_HOSTID"] = f"host{rank}"
+        device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = GPT(GPTConfig(**CONFIG)).to(device)
+    inputs, targets = (t.to(device) for t in _batch(0))
+    GPT.loss(reference(inputs), targets).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    gaps = {}
+    for tp_comm in TP_COMMS:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CONFIG)).to(device)
+        sp = sequence_parallel(model.blocks, mesh, plan=GPT_PLAN, tp_comm=tp_comm)
+        GPT.loss(model(inputs), targets).backward()  # the first step also sets NCCL up
+        sp.reduce_grads()
+        grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        model.zero_grad()
+        _blocks_without_host_sync(model, device)
+        # CUDA kernels may sum in another order than one process's; tp on gloo asserts 1e-5.
+        gaps[tp_comm] = _close(grads, expected, f"{tp_comm} grad", atol=1e-4)
+    return gaps
+
+
+@requires_cuda
+@pytest.mark.timeout(600)
+def test_cuda_every_tp_comm_equals_sync_without_host_syncs():
+    results = run_on_ranks(
+        _nccl_modes_match_sync,
+        2,
+        collective_timeout_s=120,
+        total_timeout_s=560,
+        env=NCCL_ENV,
+        backend="nccl",
+    )
+    print(results[0])
+    assert set(results[0]) == set(TP_COMMS)

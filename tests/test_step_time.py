@@ -169,12 +169,13 @@ def test_optimizer_host_cost_counts_plain_and_dtensor_parameters():
     spec = train_model_spec(GPTConfig(n_embd=128, block_size=64), name="gpt_tiny")
     costs = AxisCosts(_free_comm(4))
     options = _options(optimizer_tensor_s=1e-3, optimizer_dtensor_s=1e-2, optimizer_param_s=0.0)
-    # gpt_tiny holds 68 parameter tensors: 48 in the blocks' linear layers (split under tp).
+    # gpt_tiny holds 68 parameter tensors: 48 in the blocks' linear layers, of which 40 are split
+    # under tp (DTensors) and the 8 row-parallel biases stay plain (sequence parallelism).
     expected = {
         TrainingLayout(dp=4): 68e-3,
         TrainingLayout(dp=4, sharding="fsdp"): 68e-2,
         TrainingLayout(dp=4, sharding="hsdp", dp_shard=2): 68e-2,
-        TrainingLayout(dp=2, tp=2): 20e-3 + 48e-2,
+        TrainingLayout(dp=2, tp=2): 28e-3 + 40e-2,
     }
     for layout, seconds in expected.items():
         step = predict_step(

@@ -45,6 +45,10 @@ class Framework:
     """The embedding and the output layer split over tp; False: replicated on every tp rank."""
     dtensor_parameters: bool
     """The parameters split over tp or ep are DTensors (torch's ``parallelize_module``)."""
+    plain_row_biases: bool = False
+    """With ``dtensor_parameters``: the row-parallel linears' biases stay plain tensors (added on
+    the sequence shard, their gradients summed over tp once per step: overlapkit-train's
+    ``overlapkit.inlayer.sequence_parallel``); False: replicated DTensors."""
     selective: SelectiveRecompute = ATTENTION_CORE
     """What its selective recomputation recomputes, and so what it costs."""
     fsdp_gathered_across_micro_batches: bool = False
@@ -101,6 +105,7 @@ OVERLAPKIT_TRAIN = Framework(
     tp_backward_all_reduces=4,
     vocab_parallel=False,
     dtensor_parameters=True,
+    plain_row_biases=True,
     selective=SDPA_KERNEL,
     zero_on_fsdp=True,
     fsdp_reduces_once_per_step=True,

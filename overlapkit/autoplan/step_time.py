@@ -418,7 +418,8 @@ def parameter_tensors(
 
     FSDP2 (fsdp, hsdp, and zero1 / zero2 where ``framework.zero_on_fsdp``) makes every
     parameter a DTensor; otherwise the tp and ep shards are DTensors where
-    ``framework.dtensor_parameters``, the rest plain tensors.
+    ``framework.dtensor_parameters`` (the row-parallel biases not where
+    ``framework.plain_row_biases``), the rest plain tensors.
     """
     share = model.moe_layers / model.layers if model.is_moe else 0.0
     dense = model.layer_tensors(moe_layer=False)
@@ -432,10 +433,13 @@ def parameter_tensors(
     fsdp2 = ("fsdp", "hsdp", "zero1", "zero2") if framework.zero_on_fsdp else ("fsdp", "hsdp")
     if layout.sharding in fsdp2:
         return 0.0, total
-    dtensors = 0.0
-    if framework.dtensor_parameters:
-        dtensors += layers * split if layout.tp > 1 else 0.0
-        dtensors += layers * expert if layout.ep > 1 else 0.0
+    if not framework.dtensor_parameters:
+        return total, 0.0
+    if framework.plain_row_biases:
+        split -= (1 - share) * model.row_parallel_biases(moe_layer=False)
+        split -= share * model.row_parallel_biases(moe_layer=True)
+    dtensors = layers * split if layout.tp > 1 else 0.0
+    dtensors += layers * expert if layout.ep > 1 else 0.0
     return total - dtensors, dtensors
 
 

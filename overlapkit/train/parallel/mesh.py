@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlapkit.group.process_group import inherit_timeout
+from overlapkit.inlayer.sequence_parallel import DEFAULT_TP_CHUNKS, SYNC, TP_COMMS
 from overlapkit.layout import PartialLayout
 from overlapkit.layout.overlapkit_train import wrapper_refusal
 from overlapkit.planner import Placement
@@ -78,6 +79,11 @@ class PlanConfig:
     ep_chunks: int = 1
     """Token chunks each MoE layer's dispatch and combine are pipelined in with its experts
     (``overlapkit.inlayer.chunked_ep``); 1 is the synchronous exchange."""
+    tp_comm: str = SYNC
+    """How tensor parallel's collectives meet its matmuls: ``sync``, ``split`` (the micro-batch
+    in ``tp_chunks`` chunks) or ``ring`` (``overlapkit.inlayer.sequence_parallel.TP_COMMS``)."""
+    tp_chunks: int = DEFAULT_TP_CHUNKS
+    """With ``tp_comm=split``: chunks of each micro-batch; must divide ``train.batch_size``."""
 
     @classmethod
     def of(cls, **section: Any) -> PlanConfig:
@@ -87,7 +93,7 @@ class PlanConfig:
             TypeError / ValueError: an unknown key (the valid ones listed) or a bad value,
                 named ``parallel.plan.<key>``.
         """
-        valid = (*PLAN_SIZES, "schedule", "order", "ep_chunks")
+        valid = (*PLAN_SIZES, "schedule", "order", "ep_chunks", "tp_comm", "tp_chunks")
         unknown = sorted(set(section) - set(valid))
         if unknown:
             raise ValueError(
@@ -103,6 +109,8 @@ class PlanConfig:
             schedule=section.get("schedule", "1F1B"),
             order=None if order is None else tuple(str(axis) for axis in order),
             ep_chunks=positive_count(section, "ep_chunks", 1),
+            tp_comm=_tp_comm(section.get("tp_comm", SYNC)),
+            tp_chunks=positive_count(section, "tp_chunks", DEFAULT_TP_CHUNKS),
         )
 
     @property
@@ -127,6 +135,14 @@ def positive_count(section: Mapping[str, Any], key: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{config_key(key)} must be an integer >= 1, got {value!r}")
     return value
+
+
+def _tp_comm(value: object) -> str:
+    if value not in TP_COMMS:
+        raise ValueError(
+            f"{config_key('tp_comm')} must be one of {', '.join(TP_COMMS)}, got {value!r}"
+        )
+    return str(value)
 
 
 def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, Any]]:

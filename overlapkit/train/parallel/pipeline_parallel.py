@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from overlapkit.ddp import GradBucketer
 from overlapkit.fsdp import zero_stage
 from overlapkit.group.process_group import inherit_timeout
+from overlapkit.inlayer.sequence_parallel import SequenceParallel
 from overlapkit.train.models.gpt import GPT
 from overlapkit.train.parallel.mesh import Layout, PlanConfig
 from overlapkit.train.parallel.pipeline_stages import (
@@ -63,10 +64,10 @@ from overlapkit.train.parallel.pipeline_stages import (
 )
 from overlapkit.train.parallel.wrappers import (
     Parallelized,
-    apply_tensor_parallel,
     grad_norm,
     group_kwargs,
     scale_grads,
+    tensor_parallel,
 )
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,8 @@ class Pipeline:
     """This rank's parameters, of all its stages."""
     uncounted: tuple[nn.Parameter, ...]
     """The head's copy of the tied embedding (the first stage counts the weight in the norm)."""
+    tp: SequenceParallel | None = None
+    """The blocks' sequence parallelism, whose replicated gradients are summed over tp."""
 
     @property
     def has_first(self) -> bool:
@@ -209,6 +212,8 @@ class Pipeline:
             bucketer.wait()
         if self.tied is not None:
             self.tied.sum()
+        if self.tp is not None:
+            self.tp.reduce_grads()
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, max_norm: float | None
@@ -264,8 +269,7 @@ def apply_pipeline(
     pp_rank = layout.pp_mesh.get_local_rank()
     num_stages = plan.sizes.pp * plan.sizes.virtual_stages
     n_layer = len(model.blocks)
-    if plan.sizes.tp > 1:
-        apply_tensor_parallel(model, layout.tp_mesh)
+    tp = tensor_parallel(model, layout)
     tied = _untie_head(model)
     mine = local_stages(pp_rank, plan.sizes.pp, plan.sizes.virtual_stages)
     last = num_stages - 1
@@ -294,6 +298,7 @@ def apply_pipeline(
         tied=tie,
         params=list(local.parameters()),
         uncounted=uncounted,
+        tp=tp,
     )
     logger.info(
         "pipeline rank %d holds stage(s) %s of %d: blocks %s",
@@ -307,7 +312,7 @@ def apply_pipeline(
         contextlib.nullcontext,
         pipeline.finish_backward,
         not bucketers,
-        _describe(schedule_name, plan, n_layer, micro_batches, what),
+        _describe(schedule_name, plan, n_layer, micro_batches, what, tp),
         optimizer_step=pipeline.optimizer_step,
         bucketers=tuple(bucketers),
         bucketer_keys=tuple(f"stage{s}" for s in mine) if bucketers else (),
@@ -378,7 +383,12 @@ def _tied_gradients(
 
 
 def _describe(
-    schedule_name: str, plan: PlanConfig, n_layer: int, micro_batches: int, what: str
+    schedule_name: str,
+    plan: PlanConfig,
+    n_layer: int,
+    micro_batches: int,
+    what: str,
+    tp: SequenceParallel | None,
 ) -> str:
     num_stages = plan.sizes.pp * plan.sizes.virtual_stages
     blocks = n_layer // num_stages
@@ -388,7 +398,7 @@ def _describe(
         + f" ({num_stages} stages of {blocks} block"
         + "s" * (blocks != 1)
         + f", {micro_batches} micro-batches), {what} over dp"
-        + (f", tensor parallel tp={plan.sizes.tp}" if plan.sizes.tp > 1 else "")
+        + (f", {tp.description}" if tp is not None else "")
     )
 
 
