@@ -61,10 +61,10 @@ def test_chunked_ep_is_priced_from_the_cost_model_the_gemm_model_and_the_pipelin
         ep_bytes = tokens * MIXTRAL.hidden * MIXTRAL.dispatch_copies * 2
         comm = collectives("all_to_all", ep_bytes / chunks, "ep")
         rates: GemmRates = StepRates.of(_options(chunks)).matmul
-        gemms = lambda rows: gemms_pass_seconds(  # noqa: E731
-            routed_expert_gemms(MIXTRAL, rows, tp=1, ep=8, cp=1), rates
+        (full_f, full_b), (part_f, part_b) = (
+            gemms_pass_seconds(routed_expert_gemms(MIXTRAL, rows, tp=1, ep=8, cp=1), rates)
+            for rows in (tokens, tokens / chunks)
         )
-        (full_f, full_b), (part_f, part_b) = gemms(tokens), gemms(tokens / chunks)
         per_layer = pipelined_exposed(comm, part_f, chunks) + pipelined_exposed(
             comm, part_b, chunks
         )
@@ -83,3 +83,28 @@ def test_chunking_tiny_experts_on_a_high_latency_link_costs_more_than_it_hides()
     costs = AxisCosts(topology)
     sync, chunked = (predict_step(MIXTRAL, LAYOUT, _options(c), costs) for c in (1, 8))
     assert chunked.ep_s > sync.ep_s  # the extra launches' latency is not hidden
+
+
+def test_the_search_prices_every_chunk_count_keeps_the_fastest_and_hands_it_to_the_run():
+    from overlapkit.autoplan.handoff.run_config import train_overrides
+    from overlapkit.autoplan.search import Pricing
+    from overlapkit.autoplan.settings import SearchSettings
+
+    topology = bare_link(25.0, 10.0, 8).with_accelerator(GPU)
+    searched = Pricing.of(topology, MIXTRAL, 4096, SearchSettings(framework=OVERLAPKIT_TRAIN))
+    layout = LAYOUT
+    options = searched.modes(layout)
+    assert [o.ep_chunks for o in options] == list(OVERLAPKIT_TRAIN.ep_chunk_choices) == [1, 2, 4]
+    best = searched.candidate(layout, searched.memory(layout)).step
+    each = {o.ep_chunks: predict_step(MIXTRAL, layout, o, searched.costs) for o in options}
+    fastest = min(each, key=lambda n: each[n].step_s)
+    assert best.modes == {"ep_chunks": fastest} and best.step_s == each[fastest].step_s
+    # A run's own ep_chunks is priced as given (overlapkit-train's measured vs predicted).
+    fixed = SearchSettings(framework=OVERLAPKIT_TRAIN, ep_chunks=2)
+    assert [o.ep_chunks for o in Pricing.of(topology, MIXTRAL, 4096, fixed).modes(layout)] == [2]
+    # Megatron-LM's all-to-alls are not chunked: one mode, the synchronous one.
+    assert len(Pricing.of(topology, MIXTRAL, 4096, SearchSettings()).modes(layout)) == 1
+    overrides = train_overrides(
+        layout, topology="t", nodes=1, ranks_per_node=8, model=None, modes=best.modes
+    )
+    assert f"parallel.plan.ep_chunks={fastest}" in overrides

@@ -73,6 +73,10 @@ def why_best(ranked: list[Candidate]) -> list[str]:
         + f" (MFU {best.mfu:.1%}; memory {best.memory.total / 1e9:.3g} of "
         f"{best.memory_limit / 1e9:.3g} GB: {memory_text(best.memory)})"
     )
+    if best.step.hidden_share:
+        modes = ", ".join(f"parallel.plan.{k}={v}" for k, v in best.step.modes.items())
+        hidden = ", ".join(f"{d} {s:.0%}" for d, s in best.step.hidden_share.items())
+        lines.append(f"  #1's in-layer overlap ({modes}): communication hidden {hidden}")
     return lines
 
 

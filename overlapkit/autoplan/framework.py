@@ -49,6 +49,9 @@ class Framework:
     """With ``dtensor_parameters``: the row-parallel linears' biases stay plain tensors (added on
     the sequence shard, their gradients summed over tp once per step: overlapkit-train's
     ``overlapkit.inlayer.sequence_parallel``); False: replicated DTensors."""
+    ep_chunk_choices: tuple[int, ...] = (1,)
+    """Token chunks its MoE layers' all-to-alls can be pipelined in with the experts; the search
+    prices each and keeps the fastest (overlapkit-train's ``parallel.plan.ep_chunks``)."""
     selective: SelectiveRecompute = ATTENTION_CORE
     """What its selective recomputation recomputes, and so what it costs."""
     fsdp_gathered_across_micro_batches: bool = False
@@ -112,6 +115,7 @@ OVERLAPKIT_TRAIN = Framework(
     cp_all_gather=True,
     tied_embedding_all_reduce=True,
     fsdp_reduce_after_pipeline=True,
+    ep_chunk_choices=(1, 2, 4),
 )
 """Counted on gpt_tiny: 24 all-reduces in a forward and backward of its 4 layers at tp = 2
 (2 forward and 4 backward per layer: ``q``, ``k`` and ``v`` are separate modules)."""

@@ -76,12 +76,26 @@ class Pricing:
         """The GPU's memory, bytes."""
         return self.options.accelerator.memory_GB * 1e9
 
+    def modes(self, layout: TrainingLayout) -> list[StepOptions]:
+        """The step options of each in-layer mode to price ``layout`` in: every one of the
+        framework's ``ep_chunk_choices`` with ep > 1 unless the settings fix ``ep_chunks``."""
+        choices = self.settings.framework.ep_chunk_choices
+        if layout.ep == 1 or self.settings.ep_chunks is not None or len(choices) == 1:
+            return [self.options]
+        return [dataclasses.replace(self.options, ep_chunks=chunks) for chunks in choices]
+
     def memory(self, layout: TrainingLayout) -> MemoryBreakdown:
         return self.settings.memory(self.model, layout, self.seq_len)
 
     def candidate(self, layout: TrainingLayout, memory: MemoryBreakdown) -> Candidate:
-        """``layout`` timed, with its ``memory``."""
-        step = predict_step(self.model, layout, self.options, self.costs)
+        """``layout`` timed in its fastest mode (``modes``), with its ``memory``."""
+        step = min(
+            (
+                predict_step(self.model, layout, options, self.costs)
+                for options in self.modes(layout)
+            ),
+            key=lambda priced: priced.step_s,
+        )
         peak = self.options.accelerator.peak_tflops(self.settings.precision.matmul_dtype)
         return Candidate(layout, step, memory, self.memory_limit, self.seq_len, peak)
 

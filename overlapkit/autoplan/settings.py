@@ -50,8 +50,9 @@ class SearchSettings:
     """None: the topology library's default."""
     tp_overlap: float = 0.0
     ep_overlap: float = 0.0
-    ep_chunks: int = 1
-    """Token chunks of overlapkit-train's pipelined ep (``StepOptions.ep_chunks``)."""
+    ep_chunks: int | None = None
+    """Token chunks of overlapkit-train's pipelined ep (``StepOptions.ep_chunks``); None: the
+    search prices each of the framework's ``ep_chunk_choices`` and keeps the fastest."""
     fsdp_prefetch: int = 1
     accelerator: Accelerator | None = None
     """Overrides the topology's (a measured CPU, another memory size). An accelerator with a
@@ -109,7 +110,7 @@ class SearchSettings:
             flash_attention=self.flash_attention,
             tp_overlap=self.tp_overlap,
             ep_overlap=self.ep_overlap,
-            ep_chunks=self.ep_chunks,
+            ep_chunks=self.ep_chunks or 1,
             framework=self.framework,
             **host_terms,
         )

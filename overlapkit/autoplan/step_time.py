@@ -118,6 +118,9 @@ class StepTime:
     hidden_share: dict[str, float] = field(default_factory=dict)
     """Per dimension whose communication a mode pipelines with compute (``ep`` with
     ``ep_chunks > 1``), the share of it the model hides."""
+    modes: dict[str, object] = field(default_factory=dict)
+    """The in-layer modes priced, as ``parallel.plan`` keys (``{"ep_chunks": 4}``); empty: the
+    synchronous ones."""
 
     def to_dict(self) -> dict:
         return {
@@ -135,6 +138,7 @@ class StepTime:
             "optimizer_s": self.optimizer_s,
             "comm_total_s": self.comm_total_s,
             "hidden_share": dict(self.hidden_share),
+            "modes": dict(self.modes),
         }
 
 
@@ -341,6 +345,7 @@ def predict_step(
         model_flops=model_flops,
         hardware_flops=hardware_flops,
         hidden_share=_hidden_share(ep, options.ep_chunks),
+        modes={"ep_chunks": options.ep_chunks} if layout.ep > 1 else {},
     )
 
 
