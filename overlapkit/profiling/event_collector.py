@@ -54,8 +54,12 @@ _KIND_PATTERNS = (
 _STEP_NAME = re.compile(r"ProfilerStep#(\d+)$")
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 _DATALOADER_PREFIX = "enumerate(DataLoader)#"
-# Enqueue ops of collectives on the calling thread: bookkeeping, not compute.
-_COMM_OP_PREFIXES = ("c10d::", "record_param_comms", "nccl:", "gloo:")
+# Enqueue ops of collectives on the calling thread: bookkeeping, not compute (torch's functional
+# collectives wrap the c10d:: op in one of theirs).
+_COMM_OP_PREFIXES = ("c10d::", "record_param_comms", "nccl:", "gloo:", "_c10d_functional::")
+# Waits for a collective: the calling thread blocked, not computing (comm_wait's range, and the
+# functional collectives' wait op).
+_WAIT_NAMES = (WAIT_LABEL, "_c10d_functional::wait_tensor")
 # Element sizes in bytes, as dtypes are spelled by record_param_comms (``dtype``) and by
 # record_shapes (``Input type``).
 DTYPE_BYTES = {
@@ -177,7 +181,7 @@ _OP, _STEP, _GLOO, _LOADER, _ENQUEUE, _OTHER, _LABEL, _WAIT = range(8)
 
 
 def _host_class(name: str) -> int:
-    if name == WAIT_LABEL:
+    if name in _WAIT_NAMES:
         return _WAIT
     if name.startswith(LABEL_PREFIX) and dim_of_label(name) is not None:
         return _LABEL

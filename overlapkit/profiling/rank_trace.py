@@ -13,8 +13,10 @@ What counts as what (Kineto traces written by ``torch.profiler``):
 - **CPU traces**: communication is the ``gloo:*`` ranges that gloo's worker threads
   (``pt_gloo_runloop``) record around each collective; compute is the main thread's operators
   (``cpu_op``), except the collectives' own enqueue ops (``c10d::*``, ``record_param_comms``),
-  which only hand work to gloo, and the waits overlapkit marks (``overlapkit.wait``: a thread
-  blocked on a collective inside an operator, such as an autograd node's backward). A gloo
+  which only hand work to gloo, torch's functional collectives' ops around them
+  (``_c10d_functional::*``), and the waits: ``_c10d_functional::wait_tensor`` and those
+  overlapkit marks (``overlapkit.wait``: a thread blocked on a collective inside an operator,
+  such as an autograd node's backward). A gloo
   range belongs to the step in which it started.
 - **Backward compute** (for the tail): operators named ``autograd::engine::evaluate_function:*``
   on CPU; on GPU, kernels launched from inside such an operator (on any thread, since CUDA
