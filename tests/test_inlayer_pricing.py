@@ -1,7 +1,10 @@
-"""The planner's price of chunked expert parallelism (``parallel.plan.ep_chunks``): the pipeline
-formula, and a step priced from its parts (cost model, GEMM model, extra calls)."""
+"""The planner's price of the in-layer modes (``parallel.plan.ep_chunks``, ``tp_comm``): the
+pipeline formulas, steps priced from their parts (cost model, GEMM model, extra calls), the
+search keeping the fastest mode and handing it to the run."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -9,7 +12,7 @@ from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN
 from overlapkit.autoplan.gemm import GemmRates, gemms_pass_seconds, routed_expert_gemms
 from overlapkit.autoplan.group_costs import AxisCosts, LayoutCollectives
 from overlapkit.autoplan.models import load_model
-from overlapkit.autoplan.pipelined_comm import pipelined_exposed
+from overlapkit.autoplan.pipelined_comm import one_sided_exposed, pipelined_exposed, ring_exposed
 from overlapkit.autoplan.step_time import StepOptions, StepRates, predict_step
 from overlapkit.layout import TrainingLayout
 from overlapkit.topology import bare_link
@@ -108,3 +111,74 @@ def test_the_search_prices_every_chunk_count_keeps_the_fastest_and_hands_it_to_t
         layout, topology="t", nodes=1, ranks_per_node=8, model=None, modes=best.modes
     )
     assert f"parallel.plan.ep_chunks={fastest}" in overrides
+    # tp: every mode, split only where tp_chunks (2) divides the micro-batch.
+    modes = {
+        mb: [o.tp_comm for o in searched.modes(TrainingLayout(tp=8, micro_batch=mb))]
+        for mb in (1, 2)
+    }
+    assert modes == {1: ["sync", "ring"], 2: ["sync", "split", "ring"]}
+
+
+@pytest.mark.parametrize(
+    ("comm", "compute", "pieces", "one_sided", "ring"),
+    [
+        (1.0, 2.0, 2, 1.0, 0.0),  # split: only the first gather; ring: every transfer hidden
+        (1.0, 0.25, 4, 1.0 + 3 * 0.75, 3 * 0.75),  # the link is slower than the pieces
+        (1.0, 0.0, 3, 3.0, 2.0),  # nothing to hide behind
+    ],
+)
+def test_tp_pipelines_follow_their_formulas(comm, compute, pieces, one_sided, ring):
+    assert one_sided_exposed(comm, compute, pieces) == pytest.approx(one_sided)
+    assert ring_exposed(comm, compute, pieces) == pytest.approx(ring)
+
+
+def test_tp_modes_are_priced_from_their_pieces_and_gloo_scatters_cost_an_all_reduce():
+    from overlapkit.autoplan.micro_batch import StageMicroBatch, tensor_parallel
+    from overlapkit.topology.model import Library
+
+    llama = load_model("llama3-8b")
+    layout = TrainingLayout(tp=8, dp=1)
+    for library in (Library.IDEAL, Library.GLOO):
+        link = dataclasses.replace(bare_link(25.0, 10.0, 8), library=library)
+        topology = link.with_accelerator(GPU)
+        costs = AxisCosts(topology)
+        collectives = LayoutCollectives(costs, layout)
+        stage = StageMicroBatch.of(
+            llama, layout, framework=OVERLAPKIT_TRAIN, precision=_options(1).precision, seq_len=4096
+        )
+        rates = StepRates.of(_options(1)).matmul
+        tp_bytes = 4096 * llama.hidden * 2
+        scatter = "all_reduce" if library is Library.GLOO else "reduce_scatter"
+        sync = tensor_parallel(stage, collectives, overlap=0.0)
+        per_pass = 2 * (
+            collectives("all_gather", tp_bytes, "tp") + collectives(scatter, tp_bytes, "tp")
+        )
+        edges = 2 * collectives("all_gather", tp_bytes, "tp")
+        assert sync.total_s == pytest.approx(llama.layers * 2 * per_pass + edges, rel=1e-9)
+        for mode in ("split", "ring"):
+            got = tensor_parallel(stage, collectives, overlap=0.0, mode=mode, chunks=2, rates=rates)
+            # Every piece's call priced by the cost model: 4 fused steps per layer pass, split
+            # in 2 chunks of each collective, ring in tp - 1 neighbour transfers of 1/tp.
+            if mode == "split":
+                pieces = 2 * (
+                    collectives("all_gather", tp_bytes / 2, "tp")
+                    + collectives(scatter, tp_bytes / 2, "tp")
+                )
+            else:
+                pieces = 4 * 7 * collectives("send_recv", tp_bytes / 8, "tp")
+            pieces *= 2 if mode == "split" else 1
+            assert got.total_s == pytest.approx(llama.layers * 2 * pieces + edges, rel=1e-9)
+            assert 0 < got.exposed_s < got.total_s
+            priced = predict_step(
+                llama,
+                layout,
+                dataclasses.replace(_options(1), tp_comm=mode, tp_chunks=2),
+                costs,
+            )
+            assert priced.tp_s == pytest.approx(got.exposed_s, rel=1e-9)
+            assert priced.modes == (
+                {"tp_comm": mode} | ({"tp_chunks": 2} if mode == "split" else {})
+            )
+            assert priced.hidden_share["tp"] == pytest.approx(
+                max(0.0, 1 - got.exposed_s / got.total_s), rel=1e-9
+            )

@@ -178,8 +178,8 @@ def overlapkit_train_lines(answer: AutoPlan, run: dict) -> list[str]:
     if "overlapkit_train_predicted" in run:
         predicted = run["overlapkit_train_predicted"]
         lines.append(
-            f"  overlapkit-train keeps the embeddings and head whole on every tp rank and "
-            f"all-reduces where Megatron's sequence parallelism gathers and scatters: "
+            f"  overlapkit-train keeps the embeddings and head whole on every tp rank (no "
+            f"vocabulary parallelism) and cuts and gathers the sequence around its blocks: "
             f"{predicted['step_time_s']:.4g} s per step predicted "
             f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
             f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"

@@ -78,11 +78,22 @@ class Pricing:
 
     def modes(self, layout: TrainingLayout) -> list[StepOptions]:
         """The step options of each in-layer mode to price ``layout`` in: every one of the
-        framework's ``ep_chunk_choices`` with ep > 1 unless the settings fix ``ep_chunks``."""
-        choices = self.settings.framework.ep_chunk_choices
-        if layout.ep == 1 or self.settings.ep_chunks is not None or len(choices) == 1:
-            return [self.options]
-        return [dataclasses.replace(self.options, ep_chunks=chunks) for chunks in choices]
+        framework's ``ep_chunk_choices`` with ep > 1 and ``tp_comm_choices`` with tp > 1 (``split``
+        where ``tp_chunks`` divides the micro-batch), unless the settings fix them."""
+        settings, framework = self.settings, self.settings.framework
+        chunks = [self.options.ep_chunks]
+        if layout.ep > 1 and settings.ep_chunks is None:
+            chunks = list(framework.ep_chunk_choices)
+        comms = [self.options.tp_comm]
+        if layout.tp > 1 and settings.tp_comm is None:
+            comms = [
+                c
+                for c in framework.tp_comm_choices
+                if c != "split" or layout.micro_batch % settings.tp_chunks == 0
+            ]
+        return [
+            dataclasses.replace(self.options, ep_chunks=n, tp_comm=c) for n in chunks for c in comms
+        ]
 
     def memory(self, layout: TrainingLayout) -> MemoryBreakdown:
         return self.settings.memory(self.model, layout, self.seq_len)

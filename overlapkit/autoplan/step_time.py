@@ -64,6 +64,11 @@ class StepOptions:
     ep_chunks: int = 1
     """Token chunks each MoE layer's all-to-alls are pipelined in with its experts
     (overlapkit-train's ``parallel.plan.ep_chunks``; ``micro_batch.expert_parallel``)."""
+    tp_comm: str = "sync"
+    """How tp's collectives meet their matmuls (overlapkit-train's ``parallel.plan.tp_comm``:
+    ``sync``, ``split``, ``ring``; ``micro_batch.tensor_parallel``)."""
+    tp_chunks: int = 2
+    """With ``tp_comm="split"``: the micro-batch's chunks (``parallel.plan.tp_chunks``)."""
     collective_overhead_s: float = 0.0
     """Seconds every collective call costs beyond what the cost model prices: its launch and
     the wait for the last rank to arrive. 0 by default (NCCL's launch is microseconds); where
@@ -116,11 +121,11 @@ class StepTime:
     hardware_flops: float
     """Per step, all GPUs, recomputation counted."""
     hidden_share: dict[str, float] = field(default_factory=dict)
-    """Per dimension whose communication a mode pipelines with compute (``ep`` with
-    ``ep_chunks > 1``), the share of it the model hides."""
+    """Per dimension whose communication a mode pipelines with compute (``tp`` under ``split``
+    or ``ring``, ``ep`` with ``ep_chunks > 1``), the share of it the model hides."""
     modes: dict[str, object] = field(default_factory=dict)
-    """The in-layer modes priced, as ``parallel.plan`` keys (``{"ep_chunks": 4}``); empty: the
-    synchronous ones."""
+    """The in-layer modes priced, as ``parallel.plan`` keys (``{"tp_comm": "ring"}``,
+    ``{"ep_chunks": 4}``); empty: the synchronous ones."""
 
     def to_dict(self) -> dict:
         return {
@@ -290,7 +295,14 @@ def predict_step(
     rates = StepRates.of(options)
     compute = micro_batch_compute(stage, options, rates)
     collectives = LayoutCollectives(costs, layout, call_overhead_s=options.collective_overhead_s)
-    tp = tensor_parallel(stage, collectives, overlap=options.tp_overlap)
+    tp = tensor_parallel(
+        stage,
+        collectives,
+        overlap=options.tp_overlap,
+        mode=options.tp_comm,
+        chunks=options.tp_chunks,
+        rates=rates.matmul,
+    )
     ring_window = options.overlap_efficiency * RING_WINDOW_FORWARDS * compute.attention_forward_s
     cp = context_parallel(stage, collectives, ring_window_s=ring_window)
     ep = expert_parallel(
@@ -344,17 +356,34 @@ def predict_step(
         + sync.total_s,
         model_flops=model_flops,
         hardware_flops=hardware_flops,
-        hidden_share=_hidden_share(ep, options.ep_chunks),
-        modes={"ep_chunks": options.ep_chunks} if layout.ep > 1 else {},
+        hidden_share=_hidden_share(
+            {"tp": (tp, options.tp_comm != "sync"), "ep": (ep, options.ep_chunks > 1)}
+        ),
+        modes=_modes(layout, options),
     )
 
 
-def _hidden_share(ep: CommSeconds, chunks: int) -> dict[str, float]:
-    """ep's hidden share under chunking (what the chunks lose in GEMM efficiency counts as
-    exposed, so a mode that loses more than it hides shows 0)."""
-    if chunks == 1 or ep.total_s == 0:
-        return {}
-    return {"ep": max(0.0, 1.0 - ep.exposed_s / ep.total_s)}
+def _hidden_share(parts: dict[str, tuple[CommSeconds, bool]]) -> dict[str, float]:
+    """Per dimension a mode overlaps, the share of its communication hidden (what its pieces
+    lose in GEMM efficiency counts as exposed, so a mode that loses more than it hides shows
+    0)."""
+    return {
+        dim: max(0.0, 1.0 - comm.exposed_s / comm.total_s)
+        for dim, (comm, overlapped) in parts.items()
+        if overlapped and comm.total_s > 0
+    }
+
+
+def _modes(layout: TrainingLayout, options: StepOptions) -> dict[str, object]:
+    """The in-layer modes priced, as ``parallel.plan`` keys (see ``StepTime.modes``)."""
+    modes: dict[str, object] = {}
+    if layout.tp > 1 and options.tp_comm != "sync":
+        modes["tp_comm"] = options.tp_comm
+        if options.tp_comm == "split":
+            modes["tp_chunks"] = options.tp_chunks
+    if layout.ep > 1:
+        modes["ep_chunks"] = options.ep_chunks
+    return modes
 
 
 def _local_params(layout: TrainingLayout, dense_params: float, expert_params: float) -> float:

@@ -75,17 +75,19 @@ def predict_run(
     *,
     seq_len: int,
     name: str,
-    ep_chunks: int = 1,
+    modes: Mapping[str, Any] | None = None,
 ) -> Prediction | None:
-    """The planner's step time and memory of ``layout`` (see module doc), its MoE exchanges
-    pipelined in ``ep_chunks`` (``parallel.plan.ep_chunks``); None where there is no layout,
-    no accelerator section or no transformer to describe."""
+    """The planner's step time and memory of ``layout`` (see module doc) in the run's in-layer
+    ``modes`` (``parallel.plan``'s ``ep_chunks``, ``tp_comm``, ``tp_chunks``; None: the
+    synchronous ones); None where there is no layout, no accelerator section or no transformer
+    to describe."""
     if layout is None or topology is None or topology.accelerator is None:
         return None
     if getattr(model_config, "n_head", None) is None:
         return None
     spec = train_model_spec(model_config, name=name)
-    settings = dataclasses.replace(RUN_SETTINGS, ep_chunks=ep_chunks)
+    fixed = {"ep_chunks": 1, "tp_comm": "sync"} | dict(modes or {})
+    settings = dataclasses.replace(RUN_SETTINGS, **fixed)
     candidate = price(topology, spec, layout, seq_len=seq_len, settings=settings)
     return Prediction(
         layout,
@@ -112,5 +114,10 @@ def predict_job(
     layout = run_layout(plan, factory_cfg, train, world_size=world_size)
     seq_len = seq_len or getattr(model_config, "block_size", 1)
     return predict_run(
-        topology, model_config, layout, seq_len=seq_len, name=name, ep_chunks=plan.ep_chunks
+        topology,
+        model_config,
+        layout,
+        seq_len=seq_len,
+        name=name,
+        modes={"ep_chunks": plan.ep_chunks, "tp_comm": plan.tp_comm, "tp_chunks": plan.tp_chunks},
     )
