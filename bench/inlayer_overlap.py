@@ -213,7 +213,11 @@ def worker(args: argparse.Namespace) -> None:
     )
     overhead = collective_overhead(topology, probes=args.latency_probes, work=args.probe_work)
     alone = one_rank_group()
-    report: dict = {"nodes": [list(n) for n in topology.nodes()], "calibration": calibration}
+    report: dict = {
+        "nodes": [list(n) for n in topology.nodes()],
+        "calibration": calibration,
+        "collective_overhead_us": {tier: s * 1e6 for tier, s in overhead.items()},
+    }
     with tempfile.TemporaryDirectory(prefix="ovk-inlayer-") as scratch:
         shared = [scratch]
         dist.broadcast_object_list(shared, src=0)  # every rank traces into rank 0's folder
