@@ -65,10 +65,14 @@ class _ColumnParallel(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         full, weight = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_input = ctx.schedule.matmul_scatter(grad, weight.t())
-        grad_weight = _rows(grad).t() @ _rows(full)
-        grad_bias = _rows(grad).sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None
+        grads: list[torch.Tensor | None] = []
+
+        def weight_grads() -> None:  # independent of the input's gradient: under its scatter
+            grads.append(_rows(grad).t() @ _rows(full))
+            grads.append(_rows(grad).sum(0) if ctx.has_bias else None)
+
+        grad_input = ctx.schedule.matmul_scatter(grad, weight.t(), weight_grads)
+        return grad_input, *grads, None
 
 
 class _RowParallel(torch.autograd.Function):

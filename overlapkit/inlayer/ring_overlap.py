@@ -9,8 +9,9 @@ The sequence is ``tp`` chunks of ``T/tp`` tokens; rank ``r`` starts with chunk `
   transfers are on the ring; every matmul has its input when it starts.
 - ``matmul_scatter``: at step ``s`` rank ``r`` computes the partial product of chunk
   ``(r - 1 - s) mod tp``, adds the running sum that ``r-1`` sent for that chunk, and sends the sum
-  on to ``r+1``; the matmul of step ``s+1`` runs while that transfer is in flight. After ``tp - 1``
-  transfers each rank holds the whole sum of its own chunk ``r``.
+  on to ``r+1``; the matmul of step ``s+1`` runs while that transfer is in flight, and the
+  caller's ``while_waiting`` work under the last one. After ``tp - 1`` transfers each rank holds
+  the whole sum of its own chunk ``r``.
 
 Sums run around the ring rather than in the collective's own order, so results equal ``sync``'s
 up to float rounding.
@@ -22,6 +23,7 @@ import torch
 from torch.nn import functional as F
 
 from overlapkit.inlayer.tp_collectives import SEQ_DIM, TpGroup
+from overlapkit.inlayer.tp_sync import Work
 
 
 class RingSchedule:
@@ -48,12 +50,16 @@ class RingSchedule:
                 held = arriving.wait()
         return torch.cat(outputs, SEQ_DIM), torch.cat(chunks, SEQ_DIM)
 
-    def matmul_scatter(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def matmul_scatter(
+        self, h: torch.Tensor, weight: torch.Tensor, while_waiting: Work | None = None
+    ) -> torch.Tensor:
         size, rank = self.group.size, self.group.rank
         parts = h.chunk(size, SEQ_DIM)
         running = None
         for step in range(size):
             partial = F.linear(parts[(rank - 1 - step) % size], weight)
+            if step == size - 1 and while_waiting is not None:  # under the last transfer
+                while_waiting()
             if running is not None:
                 partial = partial + running.wait()
             if step == size - 1:

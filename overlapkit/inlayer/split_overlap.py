@@ -7,7 +7,8 @@ The ``B`` sequences of the micro-batch are cut into ``chunks`` equal parts along
   as its gather is done, while the gathers of chunks ``k+1 ..`` are in flight. The first chunk's
   gather is exposed.
 - ``matmul_scatter``: chunk ``k``'s reduce-scatter is issued as soon as its matmul is done and is
-  in flight while chunk ``k+1``'s matmul runs. The last chunk's reduce-scatter is exposed.
+  in flight while chunk ``k+1``'s matmul runs; the last chunk's is in flight under the caller's
+  ``while_waiting`` work (a column-parallel backward's weight gradient).
 
 Each chunk's values are those of the whole batch's (rows of a matmul do not mix), so the results
 equal ``sync``'s up to the GEMM's blocking; the cost is ``chunks`` times the collective launches
@@ -20,6 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from overlapkit.inlayer.tp_collectives import TpGroup
+from overlapkit.inlayer.tp_sync import Work
 
 
 def check_chunks(chunks: int, batch: int) -> None:
@@ -61,6 +63,10 @@ class SplitSchedule:
             outputs.append(F.linear(full, weight, bias))
         return torch.cat(outputs), torch.cat(gathered)
 
-    def matmul_scatter(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def matmul_scatter(
+        self, h: torch.Tensor, weight: torch.Tensor, while_waiting: Work | None = None
+    ) -> torch.Tensor:
         pending = [self.group.reduce_scatter(F.linear(part, weight)) for part in self._split(h)]
+        if while_waiting is not None:  # under the last chunk's reduce-scatter
+            while_waiting()
         return torch.cat([chunk.wait() for chunk in pending])
