@@ -104,3 +104,26 @@ def test_report_dims_split_a_gloo_run_by_the_labels_of_its_issuers(tmp_path):
         # Nothing hid the synchronous all-gather.
         assert row.dims["tp"].exposed_ms == pytest.approx(row.dims["tp"].time_ms)
         assert set(row.to_dict()["dims"]["ep"]) == {"count", "bytes", "time_ms", "exposed_ms"}
+
+
+def test_nccl_collectives_take_their_dim_from_the_mesh_group_else_a_label_else_other():
+    from types import SimpleNamespace
+
+    from overlapkit.profiling.comm_dims import comm_dims
+    from overlapkit.profiling.rank_trace import CommOp
+
+    groups = [
+        {"pg_name": "1", "ranks": [0, 1], "pg_desc": "mesh_tp"},
+        {"pg_name": "2", "ranks": [0, 2], "pg_desc": "mesh_dp_shard"},
+        {"pg_name": "3", "ranks": [0, 3], "pg_desc": "default_pg"},
+    ]
+    comm = [
+        CommOp(10.0, 20.0, 5.0, "all_gather", 8, group="1"),
+        CommOp(30.0, 40.0, 25.0, "reduce_scatter", 8, group="2"),
+        CommOp(50.0, 60.0, 45.0, "all_to_all", 8, group="3"),  # launched inside an ep label
+        CommOp(70.0, 80.0, 65.0, "all_reduce", 8, group="3"),
+    ]
+    trace = SimpleNamespace(
+        device="gpu", groups=groups, comm=comm, labels=[(40.0, 48.0, 7, "ep")], enqueues=[]
+    )
+    assert comm_dims(trace) == ["tp", "dp", "ep", "other"]
