@@ -169,6 +169,17 @@ def _layouts_match_the_unsharded_model(rank: int, world_size: int) -> dict:
             torch.testing.assert_close(
                 _full(param.grad), reference_params[param_name].grad, rtol=1e-4, atol=1e-7
             )
+        if name.startswith("ep_dp"):  # and one AdamW step on the clipped gradients
+            for params in (par.model.parameters(), reference.parameters()):
+                torch.optim.AdamW(params, lr=1e-2).step()
+            for param_name, param in par.model.named_parameters():
+                torch.testing.assert_close(
+                    _full(param.detach()),
+                    reference_params[param_name].detach(),
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=lambda m, n=param_name, c=name: f"{c} {n} after AdamW: {m}",
+                )
         kinds = {type(p).__name__ for p in par.model.parameters()}
         groups = [layout.mesh.get_group(axis) for axis in layout.mesh.mesh_dim_names]
         out[name] = {
