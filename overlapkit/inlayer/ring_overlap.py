@@ -55,14 +55,14 @@ class RingSchedule:
     ) -> torch.Tensor:
         size, rank = self.group.size, self.group.rank
         parts = h.chunk(size, SEQ_DIM)
-        running = None
-        for step in range(size):
+        partial = F.linear(parts[(rank - 1) % size], weight)
+        for step in range(1, size):
+            running = self.group.shift(partial)
             partial = F.linear(parts[(rank - 1 - step) % size], weight)
             if step == size - 1 and while_waiting is not None:  # under the last transfer
                 while_waiting()
-            if running is not None:
-                partial = partial + running.wait()
-            if step == size - 1:
-                return partial
-            running = self.group.shift(partial)
-        raise AssertionError("unreachable: the loop returns at its last step")
+                while_waiting = None
+            partial = partial + running.wait()
+        if while_waiting is not None:  # tp = 1: no transfer to run it under
+            while_waiting()
+        return partial

@@ -129,12 +129,17 @@ class SequenceParallel:
     """
 
     def __init__(
-        self, blocks: Sequence[nn.Module], group: TpGroup, context: TpContext, tp_comm: str
+        self,
+        blocks: Sequence[nn.Module],
+        group: TpGroup,
+        context: TpContext,
+        tp_comm: str,
+        tp_chunks: int,
     ):
         self.group = group
         self.context = context
         self.tp_comm = tp_comm
-        self.tp_chunks = getattr(context.schedule, "chunks", DEFAULT_TP_CHUNKS)
+        self.tp_chunks = tp_chunks
         self.partial = tuple(
             p for b in blocks for p in b.parameters() if not isinstance(p, DTensor)
         )
@@ -236,6 +241,6 @@ def sequence_parallel(
     context = TpContext(schedule_for(tp_comm, group, tp_chunks))
     for block in blocks:
         _parallelize(block, plan, mesh, context)
-    result = SequenceParallel(blocks, group, context, tp_comm)
+    result = SequenceParallel(blocks, group, context, tp_comm, tp_chunks)
     logger.info("%s over %d blocks", result.description, len(blocks))
     return result
