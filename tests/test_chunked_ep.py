@@ -17,6 +17,7 @@ from overlapkit.train.parallel.mesh import PlanConfig, build_layout
 from overlapkit.train.parallel.run_layout import check_parallel
 from overlapkit.train.parallel.wrappers import apply_parallel, clip_grad_norm
 from overlapkit.train.run.loop import TrainConfig
+from tests.cuda import NCCL_ONE_HOST_ENV, nccl_rank_device, requires_cuda
 from tests.multiproc import run_on_ranks
 
 MOE_SMALL = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, n_expert=4, top_k=2)
@@ -201,3 +202,58 @@ def test_ep_chunks_must_be_a_positive_integer(value):
     with pytest.raises(ValueError, match=r"parallel.plan.ep_chunks must be an integer >= 1"):
         PlanConfig.of(ep=2, ep_chunks=value)
     assert PlanConfig.of(ep=2).ep_chunks == 1
+
+
+def _nccl_chunks_match_sync(rank: int, world_size: int) -> dict[int, int]:
+    """Every chunk count on NCCL against ``chunks=1``; per chunk count, the host syncs of one
+    forward and backward (``set_sync_debug_mode("warn")`` warns once per sync)."""
+    import warnings
+
+    device = nccl_rank_device(rank, world_size)
+    n_expert, local = 4, 2
+    g = torch.Generator().manual_seed(3 + rank)
+    weights = torch.randn(local, 16, 8, generator=g).to(device)
+    x = torch.randn(64, 16, generator=g).to(device).requires_grad_()
+    expert_of = torch.randint(0, n_expert, (64,), generator=g).to(device)
+
+    def experts(rows: torch.Tensor, counts) -> torch.Tensor:
+        return torch.cat(
+            [r @ w_e for r, w_e in zip(torch.split(rows, list(counts)), w, strict=True)]
+        )
+
+    results, syncs = {}, {}
+    for chunks in (1, 2, 4):
+        w = weights.clone().requires_grad_()
+        dispatch_combine(x, expert_of, n_expert, experts, group=dist.group.WORLD, chunks=chunks)
+        with warnings.catch_warnings(record=True) as caught:  # the first pass set NCCL up
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = dispatch_combine(
+                    x, expert_of, n_expert, experts, group=dist.group.WORLD, chunks=chunks
+                )
+                grads = torch.autograd.grad(out.square().sum(), (x, w))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs[chunks] = sum("synchroniz" in str(c.message) for c in caught)
+        results[chunks] = (out.detach(), *grads)
+    for chunks, got in results.items():
+        for a, b in zip(got, results[1], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"chunks={chunks}")
+    return syncs
+
+
+@requires_cuda
+@pytest.mark.timeout(600)
+def test_cuda_chunked_dispatch_equals_sync_with_no_host_sync_per_chunk():
+    results = run_on_ranks(
+        _nccl_chunks_match_sync,
+        2,
+        collective_timeout_s=120,
+        total_timeout_s=560,
+        env=NCCL_ONE_HOST_ENV,
+        backend="nccl",
+    )
+    for syncs in results:
+        # The split sizes once per layer, whatever the chunks (none per chunk).
+        assert syncs[2] == syncs[4] == syncs[1], syncs

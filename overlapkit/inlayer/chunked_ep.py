@@ -149,53 +149,59 @@ class _Chunk:
     """Received rows per local expert."""
 
 
-def _regroup(counts: list[list[int]]) -> torch.Tensor:
+def _regroup(counts: torch.Tensor, total: int) -> torch.Tensor:
     """The row order that turns (source, expert)-major rows into (expert, source)-major.
 
-    ``counts[s][e]``: rows source ``s`` sent for local expert ``e``.
+    ``counts`` (sources, experts) on the rows' device: rows source ``s`` sent for local expert
+    ``e``; ``total`` their sum, known on the host (``repeat_interleave`` with ``output_size``
+    needs no host sync).
     """
-    starts, at = [], 0
-    for row in counts:
-        starts.append([])
-        for n in row:
-            starts[-1].append(at)
-            at += n
-    pieces = [
-        torch.arange(starts[s][e], starts[s][e] + counts[s][e])
-        for e in range(len(counts[0]))
-        for s in range(len(counts))
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    flat = counts.flatten()
+    starts = (torch.cumsum(flat, 0) - flat).view_as(counts)  # each block's first received row
+    block_counts, block_starts = counts.t().flatten(), starts.t().flatten()  # (expert, source)
+    placed = torch.cumsum(block_counts, 0) - block_counts  # each block's first output row
+    start = torch.repeat_interleave(block_starts, block_counts, output_size=total)
+    first = torch.repeat_interleave(placed, block_counts, output_size=total)
+    return start + torch.arange(total, device=counts.device) - first
 
 
 def _plan(
     expert_of: torch.Tensor, n_expert: int, chunks: int, group: dist.ProcessGroup
 ) -> list[_Chunk]:
-    """Every chunk's routing, from one exchange of all chunks' routing counts (one host sync)."""
+    """Every chunk's routing, from one exchange of all chunks' routing counts and one host sync
+    (the split sizes); everything else stays on the rows' device."""
     ep = group.size()
     local = n_expert // ep
-    bounds = [len(piece) for piece in torch.tensor_split(expert_of, chunks)]
     slices, at = [], 0
-    for n in bounds:
-        slices.append(slice(at, at + n))
-        at += n
-    counts = torch.stack([torch.bincount(expert_of[s], minlength=n_expert) for s in slices])
+    for piece in torch.tensor_split(expert_of, chunks):
+        slices.append(slice(at, at + len(piece)))
+        at += len(piece)
+    # Rows per (chunk, expert), out of place and without bincount (which syncs on CUDA).
+    counts = torch.stack(
+        [
+            expert_of.new_zeros(n_expert).scatter_add(
+                0, expert_of[s], torch.ones_like(expert_of[s])
+            )
+            for s in slices
+        ]
+    )
     # Destination-major: rank r receives every chunk's counts for its own experts.
     send_counts = counts.view(chunks, ep, local).transpose(0, 1).contiguous()
     recv_counts = torch.empty_like(send_counts)
     with comm_dim("ep"):
         dist.all_to_all_single(recv_counts, send_counts, group=group)
-    sent, got = counts.view(chunks, ep, local).tolist(), recv_counts.tolist()  # (src, chunk, e)
+    sent, got = torch.stack([send_counts, recv_counts]).tolist()  # (rank, chunk, expert) each
     plans = []
     for k, rows in enumerate(slices):
-        received = [got[s][k] for s in range(ep)]
+        received = [got[r][k] for r in range(ep)]
+        recv = [sum(per_source) for per_source in received]
         plans.append(
             _Chunk(
                 rows=rows,
                 order=expert_of[rows].argsort(stable=True),
-                send=[sum(per_rank) for per_rank in sent[k]],
-                recv=[sum(per_source) for per_source in received],
-                by_expert=_regroup(received).to(expert_of.device),
+                send=[sum(sent[r][k]) for r in range(ep)],
+                recv=recv,
+                by_expert=_regroup(recv_counts[:, k], sum(recv)),
                 expert_counts=[sum(col) for col in zip(*received, strict=True)],
             )
         )
