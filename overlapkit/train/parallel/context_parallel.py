@@ -41,6 +41,7 @@ from torch.distributed.tensor.experimental._context_parallel import (
 )
 from torch.nn import functional as F
 
+from overlapkit.group.dim_labels import comm_dim
 from overlapkit.train.models.gpt import CausalSelfAttention
 
 ModelInputs = tuple[torch.Tensor, ...]
@@ -115,7 +116,8 @@ class GatheredKVAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``(B, nh, T/cp, hs)`` each -> ``(B, nh, T/cp, hs)``."""
-        k_all, v_all = flex_cp_allgather(k, v, 2, self._group_name)
+        with comm_dim("cp"):  # its backward's reduce-scatters run on the same gloo threads
+            k_all, v_all = flex_cp_allgather(k, v, 2, self._group_name)
         mask = self.mask(q.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 

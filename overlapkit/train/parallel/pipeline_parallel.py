@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp import GradBucketer
 from overlapkit.fsdp import zero_stage
+from overlapkit.group.dim_labels import comm_dim
 from overlapkit.group.process_group import inherit_timeout
 from overlapkit.inlayer.sequence_parallel import SequenceParallel
 from overlapkit.train.models.gpt import GPT
@@ -201,10 +202,14 @@ class Pipeline:
             # bucket order twice: "rebuilt parameter indices size is not same").
             for ddp in self.ddps:
                 stack.enter_context(ddp.no_sync())
+            # The schedule's sends and receives are pp's in the report's dims; the collectives
+            # the stages' wrappers and tp issue inside carry their own, innermost, labels.
+            stack.enter_context(comm_dim("pp"))
             self.schedule.step(*args, return_outputs=False, **kwargs)
         device = batches[0][0].device
         loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
-        dist.broadcast(loss, group=self.group, group_src=self.last_stage_rank)
+        with comm_dim("pp"):
+            dist.broadcast(loss, group=self.group, group_src=self.last_stage_rank)
         return loss
 
     def finish_backward(self) -> None:
