@@ -15,14 +15,17 @@ contiguous chunks (of tokens, when the rows are token-major) and pipelines them:
   expert backward runs while chunk ``k-1``'s combine gradient and chunk ``k+1``'s dispatch
   gradient are in flight.
 
-Host syncs: one per layer and direction, the split sizes of every chunk at once (one
-all-to-all of the ``(chunks, experts)`` routing counts, then ``tolist``); none per chunk. On
-NCCL the async collectives run on the process group's own stream and ``wait()`` makes the
-compute stream wait on their event (no host sync); on gloo they run on the group's worker
-threads. ``chunks=1`` is the synchronous dispatch (issue, then wait at once), by the same code.
+Host syncs: one per layer, in forward: the split sizes of every chunk at once (one all-to-all of
+the ``(chunks, experts)`` routing counts, then one ``tolist``); none per chunk (the counts are
+summed with ``scatter_add``, as CUDA's ``bincount`` syncs, and each chunk's regrouping
+permutation is built on the device) and none in backward. On NCCL the async collectives run on
+the process group's own stream and ``wait()`` makes the compute stream wait on their event (no
+host sync); on gloo they run on the group's worker threads. ``chunks=1`` is the synchronous
+dispatch (issue, then wait at once), by the same code.
 
-Every exchange is issued inside ``comm_dim("ep")``, so ``overlapkit report`` attributes it to
-``ep`` on any backend.
+Every exchange is issued inside ``comm_dim("ep")`` and waited inside ``comm_wait()``, so
+``overlapkit report`` attributes it to ``ep`` on any backend and does not count the waits as
+compute.
 """
 
 from __future__ import annotations
