@@ -164,7 +164,13 @@ def _one_mesh(mesh, reference: tuple[list[float], dict, dict]) -> dict:
         sp = sequence_parallel(model.blocks, mesh, plan=GPT_PLAN, tp_comm=tp_comm, tp_chunks=CHUNKS)
         with _CountCollectives() as counted:
             model(_batch(0)[0])
-        by_mode[tp_comm] = _train(model, sp.reduce_grads)
+        reductions = _CountCollectives()
+
+        def reduce_grads(sp=sp, reductions=reductions) -> None:
+            with reductions:
+                sp.reduce_grads()
+
+        by_mode[tp_comm] = _train(model, reduce_grads)
         losses, grads, params = by_mode[tp_comm]
         torch.testing.assert_close(losses, reference[0], rtol=0, atol=1e-5)
         out[tp_comm] = {
@@ -172,6 +178,7 @@ def _one_mesh(mesh, reference: tuple[list[float], dict, dict]) -> dict:
             "param_gap": _close(params, reference[2], "param"),
             "vs_sync": _close(grads, by_mode["sync"][1], "grad vs sync"),
             "collectives": dict(counted.counts),
+            "grad_reductions": dict(reductions.counts),
             "tied": model.lm_head.weight is model.wte.weight,
             "user_grad_gap": _user_blocks(mesh, tp_comm),
             "description": sp.description,
@@ -210,6 +217,8 @@ def test_every_tp_comm_equals_one_process_and_sync_on_2_and_4_ranks(one_process_
                 assert case["grad_gap"] < 1e-5 and case["param_gap"] < 1e-5
                 assert case["vs_sync"] < 1e-5 and case["user_grad_gap"] < 1e-5
                 assert case["collectives"] == expected_forward_collectives(tp_comm, tp, 2)
+                # The norms' and row-parallel biases' gradients: one all-reduce per step.
+                assert case["grad_reductions"] == {"all_reduce": STEPS}
                 assert case["tied"]
                 assert f"tp={tp}, tp_comm={tp_comm}" in case["description"]
     print(
