@@ -12,6 +12,9 @@ from overlapkit.group.dim_labels import (
     dim_of_group_desc,
     dim_of_label,
 )
+from overlapkit.profiling.analysis import analyze_run
+from overlapkit.profiling.report import format_report
+from tests.multiproc import run_on_ranks
 
 
 def test_every_dim_round_trips_and_others_are_no_label():
@@ -87,9 +90,6 @@ def _known_traffic(rank: int, world_size: int, logdir: str) -> None:
 
 
 def test_report_dims_split_a_gloo_run_by_the_labels_of_its_issuers(tmp_path):
-    from overlapkit.profiling.analysis import analyze_run
-    from tests.multiproc import run_on_ranks
-
     run_on_ranks(_known_traffic, 2, str(tmp_path), total_timeout_s=120)
     report = analyze_run(tmp_path)
     assert len(report.steps) == 4  # 2 ranks x 2 active steps
@@ -104,6 +104,8 @@ def test_report_dims_split_a_gloo_run_by_the_labels_of_its_issuers(tmp_path):
         # Nothing hid the synchronous all-gather.
         assert row.dims["tp"].exposed_ms == pytest.approx(row.dims["tp"].time_ms)
         assert set(row.to_dict()["dims"]["ep"]) == {"count", "bytes", "time_ms", "exposed_ms"}
+    text = format_report(report)
+    assert text.count("; by dim: tp 1x ") == len(report.steps), text
 
 
 def test_nccl_collectives_take_their_dim_from_the_mesh_group_else_a_label_else_other():
