@@ -204,6 +204,15 @@ def test_ep_chunks_must_be_a_positive_integer(value):
     assert PlanConfig.of(ep=2).ep_chunks == 1
 
 
+def test_ep_dp_declares_the_ep_chunks_default():
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    declared = OmegaConf.load(files("overlapkit.conf") / "parallel" / "ep_dp.yaml").parallel.plan
+    assert declared.ep_chunks == 1 == PlanConfig.of(**declared).ep_chunks
+
+
 def _nccl_chunks_match_sync(rank: int, world_size: int) -> dict[int, int]:
     """Every chunk count on NCCL against ``chunks=1``; per chunk count, the host syncs of one
     forward and backward (``set_sync_debug_mode("warn")`` warns once per sync)."""
