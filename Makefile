@@ -122,6 +122,7 @@ bench: $(STAMP)
 	$(PY) -m bench.compress_hooks --json bench/results/compress_hooks.json
 	$(PY) -m bench.integrations_overlap --json bench/results/integrations_overlap.json
 	$(PY) -m bench.fsdp_compile --json bench/results/fsdp_compile.json
+	$(PY) -m bench.inlayer_overlap --json bench/results/inlayer_overlap.json
 	# Exits 1 when the planner orders a pair beyond the noise the other way (docs/auto-planner.md).
 	$(PY) -m bench.planner_ranking --rounds 9 --json bench/results/planner_ranking.json
 

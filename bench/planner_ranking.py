@@ -193,21 +193,12 @@ def calibrate(
     }
 
 
-def predictions(
-    spec: ModelSpec,
-    layouts: dict[str, TrainingLayout],
-    predictor: ok.Topology,
-    overhead_s: float,
-    measured: dict,
-) -> dict[str, dict]:
-    """The planner's predicted step of every layout of ``spec`` (``StepTime.to_dict``:
-    seconds), as overlapkit-train runs it, with the host terms ``measured`` here
-    (``calibrate``), for sequences of ``SHAPE``'s ``block_size``."""
-    accelerator = measured_accelerator(measured["compute_GFLOPs"] / 1e3, memory_GB=8)
-    topology = predictor.with_accelerator(accelerator)
-    options = StepOptions(
+def step_options(measured: dict, overhead_s: float) -> StepOptions:
+    """How the planner prices a step of these models here: the host terms ``measured``
+    (``calibrate``), every collective call's ``overhead_s``, as overlapkit-train runs it."""
+    return StepOptions(
         seq_len=SHAPE["block_size"],
-        accelerator=topology.accelerator,
+        accelerator=measured_accelerator(measured["compute_GFLOPs"] / 1e3, memory_GB=8),
         achievable=1.0,  # the rate is the model's own, measured
         overlap_efficiency=measured["overlap"]["overlap_efficiency"],
         precision=FP32,
@@ -218,7 +209,20 @@ def predictions(
         optimizer_dtensor_s=measured["optimizer_dtensor_s"],
         optimizer_param_s=measured["optimizer_param_s"],
     )
-    costs = AxisCosts(topology)
+
+
+def predictions(
+    spec: ModelSpec,
+    layouts: dict[str, TrainingLayout],
+    predictor: ok.Topology,
+    overhead_s: float,
+    measured: dict,
+) -> dict[str, dict]:
+    """The planner's predicted step of every layout of ``spec`` (``StepTime.to_dict``:
+    seconds), as overlapkit-train runs it, with the host terms ``measured`` here
+    (``calibrate``), for sequences of ``SHAPE``'s ``block_size``."""
+    options = step_options(measured, overhead_s)
+    costs = AxisCosts(predictor.with_accelerator(options.accelerator))
     refused = {n: OVERLAPKIT_TRAIN.refusal(lay, layers=spec.layers) for n, lay in layouts.items()}
     refused = {n: why for n, why in refused.items() if why is not None}
     if refused:  # the layouts are overlapkit-train's own: the framework must run every one

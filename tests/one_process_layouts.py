@@ -1,10 +1,10 @@
 """The 4-rank layouts checked against one process, all in one launch of 4 gloo ranks.
 
-Pipeline layouts (tests/test_pipeline.py), tp, hsdp and ep (test_train_parallel_nd.py) and cp
-(test_context_parallel.py) each train on the 4 ranks and compare with one process running the
-unsplit model; each test module reads its part of the results (``one_process_layouts`` in
-tests/conftest.py). A launch costs seconds of process start-up and process-group set-up for a
-second or two of training.
+Pipeline layouts (tests/test_pipeline.py), tp, hsdp and ep (test_train_parallel_nd.py), cp
+(test_context_parallel.py) and tensor parallel's in-layer modes (test_inlayer_tp.py) each train
+on the 4 ranks and compare with one process running the unsplit model; each test module reads
+its part of the results (``one_process_layouts`` in tests/conftest.py). A launch costs seconds of
+process start-up and process-group set-up for a second or two of training.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ COLLECTIVE_TIMEOUT_S = 30.0
 
 def _every_part(rank: int, world_size: int, profile_dir: str) -> dict[str, Any]:
     from tests.test_context_parallel import _cp_layouts_match_the_whole_sequences
+    from tests.test_inlayer_tp import tp_modes_match_one_process
     from tests.test_pipeline import _layouts_match_one_process
     from tests.test_train_parallel_nd import _layouts_match_the_unsharded_model
 
@@ -27,6 +28,7 @@ def _every_part(rank: int, world_size: int, profile_dir: str) -> dict[str, Any]:
         "pipeline": _layouts_match_one_process(rank, world_size, profile_dir),
         "nd": _layouts_match_the_unsharded_model(rank, world_size),
         "cp": _cp_layouts_match_the_whole_sequences(rank, world_size),
+        "inlayer_tp": tp_modes_match_one_process(rank, world_size),
     }
 
 

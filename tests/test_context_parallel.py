@@ -121,6 +121,13 @@ CASES = {
         "none",
     ),
     "cp_tp GradBucketer": (dict(cp=2, tp=2), functools.partial(ok.GradBucketer), "selective"),
+    # Overlapped tp under selective recomputation: the ring's transfers are functional
+    # collectives the recomputation replays from its cache, in the forward's order.
+    "cp_tp ring GradBucketer": (
+        dict(cp=2, tp=2, tp_comm="ring"),
+        functools.partial(ok.GradBucketer),
+        "selective",
+    ),
     "hsdp zero1": (dict(dp_shard=2), functools.partial(ok.fsdp, zero=1), "none"),
 }
 
@@ -215,6 +222,10 @@ def test_cp_layouts_on_4_ranks_equal_one_process_on_whole_sequences(one_process_
                 assert f"context parallel cp={sizes['cp']} (K/V all-gather)" in case["description"]
     print({name: f"{case['max_abs_diff']:.1e}" for name, case in results[0].items()})
     assert "ZeRO-2" in results[0]["cp_dp ok.fsdp zero2"]["description"]
+    assert (
+        "sequence parallel tp=2, tp_comm=ring"
+        in results[0]["cp_tp ring GradBucketer"]["description"]
+    )
     assert "ok.fsdp (HSDP) ZeRO-1" in results[0]["hsdp zero1"]["description"]
 
 

@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     # through a Protocol: it imports neither placement nor the search).
     "overlapkit.ddp": 1,
     "overlapkit.fsdp": 1,
+    "overlapkit.inlayer": 1,
     "overlapkit.profiling": 1,
     "overlapkit.cost": 1,
     # 2: placement of the sizes a user chose, priced by the cost model; never the search.

@@ -32,7 +32,7 @@ from overlapkit.layout import TrainingLayout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 from overlapkit.train.models.moe import shard_experts
 from overlapkit.train.parallel.recompute import apply_recompute
-from overlapkit.train.parallel.wrappers import apply_tensor_parallel
+from overlapkit.train.parallel.tensor_parallel import apply_tensor_parallel
 from tests.cuda import requires_cuda
 from tests.multiproc import run_on_ranks
 

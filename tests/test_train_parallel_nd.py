@@ -129,6 +129,13 @@ def _layouts_match_the_unsharded_model(rank: int, world_size: int) -> dict:
         "tp_dp": (GPT, GPTConfig, PlanConfig.of(tp=2), functools.partial(ok.GradBucketer)),
         "hsdp": (GPT, GPTConfig, PlanConfig.of(dp_shard=2), functools.partial(ok.fsdp)),
         "ep_dp": (MoEGPT, MoEConfig, PlanConfig.of(ep=2), functools.partial(ok.GradBucketer)),
+        # Chunked dispatch (tests/test_chunked_ep.py checks every chunk count on 2 ranks).
+        "ep_dp_chunked": (
+            MoEGPT,
+            MoEConfig,
+            PlanConfig.of(ep=2, ep_chunks=2),
+            functools.partial(ok.GradBucketer),
+        ),
     }
     out = {}
     for name, (cls, config_cls, plan, factory) in cases.items():
@@ -162,6 +169,17 @@ def _layouts_match_the_unsharded_model(rank: int, world_size: int) -> dict:
             torch.testing.assert_close(
                 _full(param.grad), reference_params[param_name].grad, rtol=1e-4, atol=1e-7
             )
+        if name.startswith("ep_dp"):  # and one AdamW step on the clipped gradients
+            for params in (par.model.parameters(), reference.parameters()):
+                torch.optim.AdamW(params, lr=1e-2).step()
+            for param_name, param in par.model.named_parameters():
+                torch.testing.assert_close(
+                    _full(param.detach()),
+                    reference_params[param_name].detach(),
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=lambda m, n=param_name, c=name: f"{c} {n} after AdamW: {m}",
+                )
         kinds = {type(p).__name__ for p in par.model.parameters()}
         groups = [layout.mesh.get_group(axis) for axis in layout.mesh.mesh_dim_names]
         out[name] = {
@@ -171,7 +189,7 @@ def _layouts_match_the_unsharded_model(rank: int, world_size: int) -> dict:
             "kinds": sorted(kinds),
             "description": par.description,
         }
-        if name == "ep_dp":
+        if name.startswith("ep_dp"):
             own_group = next(g for g in layout.placement.groups("ep") if rank in g)
             out[name]["dispatch"] = [
                 (m.stats.ranks, m.stats.all_to_all_calls) for m in model.moe_layers()
@@ -201,6 +219,8 @@ def test_tp_hsdp_and_ep_gradients_equal_the_unsharded_model_on_4_ranks(one_proce
         # Each MoE layer dispatched over the planner's ep group: forward and backward,
         # two all-to-alls each.
         assert ep["dispatch"] == [(ep["own_ep_group"], 4)] * 2
+        chunked = result["ep_dp_chunked"]
+        assert chunked["dispatch"] == [(chunked["own_ep_group"], 8)] * 2
 
 
 # End to end: the real ``overlapkit-train`` on 4 gloo ranks (helpers of test_train_e2e), with

@@ -309,6 +309,7 @@ def run_instructions(
             ranks_per_node=len(topo.nodes()[0]),
             model=answer.model.name,
             layers=answer.model.layers,
+            modes=answer.best.step.modes if answer.settings.framework == OVERLAPKIT_TRAIN else None,
         )
         out["overlapkit_train"] = ["overlapkit-train", *overrides]
         if layout.tp > 1 and answer.settings.framework != OVERLAPKIT_TRAIN:

@@ -73,6 +73,10 @@ def why_best(ranked: list[Candidate]) -> list[str]:
         + f" (MFU {best.mfu:.1%}; memory {best.memory.total / 1e9:.3g} of "
         f"{best.memory_limit / 1e9:.3g} GB: {memory_text(best.memory)})"
     )
+    if best.step.hidden_share:
+        modes = ", ".join(f"parallel.plan.{k}={v}" for k, v in best.step.modes.items())
+        hidden = ", ".join(f"{d} {s:.0%}" for d, s in best.step.hidden_share.items())
+        lines.append(f"  #1's in-layer overlap ({modes}): communication hidden {hidden}")
     return lines
 
 
@@ -175,8 +179,8 @@ def overlapkit_train_lines(answer: AutoPlan, run: dict) -> list[str]:
     if "overlapkit_train_predicted" in run:
         predicted = run["overlapkit_train_predicted"]
         lines.append(
-            f"  overlapkit-train keeps the embeddings and head whole on every tp rank and "
-            f"all-reduces where Megatron's sequence parallelism gathers and scatters: "
+            f"  overlapkit-train keeps the embeddings and head whole on every tp rank (no "
+            f"vocabulary parallelism) and cuts and gathers the sequence around its blocks: "
             f"{predicted['step_time_s']:.4g} s per step predicted "
             f"({predicted['step_time_s'] / answer.best.step.step_s - 1:+.1%}), "
             f"{predicted['memory_gb_per_gpu']:.3g} GB per GPU"

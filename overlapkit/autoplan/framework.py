@@ -46,6 +46,20 @@ class Framework:
     """The embedding and the output layer split over tp; False: replicated on every tp rank."""
     dtensor_parameters: bool
     """The parameters split over tp or ep are DTensors (torch's ``parallelize_module``)."""
+    plain_row_biases: bool = False
+    """With ``dtensor_parameters``: the row-parallel linears' biases stay plain tensors (added on
+    the sequence shard, their gradients summed over tp once per step: overlapkit-train's
+    ``overlapkit.inlayer.sequence_parallel``); False: replicated DTensors."""
+    sp_stage_gathers: int = 0
+    """With sequence parallelism, all-gathers per micro-batch and stage outside the layers
+    (overlapkit-train: the sequence cut before the first block, whose backward gathers, and
+    gathered after the last)."""
+    tp_comm_choices: tuple[str, ...] = ("sync",)
+    """How its tp collectives can meet their matmuls (overlapkit-train's
+    ``parallel.plan.tp_comm``); the search prices each and keeps the fastest."""
+    ep_chunk_choices: tuple[int, ...] = (1,)
+    """Token chunks its MoE layers' all-to-alls can be pipelined in with the experts; the search
+    prices each and keeps the fastest (overlapkit-train's ``parallel.plan.ep_chunks``)."""
     selective: SelectiveRecompute = ATTENTION_CORE
     """What its selective recomputation recomputes, and so what it costs."""
     fsdp_gathered_across_micro_batches: bool = False
@@ -111,11 +125,10 @@ MEGATRON = Framework(
 OVERLAPKIT_TRAIN = Framework(
     name="overlapkit-train",
     refused=train_table.REFUSED,
-    sequence_parallel=False,
-    tp_forward_all_reduces=2,
-    tp_backward_all_reduces=4,
+    sequence_parallel=True,
     vocab_parallel=False,
     dtensor_parameters=True,
+    plain_row_biases=True,
     selective=SDPA_KERNEL,
     zero_on_fsdp=True,
     fsdp_reduces_once_per_step=True,
@@ -123,9 +136,14 @@ OVERLAPKIT_TRAIN = Framework(
     tied_embedding_all_reduce=True,
     fsdp_reduce_after_pipeline=True,
     zero_bubble_schedules=True,
+    ep_chunk_choices=(1, 2, 4),
+    sp_stage_gathers=2,
+    tp_comm_choices=("sync", "split", "ring"),
 )
-"""Counted on gpt_tiny: 24 all-reduces in a forward and backward of its 4 layers at tp = 2
-(2 forward and 4 backward per layer: ``q``, ``k`` and ``v`` are separate modules)."""
+"""Its tp is sequence-parallel (``overlapkit.inlayer.sequence_parallel``), counted on gpt_tiny
+(tests/test_inlayer_tp.py): per layer pass 2 all-gathers (q, k and v share one) and 2
+reduce-scatters, and per stage the sequence cut and the final gather; ``tp_comm`` ``split`` and
+``ring`` and ``ep_chunks`` pipeline them with the matmuls (``autoplan.pipelined_comm``)."""
 TORCHTITAN_REFUSED = (
     Refused(
         when=lambda job: job.layout.sharding not in ("ddp", "fsdp", "hsdp"),

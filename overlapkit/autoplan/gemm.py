@@ -112,20 +112,47 @@ def layer_gemms(
         (m, max(1, model.heads * model.attention_v_dim // tp), h, 1),
     ]
 
-    def mlp(rows: float, ffn: int, count: int) -> None:
-        rows = max(1, round(rows))
-        up = (2 if model.gated_mlp else 1) * ffn
-        out.append((rows, h, max(1, up // tp), count))
-        out.append((rows, max(1, ffn // tp), h, count))
-
     if moe_layer:
-        local = max(1, model.experts // ep)
-        mlp(m * model.topk * ep / model.experts, model.moe_ffn_hidden, local)
+        out += routed_expert_gemms(model, tokens, tp=tp, ep=ep, cp=cp)
         if model.shared_experts:
-            mlp(m, model.moe_ffn_hidden * model.shared_experts, 1)
+            out += _mlp_gemms(model, m, model.moe_ffn_hidden * model.shared_experts, 1, tp)
     else:
-        mlp(m, model.ffn_hidden, 1)
+        out += _mlp_gemms(model, m, model.ffn_hidden, 1, tp)
     return out
+
+
+def _mlp_gemms(
+    model: ModelSpec, rows: float, ffn: int, count: int, tp: int
+) -> list[tuple[float, int, int, int]]:
+    """An MLP's up (gated: two) and down projections on ``rows`` rows, ``count`` of them."""
+    rows = max(1, round(rows))
+    up = (2 if model.gated_mlp else 1) * ffn
+    return [
+        (rows, model.hidden, max(1, up // tp), count),
+        (rows, max(1, ffn // tp), model.hidden, count),
+    ]
+
+
+def routed_expert_gemms(
+    model: ModelSpec, tokens: float, *, tp: int, ep: int, cp: int
+) -> list[tuple[float, int, int, int]]:
+    """The GEMMs of one GPU's routed experts (``layer_gemms``' terms): each of its
+    ``experts / ep`` experts on the ``tokens / cp x topk x ep / experts`` rows routed to it."""
+    m = max(1, round(tokens / cp))
+    local = max(1, model.experts // ep)
+    return _mlp_gemms(model, m * model.topk * ep / model.experts, model.moe_ffn_hidden, local, tp)
+
+
+def gemms_pass_seconds(
+    gemms: list[tuple[float, int, int, int]], rates: GemmRates
+) -> tuple[float, float]:
+    """(forward, backward) seconds of ``gemms`` (``gemm_pass_seconds`` each, times its count)."""
+    fwd = bwd = 0.0
+    for m, k, n, count in gemms:
+        forward, backward = gemm_pass_seconds(m, k, n, rates)
+        fwd += count * forward
+        bwd += count * backward
+    return fwd, bwd
 
 
 def gemm_seconds(m: float, k: float, n: float, rates: GemmRates, *, batch: int = 1) -> float:
@@ -160,12 +187,9 @@ def layer_matmul_seconds(
     rates: GemmRates,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's GEMMs (``gemm_pass_seconds`` each)."""
-    fwd = bwd = 0.0
-    for m, k, n, count in layer_gemms(model, tokens, tp=tp, ep=ep, cp=cp, moe_layer=moe_layer):
-        forward, backward = gemm_pass_seconds(m, k, n, rates)
-        fwd += count * forward
-        bwd += count * backward
-    return fwd, bwd
+    return gemms_pass_seconds(
+        layer_gemms(model, tokens, tp=tp, ep=ep, cp=cp, moe_layer=moe_layer), rates
+    )
 
 
 @lru_cache(maxsize=65536)

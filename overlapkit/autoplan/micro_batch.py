@@ -12,9 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlapkit.autoplan.framework import Framework
+from overlapkit.autoplan.gemm import (
+    GemmRates,
+    gemm_seconds,
+    gemms_pass_seconds,
+    layer_gemms,
+    routed_expert_gemms,
+)
 from overlapkit.autoplan.group_costs import LayoutCollectives
 from overlapkit.autoplan.memory import Precision, layers_per_stage
 from overlapkit.autoplan.model_spec import ModelSpec
+from overlapkit.autoplan.pipelined_comm import (
+    one_sided_exposed,
+    pipelined_exposed,
+    ring_exposed,
+)
 from overlapkit.layout import TrainingLayout
 
 BACKWARD_OVER_FORWARD = 2
@@ -90,32 +102,82 @@ class CommSeconds:
 
 
 def tensor_parallel(
-    stage: StageMicroBatch, collectives: LayoutCollectives, *, overlap: float
+    stage: StageMicroBatch,
+    collectives: LayoutCollectives,
+    *,
+    overlap: float,
+    mode: str = "sync",
+    chunks: int = 2,
+    rates: GemmRates | None = None,
 ) -> CommSeconds:
     """tp's collectives of the micro-batch's activations, in forward, backward and a recomputed
     forward; ``overlap`` is the share hidden (async TP), the rest exposed.
 
-    With sequence parallelism 2 all-gathers + 2 reduce-scatters per layer pass; without, the
-    framework's all-reduces of the replicated activations.
+    With sequence parallelism 2 all-gathers + 2 reduce-scatters per layer pass (a gloo
+    reduce-scatter is an all-reduce of the whole input: ``Library.moves_host_tensors``), and
+    the framework's ``sp_stage_gathers`` per stage (overlapkit-train cuts the sequence before
+    the first block and gathers it after the last); without, the framework's all-reduces of the
+    replicated activations. ``mode`` (overlapkit-train's ``parallel.plan.tp_comm``, with
+    ``rates``) prices ``split`` and ``ring`` from their pipelines (``_overlapped_pass``).
     """
     framework, layout = stage.framework, stage.layout
     tp_bytes = stage.tokens / layout.cp * stage.model.hidden * stage.activation_bytes
-    if framework.sequence_parallel:
-        gather = collectives("all_gather", tp_bytes, "tp")
-        per_pass = SEQUENCE_PARALLEL_GATHERS * (
-            gather + collectives("reduce_scatter", tp_bytes, "tp")
-        )
-        forward = backward = per_pass
+    gather = collectives("all_gather", tp_bytes, "tp")
+    sequence_parallel = framework.sequence_parallel
+    if sequence_parallel:
+        scatter = collectives(_scatter_kind(collectives), tp_bytes, "tp")
+        forward = backward = SEQUENCE_PARALLEL_GATHERS * (gather + scatter)
     else:
         all_reduce = collectives("all_reduce", tp_bytes, "tp")
         forward = framework.tp_forward_all_reduces * all_reduce
         backward = framework.tp_backward_all_reduces * all_reduce
-    total = stage.layers * ((1 + stage.recomputed) * forward + backward)
-    if layout.recompute == "selective" and framework.sequence_parallel:
+    passes = 2 + stage.recomputed  # forwards (one recomputed) and the backward
+    extra = framework.sp_stage_gathers * gather if sequence_parallel else 0.0
+    if layout.recompute == "selective" and sequence_parallel:
         # The policy's recomputed forward gathers its sequence-parallel inputs again.
-        regathers = framework.selective.tp_all_gathers_recomputed
-        total += stage.layers * regathers * collectives("all_gather", tp_bytes, "tp")
+        extra += stage.layers * framework.selective.tp_all_gathers_recomputed * gather
+    if sequence_parallel and mode != "sync" and rates is not None and layout.tp > 1:
+        per_pass, exposed_pass = _overlapped_pass(stage, collectives, mode, chunks, rates)
+        return CommSeconds(
+            stage.layers * passes * per_pass + extra, stage.layers * passes * exposed_pass + extra
+        )
+    total = stage.layers * ((1 + stage.recomputed) * forward + backward) + extra
     return CommSeconds(total, (1 - overlap) * total)
+
+
+def _scatter_kind(collectives: LayoutCollectives) -> str:
+    """gloo runs a reduce-scatter as an all-reduce of the whole input (its trace says so)."""
+    return "all_reduce" if collectives.library.moves_host_tensors else "reduce_scatter"
+
+
+def _overlapped_pass(
+    stage: StageMicroBatch, collectives: LayoutCollectives, mode: str, chunks: int, rates
+) -> tuple[float, float]:
+    """(every collective's seconds, exposed seconds) of one layer pass under ``split`` or
+    ``ring``: its four fused steps (all-gather + q/k/v, projection + reduce-scatter, all-gather
+    + MLP up, MLP down + reduce-scatter), each collective hidden under the other chunks' part of
+    its GEMM (``pipelined_comm``); exposed also carries what the GEMMs lose run in pieces
+    (``gemm``'s wave and tile model) and every piece's call (the extra launches)."""
+    layout, model = stage.layout, stage.model
+    tp_bytes = stage.tokens / layout.cp * model.hidden * stage.activation_bytes
+    pieces = chunks if mode == "split" else layout.tp
+    dims = dict(tp=layout.tp, ep=layout.ep, cp=layout.cp, moe_layer=False)
+    whole = layer_gemms(model, stage.tokens, **dims)[:4]
+    part = layer_gemms(model, stage.tokens / pieces, **dims)[:4]
+    kinds = ("all_gather", _scatter_kind(collectives)) * 2
+    total = exposed = 0.0
+    for kind, (m, k, n, _), (pm, pk, pn, _) in zip(kinds, whole, part, strict=True):
+        full_s, piece_s = gemm_seconds(m, k, n, rates), gemm_seconds(pm, pk, pn, rates)
+        exposed += max(0.0, pieces * piece_s - full_s)
+        if mode == "split":
+            comm = collectives(kind, tp_bytes / pieces, "tp")
+            total += pieces * comm
+            exposed += one_sided_exposed(comm, piece_s, pieces)
+        else:
+            comm = collectives("send_recv", tp_bytes / pieces, "tp")
+            total += (pieces - 1) * comm
+            exposed += ring_exposed(comm, piece_s, pieces)
+    return total, exposed
 
 
 def context_parallel(
@@ -149,10 +211,23 @@ def context_parallel(
 
 
 def expert_parallel(
-    stage: StageMicroBatch, collectives: LayoutCollectives, *, overlap: float
+    stage: StageMicroBatch,
+    collectives: LayoutCollectives,
+    *,
+    overlap: float,
+    chunks: int = 1,
+    rates: GemmRates | None = None,
 ) -> CommSeconds:
     """ep's all-to-alls of each token's ``topk`` copies per MoE layer, forward, backward and a
-    recomputed forward; ``overlap`` is the share hidden (DualPipe-style), the rest exposed."""
+    recomputed forward; ``overlap`` is the share hidden (DualPipe-style), the rest exposed.
+
+    With ``chunks > 1`` (overlapkit-train's ``parallel.plan.ep_chunks``, ``rates`` given) each
+    pass is priced as its pipeline (``pipelined_comm``): ``2 x chunks`` all-to-alls of a
+    ``chunks``-th of the bytes each (every call's latency and overhead counted: the extra
+    launches), hidden under the other chunks' expert GEMMs, forward and backward; the exposed
+    part also carries what the experts lose running ``chunks`` GEMMs of a ``chunks``-th of the
+    rows (``gemm``'s wave and tile model) instead of one.
+    """
     layout, model = stage.layout, stage.model
     ep_bytes = (
         stage.tokens
@@ -161,9 +236,24 @@ def expert_parallel(
         * model.dispatch_copies
         * stage.activation_bytes
     )
-    calls = ALL_TO_ALLS_PER_MOE_PASS * (2 + stage.recomputed)
-    total = stage.moe_layers * calls * collectives("all_to_all", ep_bytes, "ep")
-    return CommSeconds(total, (1 - overlap) * total)
+    passes = 2 + stage.recomputed
+    if chunks == 1 or rates is None or layout.ep == 1:
+        calls = ALL_TO_ALLS_PER_MOE_PASS * passes
+        total = stage.moe_layers * calls * collectives("all_to_all", ep_bytes, "ep")
+        return CommSeconds(total, (1 - overlap) * total)
+    comm = collectives("all_to_all", ep_bytes / chunks, "ep")
+    whole = routed_expert_gemms(model, stage.tokens, tp=layout.tp, ep=layout.ep, cp=layout.cp)
+    full_fwd, full_bwd = gemms_pass_seconds(whole, rates)
+    part_fwd, part_bwd = gemms_pass_seconds(
+        routed_expert_gemms(model, stage.tokens / chunks, tp=layout.tp, ep=layout.ep, cp=layout.cp),
+        rates,
+    )
+    forwards = 1 + stage.recomputed
+    exposed = forwards * pipelined_exposed(comm, part_fwd, chunks)
+    exposed += pipelined_exposed(comm, part_bwd, chunks)
+    lost = forwards * (chunks * part_fwd - full_fwd) + (chunks * part_bwd - full_bwd)
+    total = stage.moe_layers * passes * ALL_TO_ALLS_PER_MOE_PASS * chunks * comm
+    return CommSeconds(total, stage.moe_layers * (exposed + max(0.0, lost)))
 
 
 def pipeline_parallel(

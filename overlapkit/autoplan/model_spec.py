@@ -241,6 +241,13 @@ class ModelSpec:
             split += 3 if self.gated_mlp else 2
         return split, other, 3 if self.gated_mlp else 2
 
+    def row_parallel_biases(self, *, moe_layer: bool) -> int:
+        """The biases of one layer's row-parallel linears (attention's output projection, a
+        dense MLP's second layer), counted among ``layer_tensors``' split ones."""
+        if not self.output_bias:
+            return 0
+        return 1 + (0 if moe_layer or self.gated_mlp else 1)
+
     def embedding_tensors(self) -> int:
         """The token embedding and the learned positions."""
         return 1 + (1 if self.position_embeddings else 0)

@@ -77,12 +77,37 @@ class Pricing:
         """The GPU's memory, bytes."""
         return self.options.accelerator.memory_GB * 1e9
 
+    def modes(self, layout: TrainingLayout) -> list[StepOptions]:
+        """The step options of each in-layer mode to price ``layout`` in: every one of the
+        framework's ``ep_chunk_choices`` with ep > 1 and ``tp_comm_choices`` with tp > 1 (``split``
+        where ``tp_chunks`` divides the micro-batch), unless the settings fix them."""
+        settings, framework = self.settings, self.settings.framework
+        chunks = [self.options.ep_chunks]
+        if layout.ep > 1 and settings.ep_chunks is None:
+            chunks = list(framework.ep_chunk_choices)
+        comms = [self.options.tp_comm]
+        if layout.tp > 1 and settings.tp_comm is None:
+            comms = [
+                c
+                for c in framework.tp_comm_choices
+                if c != "split" or layout.micro_batch % settings.tp_chunks == 0
+            ]
+        return [
+            dataclasses.replace(self.options, ep_chunks=n, tp_comm=c) for n in chunks for c in comms
+        ]
+
     def memory(self, layout: TrainingLayout) -> MemoryBreakdown:
         return self.settings.memory(self.model, layout, self.seq_len)
 
     def candidate(self, layout: TrainingLayout, memory: MemoryBreakdown) -> Candidate:
-        """``layout`` timed, with its ``memory``."""
-        step = predict_step(self.model, layout, self.options, self.costs)
+        """``layout`` timed in its fastest mode (``modes``), with its ``memory``."""
+        step = min(
+            (
+                predict_step(self.model, layout, options, self.costs)
+                for options in self.modes(layout)
+            ),
+            key=lambda priced: priced.step_s,
+        )
         peak = self.options.accelerator.peak_tflops(self.settings.precision.matmul_dtype)
         return Candidate(layout, step, memory, self.memory_limit, self.seq_len, peak)
 

@@ -50,6 +50,14 @@ class SearchSettings:
     """None: the topology library's default."""
     tp_overlap: float = 0.0
     ep_overlap: float = 0.0
+    ep_chunks: int | None = None
+    """Token chunks of overlapkit-train's pipelined ep (``StepOptions.ep_chunks``); None: the
+    search prices each of the framework's ``ep_chunk_choices`` and keeps the fastest."""
+    tp_comm: str | None = None
+    """overlapkit-train's tp mode (``StepOptions.tp_comm``); None: the search prices each of
+    the framework's ``tp_comm_choices`` and keeps the fastest."""
+    tp_chunks: int = 2
+    """With ``tp_comm="split"``: the micro-batch's chunks."""
     fsdp_prefetch: int = 1
     accelerator: Accelerator | None = None
     """Overrides the topology's (a measured CPU, another memory size). An accelerator with a
@@ -107,6 +115,9 @@ class SearchSettings:
             flash_attention=self.flash_attention,
             tp_overlap=self.tp_overlap,
             ep_overlap=self.ep_overlap,
+            ep_chunks=self.ep_chunks or 1,
+            tp_comm=self.tp_comm or "sync",
+            tp_chunks=self.tp_chunks,
             framework=self.framework,
             **host_terms,
         )

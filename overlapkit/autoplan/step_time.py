@@ -9,7 +9,7 @@ step".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from overlapkit.autoplan.compute import gemm_rates
 from overlapkit.autoplan.framework import MEGATRON, Framework
@@ -25,6 +25,7 @@ from overlapkit.autoplan.memory import BF16, Precision, StageParams, sharding_gr
 from overlapkit.autoplan.memory_traffic import layer_memory_seconds, loss_bytes
 from overlapkit.autoplan.micro_batch import (
     BACKWARD_OVER_FORWARD,
+    CommSeconds,
     StageMicroBatch,
     context_parallel,
     expert_parallel,
@@ -61,6 +62,14 @@ class StepOptions:
     """Share of tp communication hidden (async TP); 0: all on the critical path."""
     ep_overlap: float = 0.0
     """Share of ep all-to-all hidden behind compute (DualPipe-style schedules)."""
+    ep_chunks: int = 1
+    """Token chunks each MoE layer's all-to-alls are pipelined in with its experts
+    (overlapkit-train's ``parallel.plan.ep_chunks``; ``micro_batch.expert_parallel``)."""
+    tp_comm: str = "sync"
+    """How tp's collectives meet their matmuls (overlapkit-train's ``parallel.plan.tp_comm``:
+    ``sync``, ``split``, ``ring``; ``micro_batch.tensor_parallel``)."""
+    tp_chunks: int = 2
+    """With ``tp_comm="split"``: the micro-batch's chunks (``parallel.plan.tp_chunks``)."""
     collective_overhead_s: float = 0.0
     """Seconds every collective call costs beyond what the cost model prices: its launch and
     the wait for the last rank to arrive. 0 by default (NCCL's launch is microseconds); where
@@ -112,6 +121,12 @@ class StepTime:
     """Per step, all GPUs: 6N + attention per token, no recomputation."""
     hardware_flops: float
     """Per step, all GPUs, recomputation counted."""
+    hidden_share: dict[str, float] = field(default_factory=dict)
+    """Per dimension whose communication a mode pipelines with compute (``tp`` under ``split``
+    or ``ring``, ``ep`` with ``ep_chunks > 1``), the share of it the model hides."""
+    modes: dict[str, object] = field(default_factory=dict)
+    """The in-layer modes priced, as ``parallel.plan`` keys (``{"tp_comm": "ring"}``,
+    ``{"ep_chunks": 4}``); empty: the synchronous ones."""
 
     def to_dict(self) -> dict:
         return {
@@ -128,6 +143,8 @@ class StepTime:
             "bubble_s": self.bubble_s,
             "optimizer_s": self.optimizer_s,
             "comm_total_s": self.comm_total_s,
+            "hidden_share": dict(self.hidden_share),
+            "modes": dict(self.modes),
         }
 
 
@@ -289,10 +306,23 @@ def predict_step(
     rates = StepRates.of(options)
     compute = micro_batch_compute(stage, options, rates)
     collectives = LayoutCollectives(costs, layout, call_overhead_s=options.collective_overhead_s)
-    tp = tensor_parallel(stage, collectives, overlap=options.tp_overlap)
+    tp = tensor_parallel(
+        stage,
+        collectives,
+        overlap=options.tp_overlap,
+        mode=options.tp_comm,
+        chunks=options.tp_chunks,
+        rates=rates.matmul,
+    )
     ring_window = options.overlap_efficiency * RING_WINDOW_FORWARDS * compute.attention_forward_s
     cp = context_parallel(stage, collectives, ring_window_s=ring_window)
-    ep = expert_parallel(stage, collectives, overlap=options.ep_overlap)
+    ep = expert_parallel(
+        stage,
+        collectives,
+        overlap=options.ep_overlap,
+        chunks=options.ep_chunks,
+        rates=rates.matmul,
+    )
     pp_s, tied_s = pipeline_parallel(stage, collectives)
     first, last = (
         stage_params(model, layout, stage=i, vocab_parallel=framework.vocab_parallel)
@@ -337,7 +367,34 @@ def predict_step(
         + sync.total_s,
         model_flops=model_flops,
         hardware_flops=hardware_flops,
+        hidden_share=_hidden_share(
+            {"tp": (tp, options.tp_comm != "sync"), "ep": (ep, options.ep_chunks > 1)}
+        ),
+        modes=_modes(layout, options),
     )
+
+
+def _hidden_share(parts: dict[str, tuple[CommSeconds, bool]]) -> dict[str, float]:
+    """Per dimension a mode overlaps, the share of its communication hidden (what its pieces
+    lose in GEMM efficiency counts as exposed, so a mode that loses more than it hides shows
+    0)."""
+    return {
+        dim: max(0.0, 1.0 - comm.exposed_s / comm.total_s)
+        for dim, (comm, overlapped) in parts.items()
+        if overlapped and comm.total_s > 0
+    }
+
+
+def _modes(layout: TrainingLayout, options: StepOptions) -> dict[str, object]:
+    """The in-layer modes priced, as ``parallel.plan`` keys (see ``StepTime.modes``)."""
+    modes: dict[str, object] = {}
+    if layout.tp > 1 and options.tp_comm != "sync":
+        modes["tp_comm"] = options.tp_comm
+        if options.tp_comm == "split":
+            modes["tp_chunks"] = options.tp_chunks
+    if layout.ep > 1:
+        modes["ep_chunks"] = options.ep_chunks
+    return modes
 
 
 def _local_params(layout: TrainingLayout, dense_params: float, expert_params: float) -> float:
@@ -406,7 +463,8 @@ def parameter_tensors(
 
     FSDP2 (fsdp, hsdp, and zero1 / zero2 where ``framework.zero_on_fsdp``) makes every
     parameter a DTensor; otherwise the tp and ep shards are DTensors where
-    ``framework.dtensor_parameters``, the rest plain tensors.
+    ``framework.dtensor_parameters`` (the row-parallel biases not where
+    ``framework.plain_row_biases``), the rest plain tensors.
     """
     share = model.moe_layers / model.layers if model.is_moe else 0.0
     dense = model.layer_tensors(moe_layer=False)
@@ -420,10 +478,13 @@ def parameter_tensors(
     fsdp2 = ("fsdp", "hsdp", "zero1", "zero2") if framework.zero_on_fsdp else ("fsdp", "hsdp")
     if layout.sharding in fsdp2:
         return 0.0, total
-    dtensors = 0.0
-    if framework.dtensor_parameters:
-        dtensors += layers * split if layout.tp > 1 else 0.0
-        dtensors += layers * expert if layout.ep > 1 else 0.0
+    if not framework.dtensor_parameters:
+        return total, 0.0
+    if framework.plain_row_biases:
+        split -= (1 - share) * model.row_parallel_biases(moe_layer=False)
+        split -= share * model.row_parallel_biases(moe_layer=True)
+    dtensors = layers * split if layout.tp > 1 else 0.0
+    dtensors += layers * expert if layout.ep > 1 else 0.0
     return total - dtensors, dtensors
 
 

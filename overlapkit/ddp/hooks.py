@@ -25,6 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 from overlapkit.ddp.comm_stats import CommRecorder
 from overlapkit.ddp.failure_relay import FailureRelay
+from overlapkit.group.dim_labels import comm_dim
 from overlapkit.group.failures import FailureScope
 
 __all__ = [
@@ -143,7 +144,8 @@ def _allreduce_fut(
     """
     site = state.failures.site(state.process_group, collective, f"bucket {bucket.index()}")
     state.relay.arm(state.recorder.step)
-    work = dist.all_reduce(wire, group=state.process_group, async_op=True)
+    with comm_dim("dp"):  # the report's dims tell it from tp's all-reduces (gloo)
+        work = dist.all_reduce(wire, group=state.process_group, async_op=True)
     future = work.get_future()
     _record(state.recorder, bucket, future, wire.numel() * wire.element_size())
 

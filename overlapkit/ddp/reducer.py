@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from overlapkit.ddp.comm_stats import CommRecorder
 from overlapkit.ddp.finite import FiniteCheck
+from overlapkit.group.dim_labels import comm_dim
 from overlapkit.group.failures import FailureScope
 
 logger = logging.getLogger(__name__)
@@ -362,9 +363,9 @@ class BucketReducer:
         # Divide before summing, as DDP does, so low-precision buckets do not overflow.
         bucket.flat.div_(self._group_size)
         site = self._failures.site(self.process_group, "all_reduce", f"bucket {b}")
-        bucket.work = site.wrap(
-            dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
-        )
+        with comm_dim("dp"):  # the report's dims tell it from tp's all-reduces (gloo)
+            work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+        bucket.work = site.wrap(work)
         wire_bytes = bucket.flat.numel() * bucket.flat.element_size()
         slot = self.recorder.launch(b, bucket.grad_bytes, wire_bytes)
         self.recorder.watch(slot, bucket.work.get_future())

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from overlapkit.fsdp.stats import UnshardRecorder
+from overlapkit.group.dim_labels import comm_dim
 from overlapkit.group.failures import FailureScope
 from overlapkit.group.process_group import all_gather_single
 
@@ -87,9 +88,10 @@ class BlockAllGather(Alloc, AllGather):
     ) -> dist.Work | None:
         site = self.failures.site(group, "all_gather", self.where)
         try:
-            work = all_gather_single(
-                output_tensor, input_tensor, group=group, async_op=async_op or self.force_async
-            )
+            with comm_dim("dp"):  # the report's dims (gloo traces carry no group)
+                work = all_gather_single(
+                    output_tensor, input_tensor, group=group, async_op=async_op or self.force_async
+                )
         except RuntimeError as error:  # a blocking all-gather fails here
             raise site.explain(error) from error
         if work is not None:

@@ -33,6 +33,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from overlapkit.fsdp.comms import Alloc
+from overlapkit.group.dim_labels import comm_dim
 from overlapkit.group.failures import FailureScope
 from overlapkit.group.process_group import reduce_scatter_single as _reduce_scatter
 
@@ -194,7 +195,8 @@ class BlockReduceScatter(Alloc, ReduceScatter):
         if reason is None:
             self.pending.make_room()
         site = self.failures.site(group, "reduce_scatter", self.where)
-        work, finish = issue_reduce_scatter(output_tensor, input_tensor, group, op)
+        with comm_dim("dp"):  # the report's dims (gloo traces carry no group)
+            work, finish = issue_reduce_scatter(output_tensor, input_tensor, group, op)
         work = site.wrap(work)
         if reason is None:
             self.pending.add(work, finish, input_tensor, output_tensor)

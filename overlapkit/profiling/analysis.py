@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from overlapkit.group.dim_labels import COMM_DIMS
 from overlapkit.profiling.file_pool import map_files
 from overlapkit.profiling.programs import RankProgram, rank_program
 from overlapkit.profiling.rank_summary import (
@@ -94,18 +95,22 @@ class StepMetrics:
     overlap_ratio: float | None
     kinds: dict[str, KindStats]
     file: str
+    dims: dict[str, KindStats] = field(default_factory=dict)
+    """The same numbers per parallel dimension the collectives served (``COMM_DIMS``: tp, cp,
+    ep, pp, dp, other; ``comm_dims`` says how each is told)."""
 
     def to_dict(self) -> dict[str, Any]:
         row = asdict(self)
-        row["kinds"] = {
-            kind: {
-                "count": s.count,
-                "bytes": s.nbytes,
-                "time_ms": s.time_ms,
-                "exposed_ms": s.exposed_ms,
+        for key in ("kinds", "dims"):
+            row[key] = {
+                name: {
+                    "count": s.count,
+                    "bytes": s.nbytes,
+                    "time_ms": s.time_ms,
+                    "exposed_ms": s.exposed_ms,
+                }
+                for name, s in getattr(self, key).items()
             }
-            for kind, s in self.kinds.items()
-        }
         return row
 
 
@@ -120,6 +125,7 @@ class FileResult:
     device: str = "cpu"
     steps: np.ndarray | None = None
     kinds: np.ndarray | None = None
+    dims: np.ndarray | None = None
     lanes: list[StepLanes] = field(default_factory=list)
     program: RankProgram | None = None
     warnings: list[str] = field(default_factory=list)
@@ -145,7 +151,7 @@ def analyze_file(
             trace = load_rank_trace(path, store=store)
             compute = compute_table(trace)
             wanted = {n for n, _, _ in trace.steps} if lanes is True else (lanes or None)
-            steps, kinds, step_lanes = step_rows(trace, compute, wanted)
+            steps, kinds, dims, step_lanes = step_rows(trace, compute, wanted)
             built = rank_program(trace, compute) if program else None
     except (TraceFormatError, OSError) as err:
         return FileResult(path=str(path), error=str(err).removeprefix(f"{path}: "))
@@ -156,6 +162,7 @@ def analyze_file(
         device=trace.device,
         steps=steps,
         kinds=kinds,
+        dims=dims,
         lanes=step_lanes,
         program=built,
         warnings=trace.warnings,
@@ -171,6 +178,8 @@ class RunReport:
     """``TABLE_DTYPE``: one row per rank and step, sorted by step then rank (ms)."""
     kind_table: np.ndarray
     """Per row of ``table`` index (``row``) and kind: count, bytes (-1 unknown), time_ms."""
+    dim_table: np.ndarray
+    """The same per row and parallel dimension (``kind``: a ``COMM_DIMS`` code)."""
     files: list[str]
     skipped: list[dict[str, str]]
     lanes: list[StepLanes] = field(default_factory=list)
@@ -189,15 +198,8 @@ class RunReport:
 
     def step_metrics(self, limit: int) -> list[StepMetrics]:
         """The first ``limit`` rows of ``table`` as ``StepMetrics``."""
-        kinds: dict[int, dict[str, KindStats]] = {}
-        for row, kind, count, nbytes, time_ms, exposed_ms in self.kind_table.tolist():
-            if row < limit:
-                kinds.setdefault(row, {})[COLLECTIVE_KINDS[kind]] = KindStats(
-                    count=count,
-                    nbytes=None if nbytes < 0 else nbytes,
-                    time_ms=time_ms,
-                    exposed_ms=exposed_ms,
-                )
+        kinds = _stats_by_row(self.kind_table, COLLECTIVE_KINDS, limit)
+        dims = _stats_by_row(self.dim_table, COMM_DIMS, limit)
         names = [Path(f).name for f in self.files]
         out = []
         for i, r in enumerate(self.table[:limit].tolist()):
@@ -214,6 +216,7 @@ class RunReport:
                     overlap_ratio=(1.0 - exposed / comm_ms) if comm_ms > 0 else None,
                     kinds=kinds.get(i, {}),
                     file=names[file],
+                    dims=dims.get(i, {}),
                 )
             )
         return out
@@ -239,6 +242,22 @@ class RunReport:
             "slowest_ranks": slowest_ranks(self.table),
             "rank_percentiles": rank_percentiles(self.table),
         }
+
+
+def _stats_by_row(
+    table: np.ndarray, names: tuple[str, ...], limit: int
+) -> dict[int, dict[str, KindStats]]:
+    """``KIND_ROW_DTYPE`` rows below ``limit`` as ``{row: {names[code]: KindStats}}``."""
+    out: dict[int, dict[str, KindStats]] = {}
+    for row, code, count, nbytes, time_ms, exposed_ms in table.tolist():
+        if row < limit:
+            out.setdefault(row, {})[names[code]] = KindStats(
+                count=count,
+                nbytes=None if nbytes < 0 else nbytes,
+                time_ms=time_ms,
+                exposed_ms=exposed_ms,
+            )
+    return out
 
 
 def find_trace_files(run_dir: Path, iteration: int | None = None) -> list[Path]:
@@ -286,6 +305,7 @@ def analyze_files(
         run_dir=run_dir,
         table=np.empty(0, TABLE_DTYPE),
         kind_table=np.empty(0, KIND_ROW_DTYPE),
+        dim_table=np.empty(0, KIND_ROW_DTYPE),
         files=[],
         skipped=[],
     )
@@ -314,7 +334,7 @@ def analyze_files(
         for name in ("compute_ms", "comm_ms", "exposed_comm_ms", "tail_ms"):
             table[name] = result.steps[name]
         tables.append(table)
-        kind_tables.append((index, result.rank, result.kinds))
+        kind_tables.append((index, result.kinds, result.dims))
         report.lanes.extend(result.lanes)
         if result.program is not None:
             report.programs.append(result.program)
@@ -323,7 +343,8 @@ def analyze_files(
 
 
 def _assemble(report: RunReport, tables: list[np.ndarray], kind_tables: list) -> None:
-    """Sort the rows by (step, rank), keep the kinds beside them, warn about duplicates."""
+    """Sort the rows by (step, rank), keep the kinds and dims beside them, warn about
+    duplicates."""
     table = np.concatenate(tables) if tables else np.empty(0, TABLE_DTYPE)
     order = np.lexsort((np.arange(len(table)), table["rank"], table["step"]))
     report.table = table[order]
@@ -335,13 +356,14 @@ def _assemble(report: RunReport, tables: list[np.ndarray], kind_tables: list) ->
         for k, (file, step) in enumerate(zip(t["file"].tolist(), t["step"].tolist(), strict=True)):
             row_of[(file, step)] = int(position[offset + k])
         offset += len(t)
-    kinds = [
-        (row_of[(index, int(step))], int(kind), int(count), int(nbytes), time_ms, exposed_ms)
-        for index, _, rows in kind_tables
-        for step, kind, count, nbytes, time_ms, exposed_ms in rows.tolist()
-        if (index, int(step)) in row_of
-    ]
-    report.kind_table = np.array(kinds, dtype=KIND_ROW_DTYPE)
+    for attr, column in (("kind_table", 1), ("dim_table", 2)):
+        rows = [
+            (row_of[(t[0], int(step))], int(code), int(count), int(nbytes), time_ms, exposed_ms)
+            for t in kind_tables
+            for step, code, count, nbytes, time_ms, exposed_ms in t[column].tolist()
+            if (t[0], int(step)) in row_of
+        ]
+        setattr(report, attr, np.array(rows, dtype=KIND_ROW_DTYPE))
     keys = report.table[["rank", "step"]]
     if len(keys) > 1:
         same = np.flatnonzero(

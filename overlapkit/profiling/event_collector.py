@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from overlapkit.group.dim_labels import LABEL_PREFIX, WAIT_LABEL, dim_of_label
 from overlapkit.profiling.record_store import RecordTable, SpillStore
 from overlapkit.profiling.trace_events import (
     LAUNCH_CATEGORIES,
@@ -53,8 +54,12 @@ _KIND_PATTERNS = (
 _STEP_NAME = re.compile(r"ProfilerStep#(\d+)$")
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 _DATALOADER_PREFIX = "enumerate(DataLoader)#"
-# Enqueue ops of collectives on the calling thread: bookkeeping, not compute.
-_COMM_OP_PREFIXES = ("c10d::", "record_param_comms", "nccl:", "gloo:")
+# Enqueue ops of collectives on the calling thread: bookkeeping, not compute (torch's functional
+# collectives wrap the c10d:: op in one of theirs).
+_COMM_OP_PREFIXES = ("c10d::", "record_param_comms", "nccl:", "gloo:", "_c10d_functional::")
+# Waits for a collective: the calling thread blocked, not computing (comm_wait's range, and the
+# functional collectives' wait op).
+_WAIT_NAMES = (WAIT_LABEL, "_c10d_functional::wait_tensor")
 # Element sizes in bytes, as dtypes are spelled by record_param_comms (``dtype``) and by
 # record_shapes (``Input type``).
 DTYPE_BYTES = {
@@ -172,10 +177,14 @@ class EnqueueOp:
 
 
 # What a host range (cpu_op / user_annotation) is, decided once per distinct name.
-_OP, _STEP, _GLOO, _LOADER, _ENQUEUE, _OTHER = range(6)
+_OP, _STEP, _GLOO, _LOADER, _ENQUEUE, _OTHER, _LABEL, _WAIT = range(8)
 
 
 def _host_class(name: str) -> int:
+    if name in _WAIT_NAMES:
+        return _WAIT
+    if name.startswith(LABEL_PREFIX) and dim_of_label(name) is not None:
+        return _LABEL
     if _STEP_NAME.match(name):
         return _STEP
     if name.startswith("gloo:"):
@@ -215,6 +224,10 @@ class EventCollector:
         self.metadata: dict[Any, tuple[str, int | None, str | None, int | None]] = {}
         self.enqueues: list[EnqueueOp] = []
         self.dataloader: list[tuple[float, float, int]] = []
+        self.labels: list[tuple[float, float, int, str]] = []
+        """``comm_dim`` ranges: (start, end, thread, dim)."""
+        self.waits: list[tuple[float, float, int]] = []
+        """``comm_wait`` ranges: (start, end, thread)."""
         self.batch: list = []
 
     def _thread_codes(self, items: list) -> np.ndarray:
@@ -408,7 +421,7 @@ class EventCollector:
             self.ops.append(rows)
 
     def _special(self, kind: int, name: str, e: Any, start: float, end: float, thread: int) -> None:
-        """File a step, gloo, DataLoader or enqueue range."""
+        """File a step, gloo, DataLoader, dim label, wait or enqueue range."""
         args = e.args or NO_ARGS
         if kind == _STEP:
             digits = _STEP_NAME.match(name).group(1)
@@ -421,6 +434,10 @@ class EventCollector:
             self.gloo.append((start, end, thread, collective_kind(name), nbytes, elements))
         elif kind == _LOADER:
             self.dataloader.append((start, end, thread))
+        elif kind == _LABEL:
+            self.labels.append((start, end, thread, dim_of_label(name)))
+        elif kind == _WAIT:
+            self.waits.append((start, end, thread))
         else:  # an enqueue op
             if name == "record_param_comms":
                 kind_name = collective_kind(str(args.collective or ""))

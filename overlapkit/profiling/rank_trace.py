@@ -13,7 +13,11 @@ What counts as what (Kineto traces written by ``torch.profiler``):
 - **CPU traces**: communication is the ``gloo:*`` ranges that gloo's worker threads
   (``pt_gloo_runloop``) record around each collective; compute is the main thread's operators
   (``cpu_op``), except the collectives' own enqueue ops (``c10d::*``, ``record_param_comms``),
-  which only hand work to gloo. A gloo range belongs to the step in which it started.
+  which only hand work to gloo, torch's functional collectives' ops around them
+  (``_c10d_functional::*``), and the waits: ``_c10d_functional::wait_tensor`` and those
+  overlapkit marks (``overlapkit.wait``: a thread blocked on a collective inside an operator,
+  such as an autograd node's backward). A gloo
+  range belongs to the step in which it started.
 - **Backward compute** (for the tail): operators named ``autograd::engine::evaluate_function:*``
   on CPU; on GPU, kernels launched from inside such an operator (on any thread, since CUDA
   backward runs on autograd's device threads).
@@ -118,12 +122,18 @@ class RankTrace:
     enqueues: list[EnqueueOp]
     dataloader: list[tuple[float, float, int]]
     groups: list[dict[str, Any]]
-    """``distributedInfo.pg_config``: ``pg_name``, ``ranks`` of each group this rank is in."""
+    """``distributedInfo.pg_config``: ``pg_name``, ``ranks`` (and ``pg_desc`` when given) of
+    each group this rank is in."""
     backend: str | None
     host: str | None
     """The trace's ``host_name``: ranks on one host share one clock."""
     store: SpillStore
     warnings: list[str] = field(default_factory=list)
+    labels: list[tuple[float, float, int, str]] = field(default_factory=list)
+    """``comm_dim`` ranges, ``(start, end, thread, dim)``: which dimension the collectives
+    issued inside serve (``overlapkit.group.dim_labels``)."""
+    waits: list[tuple[float, float, int]] = field(default_factory=list)
+    """``comm_wait`` ranges, ``(start, end, thread)``: a thread blocked on a collective."""
 
     def close(self) -> None:
         self.store.close()
@@ -171,7 +181,10 @@ def _groups(header: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         ranks = group.get("ranks")
         if isinstance(ranks, list) and all(_is_int(r) for r in ranks) and "pg_name" in group:
-            out.append({"pg_name": str(group["pg_name"]), "ranks": ranks})
+            entry = {"pg_name": str(group["pg_name"]), "ranks": ranks}
+            if isinstance(group.get("pg_desc"), str):
+                entry["pg_desc"] = group["pg_desc"]
+            out.append(entry)
     return out
 
 
@@ -260,4 +273,6 @@ def load_rank_trace(path: str | Path, *, store: SpillStore | None = None) -> Ran
         host=header["host_name"] if isinstance(header.get("host_name"), str) else None,
         store=store,
         warnings=warnings,
+        labels=col.labels,
+        waits=col.waits,
     )

@@ -32,6 +32,15 @@ def _collectives(row: StepMetrics) -> str:
     return ", ".join(parts) or "-"
 
 
+def _dims(row: StepMetrics) -> str:
+    """Per parallel dimension: count, time and the exposed part (ms); empty without comm."""
+    parts = [
+        f"{dim} {stats.count}x {stats.time_ms:.2f} ms ({stats.exposed_ms:.2f} exposed)"
+        for dim, stats in row.dims.items()
+    ]
+    return f"; by dim: {', '.join(parts)}" if parts else ""
+
+
 def _pct(ratio: float | None) -> str:
     return "-" if ratio is None else f"{100 * ratio:.0f}%"
 
@@ -79,7 +88,7 @@ def format_report(
         lines.append(
             f"{row.step:>5} {row.rank:>4} {row.step_ms:>9.2f} {row.compute_ms:>10.2f} "
             f"{row.comm_ms:>9.2f} {row.exposed_comm_ms:>10.2f} {row.tail_ms:>8.2f} "
-            f"{_pct(row.overlap_ratio):>7}  {_collectives(row)}"
+            f"{_pct(row.overlap_ratio):>7}  {_collectives(row)}{_dims(row)}"
         )
     if len(steps) < len(report.table):
         lines.append(f"  ... {len(report.table) - len(steps)} more rows (--step-rows)")

@@ -11,10 +11,11 @@ CPU) and ``compute`` the compute intervals assigned to it:
 - ``overlap_ratio`` = 1 - exposed / comm (None for a step without communication).
 
 Compute is a table of intervals with the time that assigns them to a step (``anchor``): on CPU
-the main thread's busy time (the union of its operators, less the collectives' enqueue ops), on
-GPU the compute kernels, anchored at their launch. ``compute_table`` builds it block by block
-from the record tables, and ``step_rows`` computes windows of steps at a time (all of them when
-nothing was spilled), each in a few array operations whatever its number of steps.
+the main thread's busy time (the union of its operators, less the collectives' enqueue ops and
+the waits overlapkit marks), on GPU the compute kernels, anchored at their launch.
+``compute_table`` builds it block by block from the record tables, and ``step_rows`` computes
+windows of steps at a time (all of them when nothing was spilled), each in a few array
+operations whatever its number of steps.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from overlapkit.group.dim_labels import COMM_DIMS
 from overlapkit.profiling import interval_arrays as ia
+from overlapkit.profiling.comm_dims import DIM_CODE, comm_dims
 from overlapkit.profiling.rank_trace import COLLECTIVE_KINDS, RankTrace
 from overlapkit.profiling.record_store import RecordTable
 
@@ -46,7 +49,7 @@ STEP_DTYPE = np.dtype(
 KIND_DTYPE = np.dtype(
     [
         ("step", "i8"),
-        ("kind", "i4"),
+        ("kind", "i4"),  # a COLLECTIVE_KINDS code; in the dims table, a COMM_DIMS code
         ("count", "i8"),
         ("bytes", "i8"),
         ("time_ms", "f8"),
@@ -121,10 +124,12 @@ def _streamed_union(blocks: Iterator[np.ndarray]) -> Iterator[tuple[np.ndarray, 
 
 
 def _cpu_compute(trace: RankTrace, out: RecordTable) -> None:
-    """The main thread's busy intervals: its operators' union less the enqueue ops'; then its
-    backward intervals, the same way (the table holds both; unions count them once)."""
+    """The main thread's busy intervals: its operators' union less the enqueue ops' and the
+    marked waits'; then its backward intervals, the same way (the table holds both; unions
+    count them once)."""
     main = trace.main_thread
     enqueue = [(q.start, q.end) for q in trace.enqueues if q.thread == main]
+    enqueue += [(start, end) for start, end, thread in trace.waits if thread == main]
     cut_s, cut_e = ia.union(
         np.array([s for s, _ in enqueue], float), np.array([e for _, e in enqueue], float)
     )
@@ -211,16 +216,19 @@ def _assign(anchor: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndar
 
 def step_rows(
     trace: RankTrace, compute: RecordTable, lanes_for: set[int] | None = None
-) -> tuple[np.ndarray, np.ndarray, list[StepLanes]]:
-    """Per step numbers (``STEP_DTYPE``, ms), per step and kind stats (``KIND_DTYPE``), and the
-    intervals of the steps numbered in ``lanes_for``."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[StepLanes]]:
+    """Per step numbers (``STEP_DTYPE``, ms), per step and kind stats (``KIND_DTYPE``), per step
+    and parallel dimension stats (``KIND_DTYPE``, ``kind`` a ``COMM_DIMS`` code; ``comm_dims``
+    says which collective served which), and the intervals of the steps numbered in
+    ``lanes_for``."""
     steps = np.array([(n, s, e) for n, s, e in trace.steps], float).reshape(-1, 3)
     comm_start = np.array([op.start for op in trace.comm], float)
     comm_end = np.array([op.end for op in trace.comm], float)
     comm_anchor = np.array([op.anchor for op in trace.comm], float)
     comm_kind = np.array([_KIND_CODE[op.kind] for op in trace.comm], np.int64)
     comm_bytes = np.array([-1 if op.nbytes is None else op.nbytes for op in trace.comm], np.int64)
-    out_steps, out_kinds, lanes = [], [], []
+    comm_dim = np.array([DIM_CODE[d] for d in comm_dims(trace)], np.int64)
+    out_steps, out_kinds, out_dims, lanes = [], [], [], []
     for first, last in _windows(trace, compute):
         window = steps[first:last]
         t0, t1 = window[:, 1].min(), window[:, 2].max()
@@ -235,7 +243,7 @@ def step_rows(
         qi = _assign(comm_anchor, s_start, s_end)
         sel = qi >= 0
         q_i, q_s, q_e = qi[sel], comm_start[sel], comm_end[sel]
-        kind, nbytes = comm_kind[sel], comm_bytes[sel]
+        kind, nbytes, dim = comm_kind[sel], comm_bytes[sel], comm_dim[sel]
         gq, us, ue = ia.grouped_union(q_i, q_s, q_e)
         comm_us = np.bincount(gq, weights=ue - us, minlength=n)
         # All compute near the window's comm, whatever its step: it hides comm too.
@@ -271,7 +279,9 @@ def step_rows(
                 },
             )
         )
-        out_kinds.append(_kind_rows(window, q_i, q_s, q_e, kind, nbytes, cover))
+        intervals = (q_i, q_s, q_e)
+        out_kinds.append(_code_rows(window, intervals, kind, len(COLLECTIVE_KINDS), nbytes, cover))
+        out_dims.append(_code_rows(window, intervals, dim, len(COMM_DIMS), nbytes, cover))
         if lanes_for:
             lanes += _lanes(
                 trace, window, lanes_for, (ci, mine), (gq, us, ue), (all_s, all_e), tail_from
@@ -279,6 +289,7 @@ def step_rows(
     return (
         np.concatenate(out_steps) if out_steps else np.empty(0, STEP_DTYPE),
         np.concatenate(out_kinds) if out_kinds else np.empty(0, KIND_DTYPE),
+        np.concatenate(out_dims) if out_dims else np.empty(0, KIND_DTYPE),
         lanes,
     )
 
@@ -306,11 +317,11 @@ def _tail_from(mine, ci, gq, us, ue, n, wide) -> np.ndarray:
     return tail_from
 
 
-def _kind_rows(window, q_i, q_s, q_e, kind, nbytes, cover: ia.Coverage) -> np.ndarray:
-    """Per step and collective kind: count, bytes (-1 when some are unknown), |∪ intervals| and
-    the part of it no compute covers (ms)."""
-    nk = len(COLLECTIVE_KINDS)
-    key = q_i * nk + kind
+def _code_rows(window, intervals, code, nk: int, nbytes, cover: ia.Coverage) -> np.ndarray:
+    """Per step and code (a collective kind, a dimension; ``nk`` of them): count, bytes (-1
+    when some are unknown), |∪ intervals| and the part of it no compute covers (ms)."""
+    q_i, q_s, q_e = intervals
+    key = q_i * nk + code
     count = np.bincount(key, minlength=len(window) * nk)
     known = np.bincount(key, weights=(nbytes >= 0).astype(float), minlength=len(window) * nk)
     total = np.bincount(

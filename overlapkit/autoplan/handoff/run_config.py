@@ -28,6 +28,7 @@ recomputing layout adds ``train.recompute`` and, for full recomputation of some 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from overlapkit.autoplan.framework import OVERLAPKIT_TRAIN, Framework
 from overlapkit.autoplan.ok_plan import AutoPlan
@@ -87,11 +88,14 @@ def train_overrides(
     model: str | None,
     framework: Framework = OVERLAPKIT_TRAIN,
     layers: int | None = None,
+    modes: Mapping[str, object] | None = None,
 ) -> list[str]:
     """The ``overlapkit-train`` command-line overrides that run ``layout``.
 
     ``framework``: what overlapkit-train runs (``OVERLAPKIT_TRAIN``; a test passes another);
-    ``layers``: the model's layers, checked against the pipeline's stages (None: not checked).
+    ``layers``: the model's layers, checked against the pipeline's stages (None: not checked);
+    ``modes``: the in-layer modes the search chose (``StepTime.modes``, ``parallel.plan`` keys
+    the group's YAML declares).
 
     Raises:
         ValueError: overlapkit-train cannot run ``layout`` (the message says why).
@@ -104,6 +108,7 @@ def train_overrides(
     args += [
         f"parallel={group}",
         *plan_overrides(layout, group),
+        *(f"parallel.plan.{key}={value}" for key, value in (modes or {}).items()),
         *batch_overrides(layout),
         "topology=preset",
         f"topology.name_or_path={topology}",

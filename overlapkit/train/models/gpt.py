@@ -59,10 +59,11 @@ class CausalSelfAttention(nn.Module):
         self.attend = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        # (B, nh, T, hs); under tensor parallelism nh counts this rank's heads only.
+        # (B, nh, T, hs); under tensor parallelism nh counts this rank's heads only, and under
+        # sequence parallelism x holds T/tp tokens that q, k and v gather back to T.
         q, k, v = (
-            p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v)
+            p(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+            for p in (self.q, self.k, self.v)
         )
         y = self.attend(q, k, v)
         return self.proj(y.transpose(1, 2).flatten(2))

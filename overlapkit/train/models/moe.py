@@ -7,10 +7,12 @@ rule). There is no capacity limit (no token is dropped) and no auxiliary load-ba
 **Expert parallelism.** ``shard_experts(model, ep_mesh)`` keeps ``n_expert / ep`` experts per
 rank (a contiguous slice, as a ``DTensor`` sharded on dim 0 over the ``ep`` mesh axis, so that
 checkpoints and gradient reducers see the sharding). A forward then dispatches each token to the
-rank holding its expert with ``all_to_all_single`` over the ``ep`` group (split sizes from the
-routing counts, exchanged first), runs the local experts, and returns the outputs with a second
-all-to-all; backward runs the two all-to-alls in reverse. With ``ep = 1`` the same code runs
-locally. The gradient an expert receives is the sum over the tokens of every rank of its ``ep``
+rank holding its expert with ``all_to_all_single`` over the ``ep`` group, runs the local
+experts, and returns the outputs with a second all-to-all; backward runs the two all-to-alls in
+reverse (``overlapkit.inlayer.chunked_ep``). With ``ep_chunks > 1`` the tokens are cut into
+that many chunks whose exchanges are pipelined with the experts, forward and backward. With
+``ep = 1`` the same code runs locally. The gradient an expert receives is the sum over the tokens
+of every rank of its ``ep``
 group (each rank's loss counts once); the data-parallel reduction divides it accordingly
 (``overlapkit.train.parallel.wrappers``).
 """
@@ -18,7 +20,7 @@ group (each rank's loss counts once); the data-parallel reduction divides it acc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn import functional as F
 
+from overlapkit.inlayer.chunked_ep import DispatchStats, dispatch_combine
 from overlapkit.train.models.gpt import GPT, GPTConfig
 
 
@@ -52,54 +55,6 @@ class MoEConfig(GPTConfig):
             raise ValueError(
                 f"MoEConfig.expert_hidden must be >= 1 or null, got {self.expert_hidden}"
             )
-
-
-@dataclass(slots=True)
-class DispatchStats:
-    """What one MoE layer's all-to-alls did on this rank (forward and backward)."""
-
-    ranks: tuple[int, ...] = ()
-    """Global ranks of the ``ep`` group the layer dispatches over; empty while local."""
-    all_to_all_calls: int = 0
-    tokens_sent: int = 0
-    tokens_received: int = 0
-    calls_by_group: dict[tuple[int, ...], int] = field(default_factory=dict)
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with split sizes; backward sends the gradients the reverse way."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, stats):
-        ctx.splits, ctx.group, ctx.stats = (out_splits, in_splits), group, stats
-        return _all_to_all(x, out_splits, in_splits, group, stats)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return (
-            _all_to_all(grad, in_splits, out_splits, ctx.group, ctx.stats),
-            None,
-            None,
-            None,
-            None,
-        )
-
-
-def _all_to_all(
-    x: torch.Tensor,
-    out_splits: list[int],
-    in_splits: list[int],
-    group: dist.ProcessGroup,
-    stats: DispatchStats,
-) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    stats.all_to_all_calls += 1
-    stats.calls_by_group[stats.ranks] = stats.calls_by_group.get(stats.ranks, 0) + 1
-    stats.tokens_sent += sum(in_splits)
-    stats.tokens_received += sum(out_splits)
-    return out
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -129,21 +84,6 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
 
-def _regroup(counts: torch.Tensor) -> torch.Tensor:
-    """The row order that turns (source, expert)-major rows into (expert, source)-major.
-
-    ``counts`` (sources, experts) holds how many rows each source sent for each expert.
-    """
-    starts = torch.cumsum(counts.flatten(), 0) - counts.flatten()
-    starts = starts.view_as(counts)
-    pieces = [
-        torch.arange(int(starts[s, e]), int(starts[s, e] + counts[s, e]))
-        for e in range(counts.shape[1])
-        for s in range(counts.shape[0])
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-
-
 class MoE(nn.Module):
     """Top-k routed feed-forward layer: ``forward(x (B, T, C)) -> (B, T, C)``."""
 
@@ -156,6 +96,8 @@ class MoE(nn.Module):
             config.n_expert, config.n_embd, config.expert_hidden or 4 * config.n_embd
         )
         self.ep_group: dist.ProcessGroup | None = None
+        self.ep_chunks = 1
+        """Token chunks each dispatch and combine is pipelined in (``shard_experts``)."""
         self.stats = DispatchStats()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,33 +106,20 @@ class MoE(nn.Module):
         probs = self.router(tokens).softmax(dim=-1)  # (N, E)
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        # Assignments sorted by expert (stable: a token's rows keep their order).
-        order = chosen.flatten().argsort(stable=True)  # (N * k,)
-        counts = torch.bincount(chosen.flatten(), minlength=self.n_expert)  # (E,)
-        token_of = order // self.top_k
-        out = self._run_experts(tokens[token_of], counts)
-        weighted = out * weights.flatten()[order].unsqueeze(1)
-        return torch.zeros_like(tokens).index_add(0, token_of, weighted).view(shape)
-
-    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Outputs for ``rows`` (sorted by expert, ``counts[e]`` each), wherever they live."""
-        if self.ep_group is None:
-            return self.experts(rows, counts.tolist())
-        group, stats = self.ep_group, self.stats
-        ep = group.size()
-        # recv[s, e]: rows source s sends to this rank's local expert e.
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=group)
-        recv = recv.view(ep, self.n_expert // ep)
-        send_splits = counts.view(ep, -1).sum(dim=1).tolist()
-        recv_splits = recv.sum(dim=1).tolist()
-        received = _AllToAll.apply(rows, recv_splits, send_splits, group, stats)
-        by_expert = _regroup(recv)
-        out = self.experts(received[by_expert], recv.sum(dim=0).tolist())
-        # The inverse permutation, without writing into a tensor: selective recomputation
-        # caches op outputs and refuses one that was changed in place.
-        back = by_expert.argsort()
-        return _AllToAll.apply(out[back], send_splits, recv_splits, group, stats)
+        # One row per (token, choice), token-major: the chunks of a pipelined dispatch are
+        # chunks of tokens.
+        rows = tokens.repeat_interleave(self.top_k, dim=0)  # (N * k, C)
+        out = dispatch_combine(
+            rows,
+            chosen.flatten(),
+            self.n_expert,
+            self.experts,
+            group=self.ep_group,
+            chunks=self.ep_chunks,
+            stats=self.stats,
+        )
+        mixed = (out.view(*weights.shape, -1) * weights.unsqueeze(-1)).sum(dim=1)
+        return mixed.view(shape)
 
 
 class MoEGPT(GPT):
@@ -205,11 +134,12 @@ class MoEGPT(GPT):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
 
-def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> list[MoE]:
+def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, *, chunks: int = 1) -> list[MoE]:
     """Keep this rank's slice of every MoE layer's experts and dispatch over ``ep_mesh``'s group.
 
     Every rank must hold the same full model (same seed): the slices are taken locally, with no
-    communication. ``ep_mesh`` is the 1-D ``ep`` axis of the planner's mesh.
+    communication. ``ep_mesh`` is the 1-D ``ep`` axis of the planner's mesh; ``chunks``
+    (``parallel.plan.ep_chunks``) the token chunks each exchange is pipelined in.
 
     Returns:
         list[MoE]: the layers now expert-parallel.
@@ -240,5 +170,6 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh) -> list[MoE]:
             sharded = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
             setattr(experts, name, nn.Parameter(sharded))
         layer.ep_group = group
+        layer.ep_chunks = chunks
         layer.stats = DispatchStats(ranks=ranks)
     return layers

@@ -41,6 +41,7 @@ from torch.distributed.tensor.experimental._context_parallel import (
 )
 from torch.nn import functional as F
 
+from overlapkit.group.dim_labels import comm_dim
 from overlapkit.train.models.gpt import CausalSelfAttention
 
 ModelInputs = tuple[torch.Tensor, ...]
@@ -115,7 +116,8 @@ class GatheredKVAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``(B, nh, T/cp, hs)`` each -> ``(B, nh, T/cp, hs)``."""
-        k_all, v_all = flex_cp_allgather(k, v, 2, self._group_name)
+        with comm_dim("cp"):  # its backward's reduce-scatters run on the same gloo threads
+            k_all, v_all = flex_cp_allgather(k, v, 2, self._group_name)
         mask = self.mask(q.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
@@ -144,16 +146,17 @@ class SequenceSplit:
 
     Args:
         mesh (DeviceMesh): the 1-D ``cp`` mesh.
-        torch_cp (bool): use torch's ``context_parallel`` (CUDA) rather than the attention
-            modules' ``GatheredKVAttention`` (installed by ``split_sequences``).
+        attention (GatheredKVAttention | None): the attention modules' core (installed by
+            ``split_sequences``); None: torch's ``context_parallel`` (CUDA) instead.
     """
 
-    def __init__(self, mesh: DeviceMesh, *, torch_cp: bool):
+    def __init__(self, mesh: DeviceMesh, *, attention: GatheredKVAttention | None):
         self.mesh = mesh
         self.group = mesh.get_group()
         self.cp = mesh.size()
         self.rank = mesh.get_local_rank()
-        self.torch_cp = torch_cp
+        self.attention = attention
+        self.torch_cp = attention is None
 
     @property
     def description(self) -> str:
@@ -175,8 +178,12 @@ class SequenceSplit:
         """
         seq_len = inputs.shape[1]
         check_sequence_split(self.cp, seq_len)
-        if not self.torch_cp:
+        if self.attention is not None:
             mine = chunk_positions(seq_len, self.cp, self.rank).to(inputs.device)
+            # The mask is built here, outside the blocks: selective recomputation replays a
+            # block's ops by their order, and a mask built inside the first forward only (then
+            # cached) would shift the order of its recomputation against that forward.
+            self.attention.mask(len(mine), inputs.device)
             yield (inputs[:, mine], mine), targets[:, mine]
             return
         set_rotate_method("allgather")
@@ -216,9 +223,9 @@ def split_sequences(
             f"parallel.plan.cp={cp_mesh.size()} splits the sequence of a transformer's "
             f"attention; {type(model).__name__} has none (use model=gpt_tiny)"
         )
-    torch_cp = device.type == "cuda"
-    if not torch_cp:
-        attend = GatheredKVAttention(cp_mesh.get_group())
-        for layer in layers:
-            layer.attend = attend
-    return SequenceSplit(cp_mesh, torch_cp=torch_cp)
+    if device.type == "cuda":
+        return SequenceSplit(cp_mesh, attention=None)
+    attend = GatheredKVAttention(cp_mesh.get_group())
+    for layer in layers:
+        layer.attend = attend
+    return SequenceSplit(cp_mesh, attention=attend)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlapkit.group.process_group import inherit_timeout
+from overlapkit.inlayer.sequence_parallel import DEFAULT_TP_CHUNKS, SYNC, TP_COMMS
 from overlapkit.layout import PartialLayout
 from overlapkit.layout.overlapkit_train import wrapper_refusal
 from overlapkit.planner import Placement
@@ -75,6 +76,14 @@ class PlanConfig:
     (``overlapkit.layout.overlapkit_train.SCHEDULES``)."""
     order: tuple[str, ...] | None = None
     """Mesh axes outermost first, overriding the planner's traffic order (``ok.plan(order=)``)."""
+    ep_chunks: int = 1
+    """Token chunks each MoE layer's dispatch and combine are pipelined in with its experts
+    (``overlapkit.inlayer.chunked_ep``); 1 is the synchronous exchange."""
+    tp_comm: str = SYNC
+    """How tensor parallel's collectives meet its matmuls: ``sync``, ``split`` (the micro-batch
+    in ``tp_chunks`` chunks) or ``ring`` (``overlapkit.inlayer.sequence_parallel.TP_COMMS``)."""
+    tp_chunks: int = DEFAULT_TP_CHUNKS
+    """With ``tp_comm=split``: chunks of each micro-batch; must divide ``train.batch_size``."""
 
     @classmethod
     def of(cls, **section: Any) -> PlanConfig:
@@ -84,7 +93,7 @@ class PlanConfig:
             TypeError / ValueError: an unknown key (the valid ones listed) or a bad value,
                 named ``parallel.plan.<key>``.
         """
-        valid = (*PLAN_SIZES, "schedule", "order")
+        valid = (*PLAN_SIZES, "schedule", "order", "ep_chunks", "tp_comm", "tp_chunks")
         unknown = sorted(set(section) - set(valid))
         if unknown:
             raise ValueError(
@@ -99,6 +108,9 @@ class PlanConfig:
             sizes=PartialLayout.from_mapping(RUN_SIZES.given() | sizes, spell=config_key),
             schedule=section.get("schedule", "1F1B"),
             order=None if order is None else tuple(str(axis) for axis in order),
+            ep_chunks=positive_count(section, "ep_chunks", 1),
+            tp_comm=_tp_comm(section.get("tp_comm", SYNC)),
+            tp_chunks=positive_count(section, "tp_chunks", DEFAULT_TP_CHUNKS),
         )
 
     @property
@@ -111,6 +123,26 @@ class PlanConfig:
         """The data-parallel size on ``world_size`` ranks (``parallel.plan.dp``, or the rest)."""
         sizes = self.sizes
         return sizes.dp or world_size // (sizes.tp * sizes.ep * sizes.cp * sizes.pp)
+
+
+def positive_count(section: Mapping[str, Any], key: str, default: int) -> int:
+    """``section[key]`` (``default`` when absent), an integer >= 1.
+
+    Raises:
+        ValueError: anything else, named ``parallel.plan.<key>``.
+    """
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{config_key(key)} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _tp_comm(value: object) -> str:
+    if value not in TP_COMMS:
+        raise ValueError(
+            f"{config_key('tp_comm')} must be one of {', '.join(TP_COMMS)}, got {value!r}"
+        )
+    return str(value)
 
 
 def split_parallel(parallel: Mapping[str, Any]) -> tuple[PlanConfig, dict[str, Any]]:
@@ -161,6 +193,28 @@ def check_plan(plan: PlanConfig, *, world_size: int, model_config: Any, target: 
         refusal = wrapper_refusal(key, getattr(sizes, key), target)
         if refusal is not None:
             raise ValueError(refusal)
+
+
+def check_ep_chunks(plan: PlanConfig, *, batch_size: int, seq_len: int | None) -> None:
+    """Refuse an ``ep_chunks`` that cannot run: above 1 without ep, or more chunks than tokens.
+
+    Raises:
+        ValueError: one line naming ``parallel.plan.ep_chunks`` and the constraint.
+    """
+    chunks = plan.ep_chunks
+    if chunks == 1:
+        return
+    if plan.sizes.ep == 1:
+        raise ValueError(
+            f"parallel.plan.ep_chunks={chunks} pipelines expert parallelism's all-to-alls; "
+            "parallel.plan.ep is 1 (set parallel.plan.ep > 1, or ep_chunks=1)"
+        )
+    tokens = batch_size * (seq_len or 1)
+    if chunks > tokens:
+        raise ValueError(
+            f"parallel.plan.ep_chunks={chunks} must be at most the tokens each rank routes per "
+            f"micro-batch (train.batch_size x data.seq_len = {tokens})"
+        )
 
 
 def _check_world(plan: PlanConfig, world_size: int) -> None:

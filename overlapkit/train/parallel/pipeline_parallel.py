@@ -57,7 +57,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp import GradBucketer
 from overlapkit.fsdp import zero_stage
+from overlapkit.group.dim_labels import comm_dim
 from overlapkit.group.process_group import inherit_timeout
+from overlapkit.inlayer.sequence_parallel import SequenceParallel
 from overlapkit.layout.overlapkit_train import schedule_named
 from overlapkit.train.models.gpt import GPT
 from overlapkit.train.parallel.mesh import Layout, PlanConfig
@@ -72,10 +74,10 @@ from overlapkit.train.parallel.pipeline_stages import (
 from overlapkit.train.parallel.split_backward import SplitBackwardStage
 from overlapkit.train.parallel.wrappers import (
     Parallelized,
-    apply_tensor_parallel,
     grad_norm,
     group_kwargs,
     scale_grads,
+    tensor_parallel,
 )
 
 logger = logging.getLogger(__name__)
@@ -174,6 +176,8 @@ class Pipeline:
     """This rank's parameters, of all its stages."""
     uncounted: tuple[nn.Parameter, ...]
     """The head's copy of the tied embedding (the first stage counts the weight in the norm)."""
+    tp: SequenceParallel | None = None
+    """The blocks' sequence parallelism, whose replicated gradients are summed over tp."""
 
     @property
     def has_first(self) -> bool:
@@ -199,10 +203,14 @@ class Pipeline:
             # bucket order twice: "rebuilt parameter indices size is not same").
             for ddp in self.ddps:
                 stack.enter_context(ddp.no_sync())
+            # The schedule's sends and receives are pp's in the report's dims; the collectives
+            # the stages' wrappers and tp issue inside carry their own, innermost, labels.
+            stack.enter_context(comm_dim("pp"))
             self.schedule.step(*args, return_outputs=False, **kwargs)
         device = batches[0][0].device
         loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
-        dist.broadcast(loss, group=self.group, group_src=self.last_stage_rank)
+        with comm_dim("pp"):
+            dist.broadcast(loss, group=self.group, group_src=self.last_stage_rank)
         return loss
 
     def finish_backward(self) -> None:
@@ -210,6 +218,8 @@ class Pipeline:
             bucketer.wait()
         if self.tied is not None:
             self.tied.sum()
+        if self.tp is not None:
+            self.tp.reduce_grads()
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, max_norm: float | None
@@ -265,8 +275,7 @@ def apply_pipeline(
     pp_rank = layout.pp_mesh.get_local_rank()
     num_stages = plan.sizes.pp * plan.sizes.virtual_stages
     n_layer = len(model.blocks)
-    if plan.sizes.tp > 1:
-        apply_tensor_parallel(model, layout.tp_mesh)
+    tp = tensor_parallel(model, layout)
     tied = _untie_head(model)
     schedule = schedule_named(schedule_name)
     mine = local_stages(pp_rank, plan.sizes.pp, plan.sizes.virtual_stages, v_shape=schedule.v_shape)
@@ -296,6 +305,7 @@ def apply_pipeline(
         tied=tie,
         params=list(local.parameters()),
         uncounted=uncounted,
+        tp=tp,
     )
     logger.info(
         "pipeline rank %d holds stage(s) %s of %d: blocks %s",
@@ -309,7 +319,7 @@ def apply_pipeline(
         contextlib.nullcontext,
         pipeline.finish_backward,
         not bucketers,
-        _describe(schedule_name, plan, n_layer, micro_batches, what),
+        _describe(schedule_name, plan, n_layer, micro_batches, what, tp),
         optimizer_step=pipeline.optimizer_step,
         bucketers=tuple(bucketers),
         bucketer_keys=tuple(f"stage{s}" for s in mine) if bucketers else (),
@@ -380,7 +390,12 @@ def _tied_gradients(
 
 
 def _describe(
-    schedule_name: str, plan: PlanConfig, n_layer: int, micro_batches: int, what: str
+    schedule_name: str,
+    plan: PlanConfig,
+    n_layer: int,
+    micro_batches: int,
+    what: str,
+    tp: SequenceParallel | None,
 ) -> str:
     num_stages = plan.sizes.pp * plan.sizes.virtual_stages
     blocks = n_layer // num_stages
@@ -390,7 +405,7 @@ def _describe(
         + f" ({num_stages} stages of {blocks} block"
         + "s" * (blocks != 1)
         + f", {micro_batches} micro-batches), {what} over dp"
-        + (f", tensor parallel tp={plan.sizes.tp}" if plan.sizes.tp > 1 else "")
+        + (f", {tp.description}" if tp is not None else "")
     )
 
 

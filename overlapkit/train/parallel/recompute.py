@@ -10,8 +10,9 @@ Two modes, priced as the planner prices them for ``overlapkit-train``:
   (``create_selective_checkpoint_contexts``) that recomputes the attention core only: the SDPA
   kernels (``ATTENTION_OPS``, the CPU and CUDA ones) are rerun in backward, every other op's
   output is saved. Collectives inside a block (the context-parallel K/V all-gather, the
-  tensor-parallel all-reduce) are saved too, so backward issues none of them again; under
-  ``full`` they are rerun with the block.
+  tensor-parallel all-gathers and reduce-scatters, functional ops in every ``tp_comm`` mode) are
+  saved too, so backward issues none of them again; under ``full`` they are rerun with the
+  block.
 
 Each block's own ``forward`` is replaced by the checkpointed call (the module is not wrapped,
 unlike ``checkpoint_wrapper``): parameter names, the modules FSDP2 and tensor parallelism find,

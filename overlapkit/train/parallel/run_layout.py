@@ -27,9 +27,10 @@ from overlapkit.layout.overlapkit_train import (
     sharding_of,
 )
 from overlapkit.train.parallel.context_parallel import check_sequence_split
-from overlapkit.train.parallel.mesh import PlanConfig, check_plan
+from overlapkit.train.parallel.mesh import PlanConfig, check_ep_chunks, check_plan
 from overlapkit.train.parallel.pipeline_stages import check_pipeline
 from overlapkit.train.parallel.recompute import check_recompute_fits
+from overlapkit.train.parallel.tensor_parallel import check_tensor_parallel
 from overlapkit.train.parallel.wrappers import check_run_optimizer
 
 
@@ -145,6 +146,8 @@ def check_parallel(
     target = factory_cfg.get("_target_")
     check_plan(plan, world_size=world_size, model_config=model_config, target=target)
     check_sequence_split(plan.sizes.cp, seq_len)
+    check_ep_chunks(plan, batch_size=train.batch_size, seq_len=seq_len)
+    check_tensor_parallel(plan, batch_size=train.batch_size, seq_len=seq_len)
     if target == FSDP.target:  # zero=, before the workers build it
         resolve_reshard_after_forward(
             factory_cfg.get("zero"), factory_cfg.get("reshard_after_forward")

@@ -10,11 +10,11 @@ on the micro-batches before the last one, and what to do after the last backward
 
 Two layouts are prepared here before the factory runs:
 
-- **tensor parallel** (``parallel.plan.tp > 1``): every block's attention (q, k, v column-wise,
-  the output projection row-wise) and dense MLP (first layer column-wise, second row-wise) go
-  through torch's ``parallelize_module`` on the ``tp`` mesh axis; ``ok.GradBucketer`` then
-  averages the DTensor shards over ``dp``. (DDP does not take DTensor parameters, and FSDP2 over
-  a TP mesh would need 2-D shards that ``ok.fsdp``'s gloo comms do not handle.)
+- **tensor parallel** (``parallel.plan.tp > 1``): every block sequence-parallel over the ``tp``
+  mesh axis (``tensor_parallel.apply_tensor_parallel``); ``ok.GradBucketer`` then averages the
+  DTensor shards over ``dp``, and after its last all-reduce the blocks' replicated parameters get
+  their gradients summed over ``tp``. (DDP does not take DTensor parameters, and FSDP2 over a TP
+  mesh would need 2-D shards that ``ok.fsdp``'s gloo comms do not handle.)
 - **expert parallel** (``parallel.plan.ep > 1``): the MoE experts are sharded over ``ep``; the
   factory is called twice, for the parameters outside the experts (replicated over
   ``dp x ep``) and for the experts (replicated over ``dp`` only).
@@ -32,17 +32,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from overlapkit.ddp import GradBucketer
 from overlapkit.fsdp import no_sync as fsdp_no_sync
 from overlapkit.fsdp import step_by_block, zero_stage
+from overlapkit.inlayer.sequence_parallel import SequenceParallel
 from overlapkit.train.models.moe import MoE, shard_experts
 from overlapkit.train.parallel.mesh import Layout, PlanConfig
+from overlapkit.train.parallel.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -147,18 +147,22 @@ def apply_parallel(
         TypeError: the factory returned something that is neither a module nor a bucketer.
     """
     layout = layout if layout is not None else Layout(PlanConfig())
-    if layout.plan.sizes.tp > 1:
-        apply_tensor_parallel(model, layout.tp_mesh)
+    tp = tensor_parallel(model, layout)
     if layout.plan.sizes.ep > 1:
         return _expert_parallel(model, factory, layout)
     factory, optimizer = _bind_run_optimizer(factory, model, make_optimizer)
     factory, by_block = _take_by_block(factory)
     result = factory(model, **group_kwargs(factory, layout))
+    if tp is not None and not isinstance(result, GradBucketer):
+        raise TypeError(
+            f"parallel.plan.tp needs parallel._target_ overlapkit.GradBucketer; {factory!r} "
+            f"returned {type(result).__name__}"
+        )
     match result:
         case DistributedDataParallel():
             return Parallelized(result, result.no_sync, _nothing, True, "ok.ddp")
         case GradBucketer():
-            return _bucketed(model, result, layout, optimizer, clip_grad_norm)
+            return _bucketed(model, result, optimizer, clip_grad_norm, tp)
         case FSDPModule():
             return _sharded(result, layout, by_block)
         case nn.Module():
@@ -208,21 +212,31 @@ def _take_by_block(factory: Callable[..., object]) -> tuple[Callable[..., object
     return functools.partial(factory.func, *factory.args, **keywords), True
 
 
+def tensor_parallel(model: nn.Module, layout: Layout) -> SequenceParallel | None:
+    """``model``'s blocks sequence-parallel over ``tp`` as ``parallel.plan`` says (None: tp 1)."""
+    plan = layout.plan
+    if plan.sizes.tp == 1:
+        return None
+    return apply_tensor_parallel(
+        model, layout.tp_mesh, tp_comm=plan.tp_comm, tp_chunks=plan.tp_chunks
+    )
+
+
 def _bucketed(
     model: nn.Module,
     bucketer: GradBucketer,
-    layout: Layout,
     optimizer: torch.optim.Optimizer | None,
     clip_grad_norm: float | None,
+    tp: SequenceParallel | None,
 ) -> Parallelized:
-    """``ok.GradBucketer``'s controls; with ``optimizer``, per-bucket updates that clip."""
+    """``ok.GradBucketer``'s controls; with ``optimizer``, per-bucket updates that clip; with
+    ``tp``, the blocks' replicated gradients summed over tp after the bucketer's reduction."""
     what = f"ok.GradBucketer ({bucketer.num_buckets} buckets)"
-    if layout.plan.sizes.tp > 1:
-        what += f" over dp, tensor parallel tp={layout.plan.sizes.tp}"
+    if tp is not None:
+        what += f" over dp, {tp.description}"
     if optimizer is None:
-        return Parallelized(
-            model, bucketer.no_sync, bucketer.wait, False, what, bucketers=(bucketer,)
-        )
+        finish = bucketer.wait if tp is None else _then(bucketer.wait, tp.reduce_grads)
+        return Parallelized(model, bucketer.no_sync, finish, False, what, bucketers=(bucketer,))
     return Parallelized(
         model,
         bucketer.no_sync,
@@ -272,23 +286,12 @@ def group_kwargs(factory: Callable[..., object], layout: Layout) -> dict[str, ob
     return {}
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style tensor parallelism of every block, in place, over the 1-D ``tp_mesh``.
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
 
-    Attention: ``q``, ``k``, ``v`` column-wise (each rank computes its heads), ``proj``
-    row-wise (partial sums all-reduced). A dense MLP: first layer column-wise, second row-wise.
-    Embeddings, norms, the head and MoE layers stay replicated over ``tp``.
-    """
-    for block in model.blocks:
-        plan = {
-            "attn.q": ColwiseParallel(),
-            "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(),
-        }
-        if isinstance(block.mlp, nn.Sequential):
-            plan |= {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
-        parallelize_module(block, tp_mesh, plan)
+    return both
 
 
 def _owning_modules(root: nn.Module, exclude: nn.Module) -> nn.ModuleList:
@@ -310,7 +313,7 @@ def _owning_modules(root: nn.Module, exclude: nn.Module) -> nn.ModuleList:
 def _expert_parallel(
     model: nn.Module, factory: Callable[..., object], layout: Layout
 ) -> Parallelized:
-    layers: list[MoE] = shard_experts(model, layout.ep_mesh)
+    layers: list[MoE] = shard_experts(model, layout.ep_mesh, chunks=layout.plan.ep_chunks)
     experts = nn.ModuleList(layer.experts for layer in layers)
     dense = factory(_owning_modules(model, experts), process_group=layout.dense_group)
     sharded = factory(experts, process_group=layout.dp_group)

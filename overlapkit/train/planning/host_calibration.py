@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Shard
 from overlapkit.autoplan.models import train_model_spec
 from overlapkit.cost.calibrate import calibrate_collective
 from overlapkit.topology.model import Topology
-from overlapkit.train.parallel.wrappers import apply_tensor_parallel
+from overlapkit.train.parallel.tensor_parallel import apply_tensor_parallel
 from overlapkit.workers.local_ranks import run_on_ranks
 
 

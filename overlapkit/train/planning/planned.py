@@ -19,6 +19,7 @@ without an accelerator get no prediction.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -74,15 +75,20 @@ def predict_run(
     *,
     seq_len: int,
     name: str,
+    modes: Mapping[str, Any] | None = None,
 ) -> Prediction | None:
-    """The planner's step time and memory of ``layout`` (see module doc); None where there is
-    no layout, no accelerator section or no transformer to describe."""
+    """The planner's step time and memory of ``layout`` (see module doc) in the run's in-layer
+    ``modes`` (``parallel.plan``'s ``ep_chunks``, ``tp_comm``, ``tp_chunks``; None: the
+    synchronous ones); None where there is no layout, no accelerator section or no transformer
+    to describe."""
     if layout is None or topology is None or topology.accelerator is None:
         return None
     if getattr(model_config, "n_head", None) is None:
         return None
     spec = train_model_spec(model_config, name=name)
-    candidate = price(topology, spec, layout, seq_len=seq_len, settings=RUN_SETTINGS)
+    fixed = {"ep_chunks": 1, "tp_comm": "sync"} | dict(modes or {})
+    settings = dataclasses.replace(RUN_SETTINGS, **fixed)
+    candidate = price(topology, spec, layout, seq_len=seq_len, settings=settings)
     return Prediction(
         layout,
         candidate.step.step_s,
@@ -107,4 +113,11 @@ def predict_job(
     ``TrainConfig``) describe."""
     layout = run_layout(plan, factory_cfg, train, world_size=world_size)
     seq_len = seq_len or getattr(model_config, "block_size", 1)
-    return predict_run(topology, model_config, layout, seq_len=seq_len, name=name)
+    return predict_run(
+        topology,
+        model_config,
+        layout,
+        seq_len=seq_len,
+        name=name,
+        modes={"ep_chunks": plan.ep_chunks, "tp_comm": plan.tp_comm, "tp_chunks": plan.tp_chunks},
+    )
