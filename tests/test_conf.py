@@ -65,6 +65,7 @@ def test_top_level_conf_is_the_installed_tree():
     assert {group for group, _ in OPTIONS} == {
         "data",
         "launcher",
+        "live",
         "model",
         "optim",
         "parallel",

@@ -127,7 +127,8 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
 
 def _checked_components(cfg: DictConfig) -> tuple[Any, Any, Any]:
     """The ``train`` config, the model's config and the data source, instantiated, with the
-    optimizer, its schedule and the profiler built once to check them."""
+    optimizer, its schedule, the profiler and the live monitor's settings built once to check
+    them."""
     train = instantiate(cfg.train)
     model_config = instantiate(cfg.model.config)
     source = instantiate(cfg.data)
@@ -137,6 +138,8 @@ def _checked_components(cfg: DictConfig) -> tuple[Any, Any, Any]:
     instantiate(cfg.optim.scheduler)(optimizer, total_steps=cfg.train.steps)
     if cfg.get("profiler") is not None:
         instantiate(cfg.profiler)(logdir="unused")  # checks the schedule; starts nothing
+    if cfg.get("live") is not None:
+        instantiate(cfg.live)  # checks live.*
     return train, model_config, source
 
 

@@ -26,6 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LRScheduler
 
+from overlapkit.live.monitor import LiveConfig, LiveMonitor
 from overlapkit.profiling.profiler import Profile
 from overlapkit.topology.model import Topology
 from overlapkit.train.parallel.context_parallel import SequenceSplit, WholeSequences
@@ -39,7 +40,7 @@ from overlapkit.train.run.data import BatchStream, DataSource, check_compatible
 from overlapkit.train.run.progress import Monitor, RunSummary
 from overlapkit.train.run.resume import resume_from_newest_usable
 from overlapkit.train.run.run_summary import RunRecord, gather_dispatch, summarize
-from overlapkit.train.run.step import train_step, wrap_model
+from overlapkit.train.run.step import UNTIMED, train_step, wrap_model
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -242,8 +243,9 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     )
     profiled = job.get("profiler") is not None and start_step < end_step
     steps = range(start_step + 1, end_step + 1)
+    live = _live_monitor(job)
     checkpoint, seconds = _run_steps(
-        run, monitor, paths, steps, profiler=job.profiler if profiled else None
+        run, monitor, paths, steps, profiler=job.profiler if profiled else None, live=live
     )
     dist.barrier()  # every rank's traces are written before rank 0 reads them
     dispatch = gather_dispatch(run.par.model, world_size)
@@ -263,6 +265,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         ep_dispatch=dispatch,
         baseline_items_per_s=cfg.baseline_items_per_s,
         checkpoint=checkpoint,
+        live=None if live is None else live.summary(),
     )
     summary = summarize(
         record,
@@ -402,6 +405,14 @@ def _predict(job: DictConfig, run: _Run) -> Prediction | None:
     return prediction
 
 
+def _live_monitor(job: DictConfig) -> LiveMonitor | None:
+    """The ``live`` group's monitor (every rank); None when ``~live``."""
+    if job.get("live") is None:
+        return None
+    config: LiveConfig = instantiate(job.live)
+    return LiveMonitor(config)
+
+
 def _run_steps(
     run: _Run,
     monitor: Monitor,
@@ -409,9 +420,11 @@ def _run_steps(
     steps: range,
     *,
     profiler: DictConfig | None,
+    live: LiveMonitor | None = None,
 ) -> tuple[Path | None, float]:
-    """Run ``steps``, under ``ok.profile`` when the ``profiler`` group is given, checkpointing
-    every ``train.checkpoint_every`` steps and at the last.
+    """Run ``steps``, under ``ok.profile`` when the ``profiler`` group is given, timed by the
+    ``live`` monitor when there is one, checkpointing every ``train.checkpoint_every`` steps
+    and at the last.
 
     Returns:
         tuple: the last checkpoint saved (None if none was) and the seconds from the start to
@@ -421,6 +434,8 @@ def _run_steps(
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.callback(monitor.close)
+        if live is not None:
+            stack.callback(live.stop)
         profile = None
         if profiler is not None:
             profile = stack.enter_context(instantiate(profiler)(logdir=paths.profile))
@@ -428,17 +443,27 @@ def _run_steps(
             lr = run.scheduler.get_last_lr()[0]
             t0 = time.perf_counter()
             loss, grad_norm = train_step(
-                run.par, run.optimizer, run.stream, run.source, cfg, run.device, run.split
+                run.par,
+                run.optimizer,
+                run.stream,
+                run.source,
+                cfg,
+                run.device,
+                run.split,
+                phases=live or UNTIMED,
             )
             run.scheduler.step()
-            monitor.step(
-                step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0
-            )
+            step_s = time.perf_counter() - t0
+            if live is not None:
+                monitor.live_step(live.end_step(step), exposed_ms=live.exposed_ms())
+            monitor.step(step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=step_s)
             if profile is not None:
                 _step_profiler(profile, monitor, step, rank=run.rank)
             every = cfg.checkpoint_every
             if every and (step % every == 0 or step == steps[-1]):
                 checkpoint = run.state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
+        if live is not None:
+            monitor.live_step(live.close(), exposed_ms=None)
         run.par.settle()
         seconds = time.perf_counter() - started
     return checkpoint, seconds
