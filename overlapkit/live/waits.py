@@ -30,7 +30,7 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"
 """The kinds a wait is counted under, as the trace report names them."""
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND_RECV, OTHER = range(len(KINDS))
 
-_KIND_OF_OP = {
+_KIND_OF_OP_TYPE = {
     OpType.ALLREDUCE: ALL_REDUCE,
     OpType.ALLREDUCE_COALESCED: ALL_REDUCE,
     OpType.REDUCE: ALL_REDUCE,
@@ -46,6 +46,8 @@ _KIND_OF_OP = {
     OpType.RECV: SEND_RECV,
     OpType.RECVANYSOURCE: SEND_RECV,
 }
+# ``Work._get_op_type()`` returns the enum's value, an int.
+_KIND_OF_OP = {int(op.value): kind for op, kind in _KIND_OF_OP_TYPE.items()}
 
 # The timers by the thread they time; the originals while any timer is installed.
 _timers: dict[int, WaitTimer] = {}
@@ -112,7 +114,7 @@ def _timed(original: Any, kind_of: Any) -> Any:
 
 def _work_kind(work: Any) -> int:
     try:
-        return _KIND_OF_OP.get(work._get_op_type(), OTHER)
+        return _KIND_OF_OP.get(int(work._get_op_type()), OTHER)
     except RuntimeError:  # a work type that does not say
         return OTHER
 

@@ -2,13 +2,13 @@
 
 The progress bar shows the loss (rank 0's micro-batches: reading the others' would add a
 collective to every step), the throughput of the whole job, and the exposed communication: with
-the ``live`` monitor, rank 0's of its recent steps (``exposed_comm=7.0ms (live, last 10
-steps)``); without it, once the profiler has saved a cycle, the median of that cycle's steps,
-labelled with them (``(median of steps 4-6)``): the steps after the profiled window are not
-measured, so a bare figure beside each of them would pass for theirs. TensorBoard gets one point
-per step under ``train/`` and ``perf/``, and, every live window, ``live/`` (per step: the ranks'
-mean exposed ms, each rank's wait, the named ranks' cost); ``ok.profile`` writes its ``overlap/``
-scalars itself.
+the ``live`` monitor, rank 0's median over its recent steps (a window's: ``exposed_comm=7.0ms
+(live: recent steps)``); without it, once the profiler has saved a cycle, the median of that
+cycle's steps, labelled with them (``(median of steps 4-6)``): the steps after the profiled
+window are not measured, so a bare figure beside each of them would pass for theirs.
+TensorBoard gets one point per step under ``train/`` and ``perf/``, and, every live window,
+``live/`` (per step: the ranks' mean exposed ms, each rank's wait, the named ranks' cost);
+``ok.profile`` writes its ``overlap/`` scalars itself.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ class Monitor:
         if not self.enabled:
             return
         if exposed_ms is not None:
-            self._live_exposed = f"{exposed_ms:.1f}ms (live, recent steps)"
+            self._live_exposed = f"{exposed_ms:.1f}ms (live: recent steps)"
         if window is None:
             return
         cost = sum(s.cost_ms for s in window.named.values())
