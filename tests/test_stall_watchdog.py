@@ -237,4 +237,35 @@ def test_limit_rule_and_refusals():
     assert auto_limit_s(100.0, 300) == 150
     assert auto_limit_s(1.0, 40) == 20  # the cap wins over the floor
     assert stall_message("StallError: stall: rank 0 ...") == "stall: rank 0 ..."
+    assert stall_message({"message": "StallError: stall: x", "extraInfo": {}}) == "stall: x"
     assert stall_message("RuntimeError: boom") is None
+
+
+@pytest.mark.timeout(240)
+def test_overlapkit_train_ends_with_the_stall_line_and_a_non_zero_exit(tmp_path):
+    """The real ``overlapkit-train`` on pp_dp (1F1B send/recv): rank 1 stops in step 3's
+    forward, stopped from outside the loop by ``tests.faults``; rank 0 names it after
+    ``launcher.stall_limit_s`` and the run ends with that one line, long before the timeout."""
+    from tests.faults import STALL_ENV, WORKER_INIT
+    from tests.test_train_e2e import _start, kill_tree
+
+    args = [
+        "parallel=pp_dp",
+        "train.steps=4",
+        "train.grad_accum=2",
+        "train.checkpoint_every=0",
+        "launcher.stall_limit_s=1",
+        "launcher.collective_timeout_s=120",
+        f"launcher.worker_init=[{WORKER_INIT}]",
+    ]
+    proc = _start(args, tmp_path, env={STALL_ENV: "1:3"})
+    try:
+        out, err = proc.communicate(timeout=200)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode != 0, out + err
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("overlapkit-train: error: stall: rank 0 made no progress for "), err
+    assert "waiting in send/recv after step 2; rank(s) [1] never arrived: rank 1 last seen " in last
+    assert "now at tests/faults.py:" in last, last

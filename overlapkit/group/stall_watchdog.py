@@ -96,11 +96,13 @@ def end_process(error: StallError) -> None:
     os._exit(STALL_EXIT_CODE)
 
 
-def stall_message(message: str) -> str | None:
-    """The stall line from a failed worker's error message (torch elastic's ``ProcessFailure``
-    message is ``"StallError: <line>"``), or None when it is not a stall."""
+def stall_message(message: str | dict) -> str | None:
+    """The stall line from a failed worker's error message (torch elastic's
+    ``ProcessFailure.message``: ``{"message": "StallError: <line>", ...}`` as ``end_process``
+    records it, or a string), or None when it is not a stall."""
+    text = message.get("message", "") if isinstance(message, dict) else message
     prefix = f"{StallError.__name__}: "
-    return message[len(prefix) :] if message.startswith(prefix) else None
+    return text[len(prefix) :] if isinstance(text, str) and text.startswith(prefix) else None
 
 
 class StallWatchdog:
@@ -144,7 +146,7 @@ class StallWatchdog:
         self._step: int | None = None
         self._slowest_s = 0.0
         self._step_started = time.monotonic()
-        self._progress = time.monotonic()
+        self._progress = self._asked_at = time.monotonic()
         self._counters: object = None
         self._paused = 0
         self._answered = 0
@@ -207,7 +209,7 @@ class StallWatchdog:
             try:
                 self._poll()
             except Exception as error:  # the store is gone: the job is ending anyway
-                logger.debug("stall watchdog stops: %s", error)
+                logger.warning("stall watchdog stops: %r", error)
                 return
 
     def _poll(self) -> None:
@@ -217,8 +219,11 @@ class StallWatchdog:
             if counters != self._counters:
                 self._counters, self._progress = counters, now
             stalled_s = now - self._progress if not self._paused else 0.0
+            due = now - max(self._progress, self._asked_at) >= self.limit_s
         self._answer_if_asked()
-        if stalled_s >= self.limit_s:
+        # Past the collective timeout the backend's own error has taken over (a rank whose
+        # collective timed out is gone, and would be named as silent).
+        if due and stalled_s < self._timeout_s:
             self._ask(stalled_s)
 
     def _answer_if_asked(self) -> None:
@@ -247,7 +252,7 @@ class StallWatchdog:
         with self._lock:
             # Progress while the others answered (the stuck rank moved on): no stall after all.
             moved = self._progress > asked_at or _flight_recorder_counters() != self._counters
-            self._progress = time.monotonic()
+            self._asked_at = time.monotonic()  # ask again after another limit without progress
         if line is None or moved:
             return
         first = self._store.add(f"{self._root}/told", 1) == 1
@@ -281,7 +286,7 @@ class StallWatchdog:
             rank=self._rank,
             step=self._step,
             where=_describe(frame),
-            in_p2p=frame is not None and _in_torch_distributed(frame),
+            in_p2p=_in_torch_distributed(frame),
             paused=self._paused > 0,
             groups=_newest_per_group(),
         )
@@ -338,8 +343,20 @@ def _group_ranks(name: str) -> tuple[int, ...] | None:
 _TORCH_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
 
 
+_WRAPPER_FRAMES = 3
+"""Frames above the innermost searched for ``torch.distributed``: a wait may be wrapped (the
+live monitor times ``Work.wait`` from Python)."""
+
+
 def _in_torch_distributed(frame: object) -> bool:
-    return _TORCH_DISTRIBUTED in frame.f_code.co_filename  # type: ignore[attr-defined]
+    """Whether the thread is waiting inside ``torch.distributed`` (its innermost frames)."""
+    for _ in range(1 + _WRAPPER_FRAMES):
+        if frame is None:
+            return False
+        if _TORCH_DISTRIBUTED in frame.f_code.co_filename:  # type: ignore[attr-defined]
+            return True
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return False
 
 
 def _describe(frame: object) -> str:

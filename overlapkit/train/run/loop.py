@@ -26,6 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LRScheduler
 
+from overlapkit.group.stall_watchdog import StallWatchdog
 from overlapkit.live.monitor import LiveConfig, LiveMonitor
 from overlapkit.profiling.profiler import Profile
 from overlapkit.topology.model import Topology
@@ -201,13 +202,17 @@ def _topology(job: DictConfig, world_size: int, rank: int, paths: RunPaths):
     return topology
 
 
-def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | None:
+def train(
+    job: DictConfig, paths: RunPaths, *, local_rank: int, stall: StallWatchdog | None = None
+) -> RunSummary | None:
     """Train as ``job`` (the composed config) says; every rank calls it after joining the group.
 
     Args:
         job (DictConfig): the resolved ``overlapkit-train`` config.
         paths (RunPaths): the run's directories (rank 0's).
         local_rank (int): this rank's index on its node (its CUDA device).
+        stall (StallWatchdog | None): told of every step, and closed after the last; None:
+            no stall limit.
 
     Returns:
         RunSummary | None: the summary on rank 0 (also printed and written to
@@ -245,7 +250,13 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     steps = range(start_step + 1, end_step + 1)
     live = _live_monitor(job)
     checkpoint, seconds = _run_steps(
-        run, monitor, paths, steps, profiler=job.profiler if profiled else None, live=live
+        run,
+        monitor,
+        paths,
+        steps,
+        profiler=job.profiler if profiled else None,
+        live=live,
+        stall=stall,
     )
     dist.barrier()  # every rank's traces are written before rank 0 reads them
     dispatch = gather_dispatch(run.par.model, world_size)
@@ -421,10 +432,12 @@ def _run_steps(
     *,
     profiler: DictConfig | None,
     live: LiveMonitor | None = None,
+    stall: StallWatchdog | None = None,
 ) -> tuple[Path | None, float]:
     """Run ``steps``, under ``ok.profile`` when the ``profiler`` group is given, timed by the
     ``live`` monitor when there is one, checkpointing every ``train.checkpoint_every`` steps
-    and at the last.
+    and at the last. ``stall`` is told of each step, paused in checkpoints and trace exports
+    (long, and not steps), and closed after the last step.
 
     Returns:
         tuple: the last checkpoint saved (None if none was) and the seconds from the start to
@@ -457,16 +470,25 @@ def _run_steps(
             if live is not None:
                 monitor.live_step(live.end_step(step), exposed_ms=live.exposed_ms())
             monitor.step(step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=step_s)
-            if profile is not None:
-                _step_profiler(profile, monitor, step, rank=run.rank)
-            every = cfg.checkpoint_every
-            if every and (step % every == 0 or step == steps[-1]):
-                checkpoint = run.state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
+            if stall is not None:
+                stall.step(step)
+            with _paused(stall):
+                if profile is not None:
+                    _step_profiler(profile, monitor, step, rank=run.rank)
+                every = cfg.checkpoint_every
+                if every and (step % every == 0 or step == steps[-1]):
+                    checkpoint = run.state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
+        if stall is not None:
+            stall.close()  # what follows (trace export, summary) is not a step
         if live is not None:
             monitor.live_step(live.close(), exposed_ms=None)
         run.par.settle()
         seconds = time.perf_counter() - started
     return checkpoint, seconds
+
+
+def _paused(stall: StallWatchdog | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if stall is None else stall.paused()
 
 
 def _step_profiler(profile: Profile, monitor: Monitor, step: int, *, rank: int) -> None:
