@@ -31,6 +31,7 @@ from overlapkit.group.stall_watchdog import (
 from tests.multiproc import run_on_ranks
 
 LIMIT_S = 0.4
+TIMEOUT_S = 30.0
 STUCK_STEP = 3
 STEPS = 4
 WIDTH = 8
@@ -137,7 +138,7 @@ def _every_path(rank: int, world_size: int) -> list[dict]:
             store.set(release, "1")
 
         started = time.monotonic()
-        with StallWatchdog(LIMIT_S, collective_timeout_s=30, on_stall=on_stall) as watchdog:
+        with StallWatchdog(LIMIT_S, collective_timeout_s=TIMEOUT_S, on_stall=on_stall) as watchdog:
             for number in range(1, STEPS + 1):
                 stuck["now"] = number == STUCK_STEP
                 step(torch.ones(4, WIDTH) * (rank + number))
@@ -158,7 +159,9 @@ def _every_path(rank: int, world_size: int) -> list[dict]:
 @pytest.mark.timeout(120)
 def test_a_stuck_rank_is_named_on_every_path_within_the_stall_limit():
     env = {"TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES)}
-    results = run_on_ranks(_every_path, 2, collective_timeout_s=30, total_timeout_s=110, env=env)
+    results = run_on_ranks(
+        _every_path, 2, collective_timeout_s=TIMEOUT_S, total_timeout_s=110, env=env
+    )
     waiting, stuck = results
     for case in stuck:
         assert case["lines"] == [], case  # the stuck rank waits for nobody
@@ -172,8 +175,9 @@ def test_a_stuck_rank_is_named_on_every_path_within_the_stall_limit():
             assert "waiting in send/recv" in line, line
         else:
             assert " on the group [0, 1]" in line and "last seen in " in line, line
-        # Named within the limit plus two polls and the answers, not at the 30 s timeout.
-        assert case["seconds"] < 6, case
+        # Named within the limit plus a poll and the answers (0.5-0.9 s on a quiet machine),
+        # long before the collective timeout.
+        assert case["seconds"] < TIMEOUT_S / 3, case
 
 
 def _state(rank, groups=None, *, in_p2p=False, paused=False, where="train.py:1 in f"):

@@ -56,6 +56,7 @@ STALL_TIMEOUT_SHARE = 0.5
 _POLL_FRACTION = 0.2
 _MAX_POLL_S = 1.0
 _KEY_ROOT = "overlapkit/stall"
+_FR_SIZES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch reads either
 _instances = itertools.count()
 
 
@@ -164,6 +165,12 @@ class StallWatchdog:
 
     def start(self) -> StallWatchdog:
         """Start watching (returns self)."""
+        if not any(os.environ.get(name, "0").strip() not in ("", "0") for name in _FR_SIZES):
+            logger.warning(
+                "stall watchdog: torch's Flight Recorder is off (TORCH_FR_BUFFER_SIZE unset), so "
+                "a rank missing from a collective cannot be named; call "
+                "ok.enable_flight_recorder() before init_process_group"
+            )
         self._thread.start()
         return self
 
