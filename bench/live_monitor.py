@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--multiple", type=float, default=4.0)
     parser.add_argument("--layouts", nargs="+", default=["ddp", "fsdp", "pp_dp"])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     results: dict = {"load_before": [round(x, 2) for x in os.getloadavg()], "layouts": {}}
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                     "false_positives": len(clean["stragglers"] or []),
                     "noise_ms": noise,
                     "median_step_ms": clean["median_step_ms"],
+                    "gather_ms_per_step": clean["live"]["gather_ms_per_step"],
                     "exposed": live_vs_profiler(clean_dir, Path(clean["profile_dir"])),
                 },
                 "delay_ms": delay,
@@ -271,13 +272,18 @@ def table(results: dict, args: argparse.Namespace) -> str:
             )
     lines.append("")
     lines.append(
-        "| layout | live exposed / profiler's (profiled steps, all ranks) | noise ms/step |"
+        "| layout | live exposed / profiler's (profiled steps, all ranks) | noise ms/step "
+        "| median step ms | gather ms/step | bookkeeping + gather / step |"
     )
-    lines.append("|---|---|---|")
+    lines.append("|---|---|---|---|---|---|")
+    book_ms = results["bookkeeping_us_per_step"] / 1e3
     for layout, row in results["layouts"].items():
+        clean = row["clean"]
+        cost = (book_ms + clean["gather_ms_per_step"]) / clean["median_step_ms"]
         lines.append(
-            f"| {layout} | {row['clean']['exposed']['ratio']:.3f} "
-            f"| {row['clean']['noise_ms']:.2f} |"
+            f"| {layout} | {clean['exposed']['ratio']:.3f} | {clean['noise_ms']:.2f} "
+            f"| {clean['median_step_ms']:.1f} | {clean['gather_ms_per_step']:.3f} "
+            f"| {100 * cost:.2f} % |"
         )
     over = results["overhead"]
     lines.append(

@@ -21,11 +21,12 @@ median over the recent windows; the threshold on a window median is ``noise_fact
 sqrt(steps)``, at least ``floor_ms``.
 
 Change points: a rank is **named** when its lateness over baseline exceeds the threshold in
-``confirm_windows`` consecutive windows; its onset is the first step from which its lateness
-stays mostly above threshold; it is **recovered** when below half the threshold for as many
-windows. Named: the rank; ``cause`` the largest excess among ``data_loading``, ``compute``,
-``host_gap`` (the trace report's names); ``collective`` the kind the others waited longer on;
-``cost_ms`` the lateness over baseline, ms per step (the others' extra wait for it).
+``confirm_windows`` consecutive windows; its onset is the change point, the step from which its
+lateness is above the threshold in the most steps more than below; it is **recovered** when
+below half the threshold for as many windows. Named: the rank; ``cause`` the largest excess
+among ``data_loading``, ``compute``, ``host_gap`` (the trace report's names); ``collective`` the
+kind the others waited longer on; ``cost_ms`` the lateness over baseline, ms per step (the
+others' extra wait for it).
 """
 
 from __future__ import annotations
@@ -224,17 +225,16 @@ class StragglerRule:
         return named
 
     def _onset(self, rank: int) -> int:
-        """The first step from which ``rank``'s lateness over baseline stays above the threshold
-        in most steps (the change point), among the kept windows."""
+        """The change point of ``rank``'s lateness over baseline among the kept windows: the
+        step from which the count of steps above the threshold less the count below is largest
+        (the earliest such step), so that one noisy step before the onset is not taken for it."""
         kept = np.hstack(list(self._lateness))
         steps, lateness = kept[0], kept[1 + rank] - self._baseline[rank, 0]
         valid = ~np.isnan(steps)
         steps, lateness = steps[valid], lateness[valid]
-        threshold = self.threshold_ms
-        for k in range(len(steps)):
-            if lateness[k] > threshold and np.median(lateness[k:]) > threshold:
-                return int(steps[k])
-        return int(steps[-1])
+        signs = np.where(lateness > self.threshold_ms, 1, -1)
+        after = np.cumsum(signs[::-1])[::-1]  # the sum over each step and the ones after it
+        return int(steps[int(np.argmax(after))])
 
     def stragglers(self) -> list[LiveStraggler]:
         """Every straggler named in the run (bounded to ``HISTORY``), costliest first."""

@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +121,9 @@ class LiveMonitor:
             confirm_windows=self.config.confirm_windows,
         )
         self.totals = np.zeros((self.world_size, len(TOTALS)))
+        self.gather_ms = 0.0
+        """Wall time this rank spent in the monitor's gathers, ms (its own cost, with the wait
+        for the last rank to arrive)."""
         self._pending = 0
 
     def phase(self, name: str) -> Any:
@@ -159,6 +163,13 @@ class LiveMonitor:
         self.clock.run_time.close()
 
     def _gather(self) -> LiveWindow | None:
+        start = time.perf_counter()
+        try:
+            return self._gather_window()
+        finally:
+            self.gather_ms += (time.perf_counter() - start) * 1e3
+
+    def _gather_window(self) -> LiveWindow | None:
         every = self.config.every
         mine = torch.full((every, len(FIELDS)), float("nan"), dtype=torch.float64)
         mine[: self._pending] = torch.from_numpy(self.clock.last(self._pending))
@@ -204,8 +215,10 @@ class LiveMonitor:
             record["steps"] = int(row[0])
             record["exposed_ms_per_step"] = float(row[4] / row[0]) if row[0] else None
             per_rank.append(record)
+        steps = self.clock.closed
         return {
             "every": self.config.every,
+            "gather_ms_per_step": self.gather_ms / steps if steps else None,
             "noise_ms": self.rule.noise_ms,
             "threshold_ms": self.rule.threshold_ms,
             "per_rank": per_rank,

@@ -82,7 +82,8 @@ class RunSummary:
     """The measured step beside it: the median over the steps after the first, the same steps
     as ``median_step_ms``, s."""
     live: dict | None = None
-    """The ``live`` monitor's record: ``every``, ``noise_ms``, ``threshold_ms`` and
+    """The ``live`` monitor's record: ``every``, ``gather_ms_per_step`` (rank 0's time in the
+    monitor's gathers per step), ``noise_ms``, ``threshold_ms`` and
     ``per_rank`` totals (``steps``, ``wall_ms``, ``data_ms``, ``busy_ms``, ``wait_ms``,
     ``gap_ms``, ``exposed_ms_per_step``); None with ``~live``."""
     stragglers: list[dict] | None = None
