@@ -44,9 +44,10 @@ logger = logging.getLogger(__name__)
 
 STALL_EXIT_CODE = 75
 """The exit status of a worker ended by a stall (EX_TEMPFAIL: a restart may succeed)."""
-FLIGHT_RECORDER_ENTRIES = 2000
-"""Flight Recorder entries ``enable_flight_recorder`` asks for: the newest collectives of every
-group a step uses; read only when a stall is suspected (about 60 ms for 2000)."""
+FLIGHT_RECORDER_ENTRIES = 256
+"""Flight Recorder entries ``enable_flight_recorder`` asks for: enough to hold the newest
+collective of every group a step uses, and few enough that the records a rank publishes when a
+stall is suspected take milliseconds (torch's dump of 2000 took 60 ms on an idle core)."""
 STALL_FACTOR = 10.0
 """The automatic limit is this many times the slowest step seen (the first excluded) ..."""
 STALL_FLOOR_S = 30.0
@@ -221,7 +222,7 @@ class StallWatchdog:
 
     def _poll(self) -> None:
         now = time.monotonic()
-        counters = _flight_recorder_counters()
+        counters = progress_counters()
         with self._lock:
             if counters != self._counters:
                 self._counters, self._progress = counters, now
@@ -258,7 +259,7 @@ class StallWatchdog:
         line = stall_line(me, states, stalled_s=stalled_s, answer_s=answer_s)
         with self._lock:
             # Progress while the others answered (the stuck rank moved on): no stall after all.
-            moved = self._progress > asked_at or _flight_recorder_counters() != self._counters
+            moved = self._progress > asked_at or progress_counters() != self._counters
             self._asked_at = time.monotonic()  # ask again after another limit without progress
         if line is None or moved:
             return
@@ -309,7 +310,7 @@ def auto_limit_s(slowest_step_s: float | None, collective_timeout_s: float) -> f
     return min(cap, max(STALL_FLOOR_S, STALL_FACTOR * slowest_step_s))
 
 
-def _flight_recorder_counters() -> object:
+def progress_counters() -> object:
     """Per group, collectives issued and completed (microseconds to read; {} when off)."""
     raw = torch._C._distributed_c10d._dump_fr_trace_json(False)
     return json.loads(raw).get("pg_status", {})
@@ -318,25 +319,26 @@ def _flight_recorder_counters() -> object:
 def _newest_per_group() -> dict[str, Op]:
     """Per process group, the newest collective the Flight Recorder holds."""
     entries = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True)).get("entries", [])
-    now_ns = time.time_ns()
-    newest: dict[str, Op] = {}
+    newest: dict[str, dict] = {}
     for entry in entries:
-        if entry.get("is_p2p"):
-            continue
         group = str(entry["process_group"][0])
-        seq = int(entry["collective_seq_id"])
-        if group in newest and newest[group].seq >= seq:
+        if entry.get("is_p2p") or (
+            group in newest and newest[group]["collective_seq_id"] >= entry["collective_seq_id"]
+        ):
             continue
+        newest[group] = entry
+    now_ns = time.time_ns()
+    found = {}
+    for group, entry in newest.items():
         ranks = _group_ranks(group)
-        if ranks is None:
-            continue
-        newest[group] = Op(
-            name=str(entry["profiling_name"]).split(":", 1)[-1],
-            ranks=ranks,
-            seq=seq,
-            age_s=max(0.0, (now_ns - int(entry["time_created_ns"])) / 1e9),
-        )
-    return newest
+        if ranks is not None:
+            found[group] = Op(
+                name=str(entry["profiling_name"]).split(":", 1)[-1],
+                ranks=ranks,
+                seq=int(entry["collective_seq_id"]),
+                age_s=max(0.0, (now_ns - int(entry["time_created_ns"])) / 1e9),
+            )
+    return found
 
 
 def _group_ranks(name: str) -> tuple[int, ...] | None:
