@@ -139,6 +139,7 @@ def judge(summary: dict, rank: int, onset: int, cause: str, delay_ms: float) -> 
         "cost_ms": None if first is None else first["cost_ms"],
         "cost_over_delay": None if first is None else first["cost_ms"] / delay_ms,
         "false_positives": len(false),
+        "false": [{k: s[k] for k in ("rank", "step", "cause", "cost_ms")} for s in false],
         "threshold_ms": summary["live"]["threshold_ms"],
     }
 
@@ -167,7 +168,6 @@ def bookkeeping_us(steps: int = 2000) -> float:
         with_monitor = time.perf_counter() - start
     finally:
         timer.uninstall()
-        clock.run_time.close()
     start = time.perf_counter()
     for _ in range(steps):
         for name in PHASES:

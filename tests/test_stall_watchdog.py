@@ -238,6 +238,7 @@ def test_limit_rule_and_refusals():
     assert auto_limit_s(None, 300) == 150  # before the first step: half the timeout
     assert auto_limit_s(0.2, 300) == STALL_FLOOR_S
     assert auto_limit_s(6.0, 300) == 60
+    assert auto_limit_s(9.0, 300) == 90
     assert auto_limit_s(100.0, 300) == 150
     assert auto_limit_s(1.0, 40) == 20  # the cap wins over the floor
     assert stall_message("StallError: stall: rank 0 ...") == "stall: rank 0 ..."

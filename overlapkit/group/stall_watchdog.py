@@ -50,8 +50,9 @@ collective of every group a step uses, and few enough that the records a rank pu
 stall is suspected take milliseconds (torch's dump of 2000 took 60 ms on an idle core)."""
 STALL_FACTOR = 10.0
 """The automatic limit is this many times the slowest step seen (the first excluded) ..."""
-STALL_FLOOR_S = 30.0
-"""... and at least this many seconds (a pause of the host or a GC is not a stall) ..."""
+STALL_FLOOR_S = 60.0
+"""... and at least this many seconds (a pause of the host, a GC or a slow data shard is not a
+stall) ..."""
 STALL_TIMEOUT_SHARE = 0.5
 """... and at most this share of the collective timeout; before the first step ends, it is that."""
 _POLL_FRACTION = 0.2

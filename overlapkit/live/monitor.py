@@ -160,7 +160,6 @@ class LiveMonitor:
     def stop(self) -> None:
         """Stop timing waits, without a collective (what an aborted run calls; idempotent)."""
         self.timer.uninstall()
-        self.clock.run_time.close()
 
     def _gather(self) -> LiveWindow | None:
         start = time.perf_counter()

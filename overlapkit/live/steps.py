@@ -3,9 +3,9 @@
 A step is timed by its phases (``data``: waiting for the next batch; ``forward``;
 ``backward``; ``sync``: the wrapper's end of backward; ``optimizer``), each entered with
 ``StepClock.phase(name)``. Per phase the clock reads the wall clock and the training thread's
-run time (``ThreadRunTime``); the ``WaitTimer`` counts, meanwhile, the thread's blocked time in
-collectives. A closed step becomes one row of ``FIELDS`` (ms), so that a window of steps is a
-fixed-size array whatever happened in it:
+run time (``waits.ThreadRunTime``); the ``WaitTimer`` counts, meanwhile, the thread's blocked
+time in collectives. A closed step becomes one row of ``FIELDS`` (ms), so that a window of steps
+is a fixed-size array whatever happened in it:
 
 - ``wall``: the phases' wall time (time between phases is not the step's);
 - ``data``: wall time of the ``data`` phases;
@@ -21,7 +21,6 @@ Memory is ``capacity x len(FIELDS)`` floats, allocated once.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -32,32 +31,6 @@ PHASES = ("data", "forward", "backward", "sync", "optimizer")
 FIELDS = ("step", "wall", "data", "busy", "wait", *(f"wait_{k}" for k in KINDS))
 STEP, WALL, DATA, BUSY, WAIT = range(5)
 WAIT_KINDS = slice(5, 5 + len(KINDS))
-
-
-class ThreadRunTime:
-    """The calling thread's time running or runnable, ms: on Linux the first two fields of
-    ``/proc/thread-self/schedstat`` (on a CPU, waiting on a run queue; one ``pread``, about a
-    microsecond); elsewhere ``time.thread_time`` (on a CPU only). Create it on the thread to
-    time; ``close()`` releases the file."""
-
-    __slots__ = ("_fd",)
-
-    def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-
-    def ms(self) -> float:
-        if self._fd is None:
-            return time.thread_time() * 1e3
-        on_cpu, queued, _ = os.pread(self._fd, 64, 0).split()
-        return (int(on_cpu) + int(queued)) / 1e6
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 class _Phase:
@@ -73,12 +46,12 @@ class _Phase:
     def __enter__(self) -> None:
         self._clock.timer.active = True
         self.started_ms = time.perf_counter() * 1e3
-        self._cpu = self._clock.run_time.ms()
+        self._cpu = self._clock.timer.run_time.ms()
 
     def __exit__(self, *exc: object) -> None:
         self.ended_ms = time.perf_counter() * 1e3
         wall = self.ended_ms - self.started_ms
-        cpu = self._clock.run_time.ms() - self._cpu
+        cpu = self._clock.timer.run_time.ms() - self._cpu
         self._clock.timer.active = False
         row = self._clock.current
         row[WALL] += wall
@@ -102,7 +75,6 @@ class StepClock:
         if capacity < 1:
             raise ValueError(f"StepClock capacity must be >= 1, got {capacity}")
         self.timer = timer
-        self.run_time = ThreadRunTime()
         self.rows = np.zeros((capacity, len(FIELDS)))
         self.current = np.zeros(len(FIELDS))
         self.closed = 0

@@ -18,6 +18,7 @@ than the host waits.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -55,20 +56,50 @@ _originals: dict[type, Any] = {}
 _lock = threading.Lock()
 
 
+class ThreadRunTime:
+    """The calling thread's time running or runnable, ms: on Linux the first two fields of
+    ``/proc/thread-self/schedstat`` (on a CPU, waiting on a run queue; one ``pread``, about a
+    microsecond); elsewhere ``time.thread_time`` (on a CPU only). Create it on the thread to
+    time; ``close()`` releases the file."""
+
+    __slots__ = ("_fd",)
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def ms(self) -> float:
+        if self._fd is None:
+            return time.thread_time() * 1e3
+        on_cpu, queued, _ = os.pread(self._fd, 64, 0).split()
+        return (int(on_cpu) + int(queued)) / 1e6
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class WaitTimer:
     """Blocked milliseconds of one thread's collective waits, by kind, while ``active``.
 
-    Install it (``install()``) on the thread to time; it counts only while ``active`` is True
-    (the monitor's phases), so its own gathers and a checkpoint's collectives are left out.
-    ``drain()`` returns the counts since the last drain and zeroes them.
+    Create and install it (``install()``) on the thread to time; it counts only while ``active``
+    is True (the monitor's phases), so its own gathers and a checkpoint's collectives are left
+    out. A wait counts its wall time less the thread's run time meanwhile (``run_time``): on an
+    oversubscribed host a thread woken by the collective's end may queue for a CPU, and that is
+    not waiting on the collective. ``drain()`` returns the counts since the last drain and zeroes
+    them.
     """
 
-    __slots__ = ("active", "ms", "thread")
+    __slots__ = ("active", "ms", "run_time", "thread")
 
     def __init__(self) -> None:
         self.active = False
         self.ms = [0.0] * len(KINDS)
         self.thread = threading.get_ident()
+        self.run_time = ThreadRunTime()
 
     def add(self, kind: int, ms: float) -> None:
         """Count ``ms`` of waiting on a collective of ``kind`` (a ``KINDS`` index)."""
@@ -89,12 +120,13 @@ class WaitTimer:
             _timers[self.thread] = self
 
     def uninstall(self) -> None:
-        """Stop timing; the wraps go when the last timer does."""
+        """Stop timing (idempotent); the wraps go when the last timer does."""
         with _lock:
             if _timers.get(self.thread) is self:
                 del _timers[self.thread]
             if not _timers:
                 _unwrap()
+        self.run_time.close()
 
 
 def _timed(original: Any, kind_of: Any) -> Any:
@@ -102,11 +134,12 @@ def _timed(original: Any, kind_of: Any) -> Any:
         timer = _timers.get(threading.get_ident())
         if timer is None or not timer.active:
             return original(self, *args, **kwargs)
-        start = time.perf_counter()
+        start, ran = time.perf_counter(), timer.run_time.ms()
         try:
             return original(self, *args, **kwargs)
         finally:
-            timer.add(kind_of(self), (time.perf_counter() - start) * 1e3)
+            wall = (time.perf_counter() - start) * 1e3
+            timer.add(kind_of(self), max(wall - (timer.run_time.ms() - ran), 0.0))
 
     wait.__doc__ = original.__doc__
     return wait

@@ -75,7 +75,7 @@ class LauncherConfig:
     """Seconds of no progress (no step finished, no collective issued or completed) after
     which the ranks waiting name the rank(s) that never arrived and end the run
     (``overlapkit.group.stall_watchdog``). None: 10 x the slowest step (the first excluded), at
-    least 30 s, at most half of ``collective_timeout_s``; 0: off."""
+    least 60 s, at most half of ``collective_timeout_s``; 0: off."""
     threads_per_rank: int | None = None
     """torch intra-op threads per worker; None divides this machine's cores among them."""
     local_rank: int | None = None
