@@ -89,11 +89,12 @@ def enable_flight_recorder(entries: int = FLIGHT_RECORDER_ENTRIES) -> None:
 
 
 def end_process(error: StallError) -> None:
-    """The default ``on_stall``: the first rank to tell logs the line and leaves it in torch
-    elastic's error file; every waiting rank then exits with ``STALL_EXIT_CODE``."""
+    """The default ``on_stall``: the first rank to tell logs the line; every waiting rank leaves
+    it in torch elastic's error file (each node's launcher reads its own workers') and exits
+    with ``STALL_EXIT_CODE``."""
     if error.first:
         logger.error("%s", error)
-        ErrorHandler().record_exception(error)
+    ErrorHandler().record_exception(error)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(STALL_EXIT_CODE)
