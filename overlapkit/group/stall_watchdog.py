@@ -154,6 +154,10 @@ class StallWatchdog:
         self._counters: object = None
         self._paused = 0
         self._answered = 0
+        # The newest request another rank made, and when this rank saw it: a rank whose own
+        # stall is due joins a request a poll old instead of making one (one request a stall,
+        # not one per waiting rank).
+        self._newest_request = (0, float("-inf"))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="overlapkit-stall", daemon=True)
 
@@ -237,7 +241,10 @@ class StallWatchdog:
             self._ask(stalled_s)
 
     def _answer_if_asked(self) -> None:
-        self._answer(self._store.add(f"{self._root}/asked", 0))
+        asked = self._store.add(f"{self._root}/asked", 0)
+        if asked > self._answered:
+            self._newest_request = (asked, time.monotonic())
+        self._answer(asked)
 
     def _answer(self, asked: int) -> None:
         """Answer every request up to ``asked`` not answered yet (two ranks may ask at once)."""
@@ -252,9 +259,12 @@ class StallWatchdog:
         """Ask every rank for its state; when this rank waits for one that never arrived, call
         ``on_stall``. Then wait for progress again before asking anew."""
         asked_at = time.monotonic()
-        request = self._store.add(f"{self._root}/asked", 1)
+        poll_s = min(_MAX_POLL_S, _POLL_FRACTION * self.limit_s)
+        request, seen_at = self._newest_request
+        if asked_at - seen_at > poll_s:  # no other rank has just asked: ask
+            request = self._store.add(f"{self._root}/asked", 1)
         self._answer(request)
-        answer_s = 2 * min(_MAX_POLL_S, _POLL_FRACTION * self.limit_s) + 1.0
+        answer_s = 2 * poll_s + 1.0
         states = self._collect(request, answer_s)
         me = states[self._rank]
         assert me is not None
@@ -275,7 +285,10 @@ class StallWatchdog:
         keys = {r: f"{self._root}/{request}/{r}" for r in range(self._world)}
         deadline = time.monotonic() + answer_s
         while True:
-            answered = {r for r, key in keys.items() if self._store.check([key])}
+            if self._store.check(list(keys.values())):  # one round trip when all answered
+                answered = set(keys)
+            else:
+                answered = {r for r, key in keys.items() if self._store.check([key])}
             closed = {
                 r for r in keys.keys() - answered if self._store.check([f"{self._root}/closed/{r}"])
             }
@@ -283,11 +296,10 @@ class StallWatchdog:
                 break
             self._answer_if_asked()  # another rank may be asking at the same time
             time.sleep(0.05)
-        return {
-            r: RankState.from_json(self._store.get(key)) if r in answered else None
-            for r, key in keys.items()
-            if r not in closed
-        }
+        ranks = sorted(answered)
+        values = self._store.multi_get([keys[r] for r in ranks]) if ranks else []
+        found = {r: RankState.from_json(bytes(v)) for r, v in zip(ranks, values, strict=True)}
+        return {r: found.get(r) for r in keys if r not in closed}
 
     def state(self) -> RankState:
         """This rank's arrival records now."""
