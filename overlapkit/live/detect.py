@@ -22,11 +22,11 @@ sqrt(steps)``, at least ``floor_ms``.
 
 Change points: a rank is **named** when its lateness over baseline exceeds the threshold in
 ``confirm_windows`` consecutive windows; its onset is the change point, the step from which its
-lateness is above the threshold in the most steps more than below; it is **recovered** when
-below half the threshold for as many windows. Named: the rank; ``cause`` the largest excess
-among ``data_loading``, ``compute``, ``host_gap`` (the trace report's names); ``collective`` the
-kind the others waited longer on; ``cost_ms`` the lateness over baseline, ms per step (the
-others' extra wait for it).
+lateness is above the midpoint between none and its level now in the most steps more than
+below; it is **recovered** when below half the threshold for as many windows. Named: the rank;
+``cause`` the largest excess among ``data_loading``, ``compute``, ``host_gap`` (the trace
+report's names); ``collective`` the kind the others waited longer on; ``cost_ms`` the lateness
+over baseline, ms per step (the others' extra wait for it).
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ class StragglerRule:
         row = delta[rank]
         others = np.delete(delta, rank, axis=0)
         waits = others[:, 4 : 4 + len(KINDS)].sum(axis=0) if len(others) else np.zeros(len(KINDS))
-        onset = self._onset(rank)
+        onset = self._onset(rank, float(row[0]))
         named = LiveStraggler(
             rank=rank,
             collective=KINDS[int(np.argmax(waits))],
@@ -224,15 +224,16 @@ class StragglerRule:
         del self.history[HISTORY:]
         return named
 
-    def _onset(self, rank: int) -> int:
-        """The change point of ``rank``'s lateness over baseline among the kept windows: the
-        step from which the count of steps above the threshold less the count below is largest
-        (the earliest such step), so that one noisy step before the onset is not taken for it."""
+    def _onset(self, rank: int, level: float) -> int:
+        """The change point of ``rank``'s lateness over baseline among the kept windows, from
+        about 0 to ``level`` (its lateness now): the step from which the count of steps above
+        the midpoint (at least the threshold) less the count below is largest, the earliest
+        such step; a noisy step or two before the onset do not outweigh the slow ones."""
         kept = np.hstack(list(self._lateness))
         steps, lateness = kept[0], kept[1 + rank] - self._baseline[rank, 0]
         valid = ~np.isnan(steps)
         steps, lateness = steps[valid], lateness[valid]
-        signs = np.where(lateness > self.threshold_ms, 1, -1)
+        signs = np.where(lateness > max(self.threshold_ms, level / 2), 1, -1)
         after = np.cumsum(signs[::-1])[::-1]  # the sum over each step and the ones after it
         return int(steps[int(np.argmax(after))])
 
