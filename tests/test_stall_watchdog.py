@@ -28,6 +28,7 @@ from overlapkit.group.stall_watchdog import (
     auto_limit_s,
     stall_message,
 )
+from overlapkit.train.launch.elastic import LauncherConfig
 from tests.multiproc import run_on_ranks
 
 LIMIT_S = 0.4
@@ -244,6 +245,10 @@ def test_limit_rule_and_refusals():
     assert stall_message("StallError: stall: rank 0 ...") == "stall: rank 0 ..."
     assert stall_message({"message": "StallError: stall: x", "extraInfo": {}}) == "stall: x"
     assert stall_message("RuntimeError: boom") is None
+    for bad in (300.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"launcher.stall_limit_s must be null .* got "):
+            LauncherConfig(stall_limit_s=bad)
+    assert LauncherConfig(stall_limit_s=0).stall_limit_s == 0  # off
 
 
 @pytest.mark.timeout(240)
