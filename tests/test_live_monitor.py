@@ -124,7 +124,7 @@ def test_an_asymmetric_layout_is_its_own_baseline_and_a_later_delay_is_named():
     ("key", "value", "message"),
     [
         ("every", 1, "live.every must be >= 2"),
-        ("capacity", 4, "live.capacity must be >= 10"),
+        ("capacity", 4, r"live.capacity \(4\) must be >= live.every \(10\)"),
         ("noise_factor", 0.0, "live.noise_factor must be > 0"),
         ("floor_ms", -1.0, "live.floor_ms must be >= 0 ms"),
     ],

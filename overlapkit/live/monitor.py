@@ -76,7 +76,12 @@ class LiveConfig:
         check_int("live.every", self.every, 2)
         check_int("live.calibration_windows", self.calibration_windows, 1)
         check_int("live.confirm_windows", self.confirm_windows, 1)
-        check_int("live.capacity", self.capacity, self.every)
+        check_int("live.capacity", self.capacity, 1)
+        if self.capacity < self.every:
+            raise ValueError(
+                f"live.capacity ({self.capacity}) must be >= live.every ({self.every}): the ring "
+                "of steps holds at least a window"
+            )
         if not self.noise_factor > 0:
             raise ValueError(f"live.noise_factor must be > 0, got {self.noise_factor!r}")
         if not self.floor_ms >= 0:
