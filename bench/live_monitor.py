@@ -126,7 +126,9 @@ def live_vs_profiler(run_dir: Path, profile_dir: Path) -> dict:
 def judge(summary: dict, rank: int, onset: int, cause: str, delay_ms: float) -> dict:
     """What the slowed run's live monitor named, against what was injected."""
     named = summary["stragglers"] or []
-    hits = [s for s in named if s["rank"] == rank and s["step"] >= onset - 1]
+    # Named because of the delay: the slowed rank, in a window after the delay began (its onset
+    # estimate may be a step or two off); anything else named is a false positive.
+    hits = [s for s in named if s["rank"] == rank and s["named_at"] >= onset]
     false = [s for s in named if s not in hits]
     first = min(hits, key=lambda s: s["step"]) if hits else None
     return {
@@ -135,6 +137,7 @@ def judge(summary: dict, rank: int, onset: int, cause: str, delay_ms: float) -> 
         "cause_right": first is not None and first["cause"] == cause,
         "collective": None if first is None else first["collective"],
         "onset_step": None if first is None else first["step"],
+        "onset_error": None if first is None else first["step"] - onset,
         "named_at": None if first is None else first["named_at"],
         "cost_ms": None if first is None else first["cost_ms"],
         "cost_over_delay": None if first is None else first["cost_ms"] / delay_ms,

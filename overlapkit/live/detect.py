@@ -17,16 +17,16 @@ A layout need not be symmetric (pipeline stages wait differently), so every stat
 relative to the rank's own **baseline**, its median over the calibration windows (after the
 first, warm-up, window). The **noise** is measured by the rule itself: the robust spread of
 step-to-step changes of lateness (``1.4826 x MAD / sqrt(2)``, blind to a steady offset), the
-median over the recent windows; the threshold on a window median is ``noise_factor x noise /
-sqrt(steps)``, at least ``floor_ms``.
+median over the recent quiet windows (nobody above the threshold or named); the threshold on a
+window median is ``noise_factor x noise / sqrt(steps)``, at least ``floor_ms``.
 
 Change points: a rank is **named** when its lateness over baseline exceeds the threshold in
-``confirm_windows`` consecutive windows; its onset is the change point, the step from which its
-lateness is above the midpoint between none and its level now in the most steps more than
-below; it is **recovered** when below half the threshold for as many windows. Named: the rank;
-``cause`` the largest excess among ``data_loading``, ``compute``, ``host_gap`` (the trace
-report's names); ``collective`` the kind the others waited longer on; ``cost_ms`` the lateness
-over baseline, ms per step (the others' extra wait for it).
+``confirm_windows`` consecutive windows; its onset is the change point of its lateness from none
+to its level now (a CUSUM with each step's weight bounded); it is **recovered** when below the
+threshold for as many windows. Named: the rank; ``cause`` the largest excess among
+``data_loading``, ``compute``, ``host_gap`` (the trace report's names); ``collective`` the kind
+the others waited longer on; ``cost_ms`` the lateness over baseline, ms per step (the others'
+extra wait for it).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class StragglerRule:
         noise_factor (float): the threshold in robust standard deviations of a window median.
         floor_ms (float): the smallest threshold, ms per step.
         calibration_windows (int): windows after the first that set each rank's baseline.
-        confirm_windows (int): consecutive windows above (below half) the threshold that name
+        confirm_windows (int): consecutive windows above (below) the threshold that name
             (recover) a rank.
     """
 
@@ -168,22 +168,28 @@ class StragglerRule:
         lateness = step_lateness(window)
         steps = window[0, :, STEP]
         self._lateness.append(np.vstack([steps, lateness]))
-        self._noise.append(noise_of(lateness))
+        noise = noise_of(lateness)
         if self._baseline is None:
+            self._noise.append(noise)
             self._calibration.append(stats)
             if len(self._calibration) == self.calibration_windows:
                 self._baseline = np.median(np.stack(self._calibration), axis=0)
             return []
         count = int((~np.isnan(steps)).sum())
         self.threshold_ms = max(self.floor_ms, self.noise_factor * self.noise_ms / np.sqrt(count))
-        return self._judge(stats - self._baseline, count, int(np.nanmax(steps)))
+        delta = stats - self._baseline
+        if not self.named and (delta[:, 0] <= self.threshold_ms).all():
+            # Noise is learnt from quiet windows only: a slow rank's own jitter (a delay that
+            # varies) must not raise the bar that names it.
+            self._noise.append(noise)
+        return self._judge(delta, count, int(np.nanmax(steps)))
 
     def _judge(self, delta: np.ndarray, count: int, last_step: int) -> list[LiveStraggler]:
         changed = []
         threshold = self.threshold_ms
         for rank, row in enumerate(delta):
             named = self.named.get(rank)
-            slow = row[0] > threshold if named is None else row[0] >= threshold / 2
+            slow = row[0] > threshold
             run = self._runs.get(rank, 0)
             run = run + 1 if slow == (named is None) else 0
             self._runs[rank] = run
@@ -226,15 +232,17 @@ class StragglerRule:
 
     def _onset(self, rank: int, level: float) -> int:
         """The change point of ``rank``'s lateness over baseline among the kept windows, from
-        about 0 to ``level`` (its lateness now): the step from which the count of steps above
-        the midpoint (at least the threshold) less the count below is largest, the earliest
-        such step; a noisy step or two before the onset do not outweigh the slow ones."""
+        about 0 to ``level`` (its lateness now): the step that maximises the sum, over it and
+        the steps after it, of the lateness clipped to ``[0, level]`` less ``level / 2`` (a
+        CUSUM of the mean shift, each step's weight bounded so that one noisy step does not
+        outweigh the slow ones); the earliest such step."""
         kept = np.hstack(list(self._lateness))
         steps, lateness = kept[0], kept[1 + rank] - self._baseline[rank, 0]
         valid = ~np.isnan(steps)
         steps, lateness = steps[valid], lateness[valid]
-        signs = np.where(lateness > max(self.threshold_ms, level / 2), 1, -1)
-        after = np.cumsum(signs[::-1])[::-1]  # the sum over each step and the ones after it
+        level = max(level, self.threshold_ms)
+        shift = np.clip(lateness, 0.0, level) - level / 2
+        after = np.cumsum(shift[::-1])[::-1]  # the sum over each step and the ones after it
         return int(steps[int(np.argmax(after))])
 
     def stragglers(self) -> list[LiveStraggler]:

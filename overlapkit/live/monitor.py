@@ -68,7 +68,7 @@ class LiveConfig:
     calibration_windows: int = 2
     """Windows after the first (warm-up) that set each rank's baseline."""
     confirm_windows: int = 2
-    """Consecutive windows above the threshold that name a rank (below half: recover it)."""
+    """Consecutive windows above the threshold that name a rank (below it: recover it)."""
     capacity: int = 1024
     """Steps kept per rank (the newest)."""
 
