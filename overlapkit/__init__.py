@@ -6,6 +6,7 @@ The public surface (docs/index.md; the layers below it: docs/architecture.md)::
     model = ok.ddp(model, bucket_mb=25, compress=None)
     bucketer = ok.GradBucketer(model, bucket_mb=25)
     ok.comm_stats(model)
+    live = ok.LiveMonitor()   # every step's exposed comm, live stragglers
 
 Every name is imported on first use (PEP 562 module ``__getattr__``), so ``import overlapkit``
 costs milliseconds and ``overlapkit topo`` never loads DTensor, FSDP or the profiler. Two names
@@ -31,6 +32,9 @@ _EXPORTS: dict[str, str] = {
     "comm_stats": "overlapkit.ddp.comm_stats",
     "ddp": "overlapkit.ddp.wrap",
     "CollectiveFailure": "overlapkit.group.failures",
+    "StallError": "overlapkit.group.stall_watchdog",
+    "StallWatchdog": "overlapkit.group.stall_watchdog",
+    "enable_flight_recorder": "overlapkit.group.stall_watchdog",
     "NonFiniteGradients": "overlapkit.ddp.finite",
     "fsdp": "overlapkit.fsdp.wrap",
     "fsdp_stats": "overlapkit.fsdp.state",
@@ -39,6 +43,8 @@ _EXPORTS: dict[str, str] = {
     "dispatch_combine": "overlapkit.inlayer.chunked_ep",
     "DispatchStats": "overlapkit.inlayer.chunked_ep",
     "comm_dim": "overlapkit.group.dim_labels",
+    "LiveConfig": "overlapkit.live.monitor",
+    "LiveMonitor": "overlapkit.live.monitor",
     "Estimate": "overlapkit.cost.estimate",
     "Placement": "overlapkit.planner.placement",
     "estimate": "overlapkit.cost.estimate",

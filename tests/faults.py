@@ -13,6 +13,10 @@ import ``tests``: the repository root on ``PYTHONPATH``) and set, in the environ
   would run code when loaded (it opens ``<run dir>/ran-code-from-a-checkpoint``), as a tampered
   checkpoint would, so that the restart meets a refused newest checkpoint
   (``overlapkit.train.run.resume``).
+- ``OVERLAPKIT_TEST_STALL=RANK:STEP``: the worker with global rank ``RANK`` stops (sleeps
+  ``STALL_S``) in the forward pass of its ``STEP``-th optimizer step, on the first attempt only:
+  a rank stuck before a collective, which the others' stall watchdog names
+  (``tests/test_stall_watchdog.py``).
 - ``OVERLAPKIT_TEST_SLOW=RANK:MS[:MODE]``: a slowed rank (``bench.harness.slow_rank``).
 - ``OVERLAPKIT_TEST_FAULTS_IN=<run dir>``: arm nothing in the workers of any other run (the
   other jobs of a multirun, whose run directories are ``<sweep dir>/<job number>``).
@@ -27,6 +31,7 @@ import logging
 import os
 import pickle
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,10 @@ KILL_ENV = "OVERLAPKIT_TEST_KILL"
 DAMAGE_ENV = "OVERLAPKIT_TEST_DAMAGE_NEWEST"
 """A run directory: there the killed worker first damages the newest checkpoint (with
 ``KILL_ENV`` only)."""
+STALL_ENV = "OVERLAPKIT_TEST_STALL"
+"""The environment variable that asks for a stuck rank, ``RANK:STEP``."""
+STALL_S = 600.0
+"""How long the stuck rank sleeps: far past any stall limit a test sets (it is ended first)."""
 FAULTS_IN_ENV = "OVERLAPKIT_TEST_FAULTS_IN"
 """A run directory: the only run whose workers ``arm`` arms (unset: every run's)."""
 RAN_MARKER = "ran-code-from-a-checkpoint"
@@ -53,8 +62,8 @@ WORKER_INIT = "tests.faults:arm"
 """The ``launcher.worker_init`` entry that arms what the environment asks for."""
 
 
-def parse_kill_spec(spec: str) -> tuple[int, int]:
-    """``RANK:STEP`` as ``(rank, step)``.
+def parse_kill_spec(spec: str, variable: str = KILL_ENV) -> tuple[int, int]:
+    """``RANK:STEP`` (the value of ``variable``) as ``(rank, step)``.
 
     Raises:
         ValueError: not two ints ``RANK >= 0`` and ``STEP >= 1`` separated by a colon; the
@@ -63,7 +72,7 @@ def parse_kill_spec(spec: str) -> tuple[int, int]:
     rank, sep, step = spec.strip().partition(":")
     if not (sep and rank.isdigit() and step.isdigit() and int(step) >= 1):
         raise ValueError(
-            f"{KILL_ENV} must be RANK:STEP with RANK >= 0 and STEP >= 1 (e.g. 1:5), got {spec!r}"
+            f"{variable} must be RANK:STEP with RANK >= 0 and STEP >= 1 (e.g. 1:5), got {spec!r}"
         )
     return int(rank), int(step)
 
@@ -124,28 +133,52 @@ def install_kill_from_env(rank: int, attempt: int, run_dir: Path | None = None) 
         kill_step,
         ", after damaging the newest checkpoint" if damage else "",
     )
+
+    def kill() -> None:
+        if damage:
+            damage_newest_checkpoint(RunPaths(run_dir, "").checkpoints)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _in_step(kill_step, kill)
+    return True
+
+
+def _in_step(step: int, fault: Any) -> None:
+    """Call ``fault()`` in the first forward pass of this process's ``step``-th optimizer step."""
     steps_done = 0
 
     def count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         nonlocal steps_done
         steps_done += 1
 
-    def kill_in_forward(module: torch.nn.Module, args: Any) -> None:
-        if steps_done == kill_step - 1:
-            if damage:
-                damage_newest_checkpoint(RunPaths(run_dir, "").checkpoints)
-            os.kill(os.getpid(), signal.SIGKILL)
+    def in_forward(module: torch.nn.Module, args: Any) -> None:
+        if steps_done == step - 1:
+            fault()
 
     register_optimizer_step_post_hook(count_step)
-    torch.nn.modules.module.register_module_forward_pre_hook(kill_in_forward)
+    torch.nn.modules.module.register_module_forward_pre_hook(in_forward)
+
+
+def install_stall_from_env(rank: int, attempt: int) -> bool:
+    """Arm the stop ``OVERLAPKIT_TEST_STALL`` asks for, if it names this rank on the first
+    attempt; returns whether it was armed."""
+    spec = os.environ.get(STALL_ENV)
+    if not spec:
+        return False
+    stall_rank, stall_step = parse_kill_spec(spec, STALL_ENV)
+    if rank != stall_rank or attempt != 0:
+        return False
+    logger.error("%s=%s: rank %d will stop in step %d", STALL_ENV, spec, rank, stall_step)
+    _in_step(stall_step, lambda: time.sleep(STALL_S))
     return True
 
 
 def arm(context: WorkerContext) -> None:
-    """``launcher.worker_init`` entry: arm the kill and the slow rank the environment asks for
-    (in the run ``OVERLAPKIT_TEST_FAULTS_IN`` names, if set)."""
+    """``launcher.worker_init`` entry: arm the kill, the stop and the slow rank the environment
+    asks for (in the run ``OVERLAPKIT_TEST_FAULTS_IN`` names, if set)."""
     only = os.environ.get(FAULTS_IN_ENV)
     if only and not _same_run(only, context.run_dir):
         return
     install_kill_from_env(context.rank, context.attempt, context.run_dir)
+    install_stall_from_env(context.rank, context.attempt)
     install_slow_from_env(context.rank)

@@ -65,6 +65,7 @@ def test_top_level_conf_is_the_installed_tree():
     assert {group for group, _ in OPTIONS} == {
         "data",
         "launcher",
+        "live",
         "model",
         "optim",
         "parallel",
@@ -264,6 +265,8 @@ def test_override_typo_fails_with_hydras_message():
         (["optim.optimizer.lr=-1"], ValueError, r"Invalid learning rate: -1"),
         (["optim.scheduler.min_lr_ratio=2"], ValueError, r"min_lr_ratio must be in \[0, 1\]"),
         (["profiler=on", "profiler.active=0"], ValueError, r"active must be >= 1 steps, got 0"),
+        (["live.every=1"], ValueError, r"live.every must be >= 2, got 1"),
+        (["live.capacity=5"], ValueError, r"live.capacity \(5\) must be >= live.every \(10\)"),
         (
             ["topology=preset", "topology.name_or_path=dgx-h100"],
             ValueError,

@@ -54,6 +54,8 @@ LAYERS: dict[str, int] = {
     "overlapkit.fsdp": 1,
     "overlapkit.inlayer": 1,
     "overlapkit.profiling": 1,
+    # Live monitoring: per-step waits and the straggler rule.
+    "overlapkit.live": 1,
     "overlapkit.cost": 1,
     # 2: placement of the sizes a user chose, priced by the cost model; never the search.
     "overlapkit.planner": 2,

@@ -160,6 +160,15 @@ def test_each_parallel_recipe_trains_in_its_own_multirun_directory(recipe_sweep)
         assert traces == ["rank0", "rank1"], traces
         assert summary["profiled_steps"] == 4
         assert 0.0 <= summary["exposed_comm_share"] <= 1.0
+        # Live: every wrapper's waits on collectives are seen on every rank, every step.
+        live = summary["live"]
+        assert [r["steps"] for r in live["per_rank"]] == [8, 8], live
+        assert all(r["exposed_ms_per_step"] > 0 for r in live["per_rank"]), (parallel, live)
+        assert summary["stragglers"] == []
+        [events] = (run_dir / "tb").iterdir()
+        scalars = EventAccumulator(str(events))
+        scalars.Reload()
+        assert [e.step for e in scalars.Scalars("live/exposed_ms")] == list(range(1, 9))
     # Same initial weights, data and averaged gradients: every wrapper follows the same
     # trajectory up to rounding; bf16 gradient compression rounds more.
     for parallel in PARALLEL:
@@ -167,12 +176,13 @@ def test_each_parallel_recipe_trains_in_its_own_multirun_directory(recipe_sweep)
         tolerance = 2e-2 if parallel == "ddp_bf16" else 1e-3
         assert losses_of[parallel] == pytest.approx(losses_of["ddp"], abs=tolerance), parallel
     assert output.count("exposed comm:") == len(PARALLEL)
+    assert output.count("  live: exposed comm ") == len(PARALLEL)
     # What the screen shows: no Kineto "USDT: ... profiler_start" lines in the progress bar, and
-    # exposed comm only as the profiled steps' (3-4), never as a figure of a later step.
+    # exposed comm as the live monitor's of the recent steps, not a profiled window's.
     assert "USDT" not in output and "profiler_st" not in output
     shown = re.findall(r"exposed_comm=[0-9.]+ms[^,\]]*", output)
     assert len(shown) >= len(PARALLEL)  # at least each run's final bar
-    assert all(s.endswith("ms (median of steps 3-4)") for s in shown), set(shown)
+    assert all(s.endswith("ms (live: recent steps)") for s in shown), set(shown)
 
 
 @contextlib.contextmanager

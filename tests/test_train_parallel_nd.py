@@ -305,6 +305,11 @@ def test_hsdp_tp_dp_and_cp_dp_on_4_ranks_follow_ddps_loss_trajectory(four_rank_s
         # Scaling efficiency against the given 1-rank throughput: T(4) / (4 x 1000 tok/s).
         expected = summary["items_per_s"] / (4 * 1000)
         assert summary["scaling_efficiency"] == pytest.approx(expected)
+        # Live: every layout's waits (FSDP2's, the cp all-gathers, the dp all-reduces beside
+        # tensor parallelism) seen on every rank, every step.
+        live = summary["live"]["per_rank"]
+        assert [r["steps"] for r in live] == [8] * 4, (parallel, live)
+        assert all(r["exposed_ms_per_step"] > 0 for r in live), (parallel, live)
     assert output.count("scaling efficiency") == len(FOUR_RANK_LAYOUTS)
     # Same initial weights, batches and averaged gradients: the same trajectory up to rounding
     # (measured: each pair by at most 4.8e-7, the same before the sweep was profiled).

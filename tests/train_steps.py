@@ -30,19 +30,15 @@ def compose_config(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-def train_steps(rank: int, *overrides: str) -> dict:
-    """``train.steps`` steps of ``train_step`` with the config ``overrides``, on this rank.
-
-    Returns:
-        dict: per step ``losses`` and ``grad_norms`` (as the trainer logs them), the final
-        ``params`` (full tensors), the ``initial`` ones, the wrapper's ``description``.
-    """
+def build_step(rank: int, *overrides: str) -> dict:
+    """What ``train_step`` takes, built from the config ``overrides`` on this rank: ``par``,
+    ``optimizer``, ``scheduler``, ``stream``, ``source``, ``train_cfg``, the ``initial``
+    parameters."""
     from hydra.utils import instantiate
 
     from overlapkit.train.parallel.mesh import split_parallel
     from overlapkit.train.parallel.wrappers import apply_parallel, check_run_optimizer
     from overlapkit.train.run.data import BatchStream
-    from overlapkit.train.run.loop import train_step
 
     cfg = compose_config(*overrides)
     train_cfg = instantiate(cfg.train)
@@ -60,14 +56,36 @@ def train_steps(rank: int, *overrides: str) -> dict:
         clip_grad_norm=train_cfg.clip_grad_norm,
     )
     optimizer = par.optimizer or make_optimizer(par.model.parameters())
-    scheduler = instantiate(cfg.optim.scheduler)(optimizer, total_steps=train_cfg.steps)
-    stream = BatchStream(source, rank=rank, batch_size=train_cfg.batch_size)
+    return {
+        "par": par,
+        "optimizer": optimizer,
+        "scheduler": instantiate(cfg.optim.scheduler)(optimizer, total_steps=train_cfg.steps),
+        "stream": BatchStream(source, rank=rank, batch_size=train_cfg.batch_size),
+        "source": source,
+        "train_cfg": train_cfg,
+        "initial": initial,
+    }
+
+
+def train_steps(rank: int, *overrides: str) -> dict:
+    """``train.steps`` steps of ``train_step`` with the config ``overrides``, on this rank.
+
+    Returns:
+        dict: per step ``losses`` and ``grad_norms`` (as the trainer logs them), the final
+        ``params`` (full tensors), the ``initial`` ones, the wrapper's ``description``.
+    """
+    from overlapkit.train.run.loop import train_step
+
+    built = build_step(rank, *overrides)
+    par, optimizer, train_cfg = built["par"], built["optimizer"], built["train_cfg"]
     losses, grad_norms = [], []
     for _ in range(train_cfg.steps):
-        loss, grad_norm = train_step(par, optimizer, stream, source, train_cfg, torch.device("cpu"))
+        loss, grad_norm = train_step(
+            par, optimizer, built["stream"], built["source"], train_cfg, torch.device("cpu")
+        )
         losses.append(loss)
         grad_norms.append(grad_norm)
-        scheduler.step()
+        built["scheduler"].step()
     par.settle()
     return {
         "losses": losses,
@@ -77,5 +95,5 @@ def train_steps(rank: int, *overrides: str) -> dict:
             for n, p in par.model.named_parameters()
         },
         "description": par.description,
-        "initial": initial,
+        "initial": built["initial"],
     }

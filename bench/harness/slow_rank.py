@@ -3,16 +3,22 @@
 Set, in the environment of ``overlapkit-train`` (with ``launcher.worker_init`` naming
 ``bench.harness.slow_rank:arm`` or ``tests.faults:arm``)::
 
-    OVERLAPKIT_TEST_SLOW=RANK:MS[:MODE]   # e.g. 2:60 or 2:60:compute
+    OVERLAPKIT_TEST_SLOW=RANK:MS[:MODE[:FROM[:TO]]][,...]   # e.g. 2:60, 2:60:data:40:80
 
-and the worker with global rank ``RANK`` spends ``MS`` milliseconds more in the forward pass of
-every optimizer step (once per step, before the first forward of the step, on every attempt):
+and the worker with global rank ``RANK`` spends ``MS`` milliseconds more in every optimizer
+step (once per step, on every attempt) from its ``FROM``-th step to its ``TO``-th (counted from
+1 in this process; default: from the first, to the end); several specs, separated by commas,
+slow ranks one after another (or together):
 
-- ``sleep`` (the default): it sleeps, so its compute lane idles: a host gap;
-- ``compute``: it multiplies 256 x 256 matrices (``aten::mm``) for that long: longer compute.
+- ``sleep`` (the default): it sleeps before the step's first forward, so its compute lane
+  idles: a host gap;
+- ``compute``: it multiplies 256 x 256 matrices (``aten::mm``) for that long, before the first
+  forward: longer compute;
+- ``data``: its first batch of the step comes that much later (``BatchStream.next`` sleeps):
+  slow data loading.
 
-Both work through torch's global optimizer and module hooks, so the training loop holds no
-test code.
+All work through torch's global optimizer and module hooks (``data``: a wrapped
+``BatchStream.next``), so the training loop holds no test code.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,32 +35,56 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 logger = logging.getLogger(__name__)
 
 SLOW_ENV = "OVERLAPKIT_TEST_SLOW"
-"""The environment variable that asks for a slow rank, ``RANK:MS[:MODE]``."""
-SLOW_MODES = ("sleep", "compute")
+"""The environment variable that asks for slow ranks, ``RANK:MS[:MODE[:FROM[:TO]]][,...]``."""
+SLOW_MODES = ("sleep", "compute", "data")
 WORKER_INIT = "bench.harness.slow_rank:arm"
 """The ``launcher.worker_init`` entry that arms it."""
 
 
-def parse_slow_spec(spec: str) -> tuple[int, float, str]:
-    """``RANK:MS[:MODE]`` as ``(rank, ms, mode)``.
+@dataclass(frozen=True, slots=True)
+class SlowSpec:
+    """One slowed rank: ``ms`` more per step by ``mode`` in its steps ``from_step..to_step``."""
+
+    rank: int
+    ms: float
+    mode: str = "sleep"
+    from_step: int = 1
+    to_step: int | None = None
+    """The last slowed step; None: to the end."""
+
+    def slows(self, step: int) -> bool:
+        return self.from_step <= step and (self.to_step is None or step <= self.to_step)
+
+
+def parse_slow_spec(spec: str) -> list[SlowSpec]:
+    """``RANK:MS[:MODE[:FROM[:TO]]][,...]`` as one ``SlowSpec`` per comma-separated part.
 
     Raises:
-        ValueError: not a rank >= 0, a number of ms > 0 and a mode in ``SLOW_MODES``,
-            separated by colons; the message names the environment variable and the value.
+        ValueError: a part is not a rank >= 0, a number of ms > 0, a mode in ``SLOW_MODES``
+            and steps 1 <= FROM <= TO, separated by colons; the message names the environment
+            variable and the value.
     """
-    parts = spec.strip().split(":")
-    mode = parts[2] if len(parts) == 3 else "sleep"
+    return [_parse_one(part, spec) for part in spec.strip().split(",")]
+
+
+def _parse_one(part: str, spec: str) -> SlowSpec:
+    parts = part.strip().split(":")
     try:
-        rank, ms = int(parts[0]), float(parts[1])
-        valid = len(parts) in (2, 3) and rank >= 0 and ms > 0 and mode in SLOW_MODES
-    except (ValueError, IndexError):
+        valid = 2 <= len(parts) <= 5
+        steps = [int(p) for p in parts[3:]]
+        slow = SlowSpec(int(parts[0]), float(parts[1]), *parts[2:3], *steps)
+        valid = valid and slow.rank >= 0 and slow.ms > 0 and slow.mode in SLOW_MODES
+        last = slow.from_step if slow.to_step is None else slow.to_step
+        valid = valid and 1 <= slow.from_step <= last
+    except (ValueError, IndexError, TypeError):
         valid = False
     if not valid:
         raise ValueError(
-            f"{SLOW_ENV} must be RANK:MS[:MODE] with RANK >= 0, MS > 0 and MODE one of "
-            f"{', '.join(SLOW_MODES)} (e.g. 2:60 or 2:60:compute), got {spec!r}"
+            f"{SLOW_ENV} must be RANK:MS[:MODE[:FROM[:TO]]][,...] with RANK >= 0, MS > 0, MODE "
+            f"one of {', '.join(SLOW_MODES)} and 1 <= FROM <= TO (e.g. 2:60, 2:60:compute or "
+            f"2:60:data:40:80), got {spec!r}"
         )
-    return rank, ms, mode
+    return slow
 
 
 def busy(seconds: float) -> None:
@@ -66,7 +97,7 @@ def busy(seconds: float) -> None:
 
 
 def install_slow_from_env(rank: int) -> bool:
-    """Arm the slow rank ``OVERLAPKIT_TEST_SLOW`` asks for, if it names this rank.
+    """Arm the slow steps ``OVERLAPKIT_TEST_SLOW`` asks for, where they name this rank.
 
     Returns:
         bool: whether this rank was slowed.
@@ -74,23 +105,50 @@ def install_slow_from_env(rank: int) -> bool:
     spec = os.environ.get(SLOW_ENV)
     if not spec:
         return False
-    slow_rank, ms, mode = parse_slow_spec(spec)
-    if rank != slow_rank:
-        return False
-    logger.error("%s=%s: rank %d spends %.1f ms more (%s) per step", SLOW_ENV, spec, rank, ms, mode)
-    pending = [True]  # a delay is due before the next forward
+    mine = [slow for slow in parse_slow_spec(spec) if slow.rank == rank]
+    for slow in mine:
+        logger.error(
+            "%s=%s: rank %d spends %.1f ms more (%s) per step",
+            SLOW_ENV,
+            spec,
+            rank,
+            slow.ms,
+            slow.mode,
+        )
+        _arm(slow)
+    return bool(mine)
+
+
+def _arm(slow: SlowSpec) -> None:
+    state = {"step": 1, "pending": slow.slows(1)}  # a delay is due in the step that runs now
 
     def due_again(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        pending[0] = True
+        state["step"] += 1
+        state["pending"] = slow.slows(state["step"])
 
-    def delay_in_forward(module: torch.nn.Module, args: Any) -> None:
-        if pending[0]:
-            pending[0] = False
-            (time.sleep if mode == "sleep" else busy)(ms / 1e3)
+    def delay() -> None:
+        if state["pending"]:
+            state["pending"] = False
+            (busy if slow.mode == "compute" else time.sleep)(slow.ms / 1e3)
 
     register_optimizer_step_post_hook(due_again)
-    torch.nn.modules.module.register_module_forward_pre_hook(delay_in_forward)
-    return True
+    if slow.mode == "data":
+        _delay_batches(delay)
+    else:
+        torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: delay())
+
+
+def _delay_batches(delay: Any) -> None:
+    """Call ``delay`` before every batch ``overlapkit-train`` reads (it delays once per step)."""
+    from overlapkit.train.run.data import BatchStream
+
+    read = BatchStream.next
+
+    def next_late(self: BatchStream) -> Any:
+        delay()
+        return read(self)
+
+    BatchStream.next = next_late
 
 
 def arm(context: Any) -> None:

@@ -160,7 +160,8 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _default_store() -> dist.Store:
+def default_store() -> dist.Store:
+    """The c10d store the default process group was created with (the rendezvous store)."""
     # Private in torch, but the only handle on the store the default group was created with.
     return dist.distributed_c10d._get_default_store()
 
@@ -176,7 +177,7 @@ def _diagnose(prefix: str, rank: int, ranks: list[int], failed_prefix: str, what
     with _diagnoses_lock:
         if prefix not in _diagnoses:
             try:
-                store = _default_store()
+                store = default_store()
             except (RuntimeError, ValueError) as error:
                 _diagnoses[prefix] = CheckIn(
                     None, store_error=f"no default store ({_first_line(error)})"

@@ -36,7 +36,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from overlapkit.group.stall_watchdog import stall_message
 from overlapkit.planner import plan as place
 from overlapkit.train.launch.elastic import LauncherConfig, launch
 from overlapkit.train.launch.slurm import task_index
@@ -127,7 +129,8 @@ def check_job(cfg: DictConfig, launcher: LauncherConfig) -> None:
 
 def _checked_components(cfg: DictConfig) -> tuple[Any, Any, Any]:
     """The ``train`` config, the model's config and the data source, instantiated, with the
-    optimizer, its schedule and the profiler built once to check them."""
+    optimizer, its schedule, the profiler and the live monitor's settings built once to check
+    them."""
     train = instantiate(cfg.train)
     model_config = instantiate(cfg.model.config)
     source = instantiate(cfg.data)
@@ -137,6 +140,8 @@ def _checked_components(cfg: DictConfig) -> tuple[Any, Any, Any]:
     instantiate(cfg.optim.scheduler)(optimizer, total_steps=cfg.train.steps)
     if cfg.get("profiler") is not None:
         instantiate(cfg.profiler)(logdir="unused")  # checks the schedule; starts nothing
+    if cfg.get("live") is not None:
+        instantiate(cfg.live)  # checks live.*
     return train, model_config, source
 
 
@@ -209,6 +214,14 @@ def run(cfg: DictConfig) -> None:
     except NoUsableCheckpoint as refusal:
         # One line, no traceback (Hydra would print one): each rank has logged its reasons.
         raise SystemExit(f"overlapkit-train: error: {refusal}") from None
+    except ChildFailedError as failure:
+        stall = next(
+            filter(None, (stall_message(f.message) for f in failure.failures.values())), None
+        )
+        if stall is None:
+            raise
+        # The waiting rank named who never arrived; the traceback would add nothing.
+        raise SystemExit(f"overlapkit-train: error: {stall}") from None
 
 
 def _checked_job(cfg: DictConfig, launcher: LauncherConfig, run_dir: Path) -> DictConfig:

@@ -34,6 +34,11 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from overlapkit.group.stall_watchdog import (
+    STALL_EXIT_CODE,
+    StallWatchdog,
+    enable_flight_recorder,
+)
 from overlapkit.train.launch.worker_init import WorkerContext, run_worker_init
 from overlapkit.train.run.loop import RunPaths, resolve_device, train
 from overlapkit.train.run.resume import NoUsableCheckpoint
@@ -66,6 +71,11 @@ class LauncherConfig:
     restart loses only the steps after it."""
     collective_timeout_s: float = 300.0
     """Timeout of every collective of the process group, s."""
+    stall_limit_s: float | None = None
+    """Seconds of no progress (no step finished, no collective issued or completed) after
+    which the ranks waiting name the rank(s) that never arrived and end the run
+    (``overlapkit.group.stall_watchdog``). None: 10 x the slowest step (the first excluded), at
+    least 60 s, at most half of ``collective_timeout_s``; 0: off."""
     threads_per_rank: int | None = None
     """torch intra-op threads per worker; None divides this machine's cores among them."""
     local_rank: int | None = None
@@ -90,6 +100,15 @@ class LauncherConfig:
             raise ValueError(
                 "launcher.collective_timeout_s must be a finite number > 0 s, got "
                 f"{self.collective_timeout_s!r}"
+            )
+        if self.stall_limit_s is not None and not (
+            is_finite_number(self.stall_limit_s)
+            and (self.stall_limit_s == 0 or 0 < self.stall_limit_s < self.collective_timeout_s)
+        ):
+            raise ValueError(
+                "launcher.stall_limit_s must be null (chosen from the step time), 0 (off) or a "
+                f"number of seconds below launcher.collective_timeout_s "
+                f"({self.collective_timeout_s:g}), got {self.stall_limit_s!r}"
             )
         if self.node_rank >= self.nnodes:
             raise ValueError(
@@ -176,6 +195,7 @@ def worker_main(
     threads: int,
     collective_timeout_s: float,
     worker_init: Sequence[str] = (),
+    stall_limit_s: float | None = None,
     parent: ParentState | None = None,
 ) -> dict[str, Any] | NoUsableCheckpoint | None:
     """One rank: join the process group, agree on rank 0's run directory, train.
@@ -185,6 +205,7 @@ def worker_main(
     returns rank 0's summary as a dict. When no checkpoint can be resumed from, every rank
     returns the ``NoUsableCheckpoint`` instead of raising it: a failed worker would be restarted
     into the same refusal (``launcher.max_restarts``) and each attempt print its traceback.
+    Unless ``stall_limit_s`` is 0, a ``StallWatchdog`` watches the training steps.
     """
     if parent is not None:
         parent.adopt()
@@ -208,22 +229,32 @@ def worker_main(
     device = resolve_device(job["train"]["device"], local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if stall_limit_s != 0:
+        enable_flight_recorder()  # before the first group: torch reads it once
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         timeout=timedelta(seconds=collective_timeout_s),
     )
+    stall = None
+    if stall_limit_s != 0:
+        stall = StallWatchdog(stall_limit_s, collective_timeout_s=collective_timeout_s).start()
     try:
         # Other nodes run Hydra in a scratch directory; everything goes to node 0's.
         shared = [run_dir, datetime.now().strftime("%Y%m%d-%H%M%S")]
         dist.broadcast_object_list(shared, src=0)
         try:
             summary = train(
-                OmegaConf.create(job), RunPaths(Path(shared[0]), shared[1]), local_rank=local_rank
+                OmegaConf.create(job),
+                RunPaths(Path(shared[0]), shared[1]),
+                local_rank=local_rank,
+                stall=stall,
             )
         except NoUsableCheckpoint as refusal:  # each rank has logged its reasons
             return refusal
         return asdict(summary) if summary is not None else None
     finally:
+        if stall is not None:
+            stall.close()
         # Wrappers left in reference cycles (torch's DDP is one) are freed now, while the group
         # is still registered: freed after it, DDP's reducer destroys the gloo group holding the
         # GIL, which can deadlock with a gloo thread finishing its last work item (torch 2.13).
@@ -334,10 +365,22 @@ def _run_here(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> d
         launcher.threads(),
         float(launcher.collective_timeout_s),
         launcher.worker_init,
+        launcher.stall_limit_s,
     )
     if isinstance(summary, NoUsableCheckpoint):
         raise summary
     return summary if rank == 0 else None
+
+
+_WORKER_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _StallExitFilter(logging.Filter):
+    """Drops torch elastic's traceback of a worker that a stall ended (its own exit, with
+    ``STALL_EXIT_CODE``): the stall's one line says what happened."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(f"failed (exitcode: {STALL_EXIT_CODE})")
 
 
 def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict[str, Any] | None:
@@ -359,6 +402,9 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
     """
     # torch elastic logs its whole launch configuration at INFO; keep the console for training.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    worker_failures = logging.getLogger(_WORKER_FAILURE_LOGGER)
+    if not any(isinstance(f, _StallExitFilter) for f in worker_failures.filters):
+        worker_failures.addFilter(_StallExitFilter())
     run_dir.mkdir(parents=True, exist_ok=True)
     if launcher.local_rank is not None:
         return _run_here(job, run_dir, launcher)
@@ -382,6 +428,7 @@ def launch(job: dict[str, Any], run_dir: Path, launcher: LauncherConfig) -> dict
                 launcher.threads(),
                 float(launcher.collective_timeout_s),
                 launcher.worker_init,
+                launcher.stall_limit_s,
                 ParentState.capture(),
             )
     for result in results.values():

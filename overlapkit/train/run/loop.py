@@ -26,6 +26,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LRScheduler
 
+from overlapkit.group.stall_watchdog import StallWatchdog
+from overlapkit.live.monitor import LiveConfig, LiveMonitor
 from overlapkit.profiling.profiler import Profile
 from overlapkit.topology.model import Topology
 from overlapkit.train.parallel.context_parallel import SequenceSplit, WholeSequences
@@ -39,7 +41,7 @@ from overlapkit.train.run.data import BatchStream, DataSource, check_compatible
 from overlapkit.train.run.progress import Monitor, RunSummary
 from overlapkit.train.run.resume import resume_from_newest_usable
 from overlapkit.train.run.run_summary import RunRecord, gather_dispatch, summarize
-from overlapkit.train.run.step import train_step, wrap_model
+from overlapkit.train.run.step import UNTIMED, train_step, wrap_model
 from overlapkit.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -200,13 +202,17 @@ def _topology(job: DictConfig, world_size: int, rank: int, paths: RunPaths):
     return topology
 
 
-def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | None:
+def train(
+    job: DictConfig, paths: RunPaths, *, local_rank: int, stall: StallWatchdog | None = None
+) -> RunSummary | None:
     """Train as ``job`` (the composed config) says; every rank calls it after joining the group.
 
     Args:
         job (DictConfig): the resolved ``overlapkit-train`` config.
         paths (RunPaths): the run's directories (rank 0's).
         local_rank (int): this rank's index on its node (its CUDA device).
+        stall (StallWatchdog | None): told of every step, and closed after the last; None:
+            no stall limit.
 
     Returns:
         RunSummary | None: the summary on rank 0 (also printed and written to
@@ -242,8 +248,15 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
     )
     profiled = job.get("profiler") is not None and start_step < end_step
     steps = range(start_step + 1, end_step + 1)
+    live = _live_monitor(job)
     checkpoint, seconds = _run_steps(
-        run, monitor, paths, steps, profiler=job.profiler if profiled else None
+        run,
+        monitor,
+        paths,
+        steps,
+        profiler=job.profiler if profiled else None,
+        live=live,
+        stall=stall,
     )
     dist.barrier()  # every rank's traces are written before rank 0 reads them
     dispatch = gather_dispatch(run.par.model, world_size)
@@ -263,6 +276,7 @@ def train(job: DictConfig, paths: RunPaths, *, local_rank: int) -> RunSummary | 
         ep_dispatch=dispatch,
         baseline_items_per_s=cfg.baseline_items_per_s,
         checkpoint=checkpoint,
+        live=None if live is None else live.summary(),
     )
     summary = summarize(
         record,
@@ -402,6 +416,14 @@ def _predict(job: DictConfig, run: _Run) -> Prediction | None:
     return prediction
 
 
+def _live_monitor(job: DictConfig) -> LiveMonitor | None:
+    """The ``live`` group's monitor (every rank); None when ``~live``."""
+    if job.get("live") is None:
+        return None
+    config: LiveConfig = instantiate(job.live)
+    return LiveMonitor(config)
+
+
 def _run_steps(
     run: _Run,
     monitor: Monitor,
@@ -409,9 +431,13 @@ def _run_steps(
     steps: range,
     *,
     profiler: DictConfig | None,
+    live: LiveMonitor | None = None,
+    stall: StallWatchdog | None = None,
 ) -> tuple[Path | None, float]:
-    """Run ``steps``, under ``ok.profile`` when the ``profiler`` group is given, checkpointing
-    every ``train.checkpoint_every`` steps and at the last.
+    """Run ``steps``, under ``ok.profile`` when the ``profiler`` group is given, timed by the
+    ``live`` monitor when there is one, checkpointing every ``train.checkpoint_every`` steps
+    and at the last. ``stall`` is told of each step, paused in checkpoints and trace exports
+    (long, and not steps), and closed after the last step.
 
     Returns:
         tuple: the last checkpoint saved (None if none was) and the seconds from the start to
@@ -421,6 +447,8 @@ def _run_steps(
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.callback(monitor.close)
+        if live is not None:
+            stack.callback(live.stop)
         profile = None
         if profiler is not None:
             profile = stack.enter_context(instantiate(profiler)(logdir=paths.profile))
@@ -428,20 +456,39 @@ def _run_steps(
             lr = run.scheduler.get_last_lr()[0]
             t0 = time.perf_counter()
             loss, grad_norm = train_step(
-                run.par, run.optimizer, run.stream, run.source, cfg, run.device, run.split
+                run.par,
+                run.optimizer,
+                run.stream,
+                run.source,
+                cfg,
+                run.device,
+                run.split,
+                phases=live or UNTIMED,
             )
             run.scheduler.step()
-            monitor.step(
-                step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=time.perf_counter() - t0
-            )
-            if profile is not None:
-                _step_profiler(profile, monitor, step, rank=run.rank)
-            every = cfg.checkpoint_every
-            if every and (step % every == 0 or step == steps[-1]):
-                checkpoint = run.state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
+            step_s = time.perf_counter() - t0
+            if live is not None:
+                monitor.live_step(live.end_step(step), exposed_ms=live.exposed_ms())
+            monitor.step(step, loss=loss, lr=lr, grad_norm=grad_norm, step_s=step_s)
+            if stall is not None:
+                stall.step(step)
+            with _paused(stall):
+                if profile is not None:
+                    _step_profiler(profile, monitor, step, rank=run.rank)
+                every = cfg.checkpoint_every
+                if every and (step % every == 0 or step == steps[-1]):
+                    checkpoint = run.state.save(paths.checkpoints, step, keep=cfg.keep_checkpoints)
+        if stall is not None:
+            stall.close()  # what follows (trace export, summary) is not a step
+        if live is not None:
+            monitor.live_step(live.close(), exposed_ms=None)
         run.par.settle()
         seconds = time.perf_counter() - started
     return checkpoint, seconds
+
+
+def _paused(stall: StallWatchdog | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if stall is None else stall.paused()
 
 
 def _step_profiler(profile: Profile, monitor: Monitor, step: int, *, rank: int) -> None:

@@ -1,11 +1,14 @@
 """What rank 0 shows and records while training: progress bar, TensorBoard scalars, summary.
 
 The progress bar shows the loss (rank 0's micro-batches: reading the others' would add a
-collective to every step), the throughput of the whole job, and, once the profiler has saved a
-cycle, the median exposed communication of that cycle's steps, labelled with them
-(``exposed_comm=7.0ms (median of steps 4-6)``): the steps after the profiled window are not
-measured, so a bare figure beside each of them would pass for theirs. TensorBoard gets one point per
-step under ``train/`` and ``perf/``; ``ok.profile`` writes its ``overlap/`` scalars itself.
+collective to every step), the throughput of the whole job, and the exposed communication: with
+the ``live`` monitor, rank 0's median over its recent steps (a window's: ``exposed_comm=7.0ms
+(live: recent steps)``); without it, once the profiler has saved a cycle, the median of that
+cycle's steps, labelled with them (``(median of steps 4-6)``): the steps after the profiled
+window are not measured, so a bare figure beside each of them would pass for theirs.
+TensorBoard gets one point per step under ``train/`` and ``perf/``, and, every live window,
+``live/`` (per step: the ranks' mean exposed ms, each rank's wait, the named ranks' cost);
+``ok.profile`` writes its ``overlap/`` scalars itself.
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import logging
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+if TYPE_CHECKING:
+    from overlapkit.live.monitor import LiveWindow
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +82,16 @@ class RunSummary:
     measured_step_s: float | None = None
     """The measured step beside it: the median over the steps after the first, the same steps
     as ``median_step_ms``, s."""
+    live: dict | None = None
+    """The ``live`` monitor's record: ``every``, ``gather_ms_per_step`` (rank 0's time in the
+    monitor's gathers per step), ``noise_ms``, ``threshold_ms`` and
+    ``per_rank`` totals (``steps``, ``wall_ms``, ``data_ms``, ``busy_ms``, ``wait_ms``,
+    ``gap_ms``, ``exposed_ms_per_step``); None with ``~live``."""
+    stragglers: list[dict] | None = None
+    """The ranks the live monitor named during the run, costliest first: ``rank``,
+    ``collective``, ``cause``, ``cost_ms`` (per step), ``step`` (onset), ``named_at``,
+    ``last_step`` (None: still slow at the end), ``steps``, ``total_cost_ms``, ``excess_ms``;
+    None with ``~live``."""
 
     def format(self) -> str:
         """Readable lines for the end of the run."""
@@ -108,6 +125,8 @@ class RunSummary:
                 f"{self.profiled_steps} profiled rank-steps (details: overlapkit report "
                 f"{self.profile_dir})"
             )
+        if self.live is not None:
+            lines.append(_live_line(self.live, self.stragglers or []))
         if self.pipeline is not None:
             pipeline = self.pipeline
             stages = pipeline["pp"] * pipeline["virtual_stages"]
@@ -141,6 +160,20 @@ class RunSummary:
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def _live_line(live: dict, stragglers: list[dict]) -> str:
+    exposed = [r["exposed_ms_per_step"] for r in live["per_rank"] if r["steps"]]
+    line = "  live: exposed comm "
+    line += f"{statistics.mean(exposed):.1f} ms/step (mean of ranks)" if exposed else "not measured"
+    if not stragglers:
+        return line + "; no straggler named"
+    worst = stragglers[0]
+    return line + (
+        f"; stragglers: {len(stragglers)}, costliest rank {worst['rank']} ({worst['cause']}, the "
+        f"others waiting in {worst['collective']}) {worst['cost_ms']:.1f} ms/step from step "
+        f"{worst['step']}"
+    )
 
 
 def scaling_efficiency(
@@ -196,6 +229,7 @@ class Monitor:
         self.step_s: list[float] = []
         self.losses: list[float] = []
         self.exposed_comm: str | None = None
+        self._live_exposed: str | None = None
         self._writer = SummaryWriter(str(tb_dir)) if enabled else None
         self._bar = (
             tqdm(total=end_step, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
@@ -225,10 +259,28 @@ class Monitor:
         writer.add_scalar(f"perf/{self.unit}_per_s", items_per_s, step)
         if self._bar is not None:
             postfix = {"loss": f"{loss:.4f}", f"{self.unit}/s": f"{items_per_s:,.0f}"}
-            if self.exposed_comm is not None:
-                postfix["exposed_comm"] = self.exposed_comm
+            exposed = self._live_exposed or self.exposed_comm
+            if exposed is not None:
+                postfix["exposed_comm"] = exposed
             self._bar.set_postfix(postfix, refresh=False)
             self._bar.update(1)
+
+    def live_step(self, window: LiveWindow | None, *, exposed_ms: float | None) -> None:
+        """The live monitor's view after a step: rank 0's recent exposed comm (ms, for the bar)
+        and, after a gather, the window's ``live/`` scalars."""
+        if not self.enabled:
+            return
+        if exposed_ms is not None:
+            self._live_exposed = f"{exposed_ms:.1f}ms (live: recent steps)"
+        if window is None:
+            return
+        cost = sum(s.cost_ms for s in window.named.values())
+        for k, step in enumerate(window.steps.tolist()):
+            waits = window.wait_ms[:, k]
+            self._writer.add_scalar("live/exposed_ms", float(waits.mean()), step)
+            for rank, wait in enumerate(waits.tolist()):
+                self._writer.add_scalar(f"live/wait_ms/rank{rank}", wait, step)
+            self._writer.add_scalar("live/straggler_cost_ms", cost, step)
 
     def set_exposed_comm(self, exposed_ms: float, steps: range) -> None:
         """The median exposed comm (ms) of the profiled ``steps``, shown from now on as theirs."""

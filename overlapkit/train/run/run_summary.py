@@ -49,6 +49,8 @@ class RunRecord:
     baseline_items_per_s: float | None
     checkpoint: Path | None
     """The last checkpoint saved in this invocation; None if none was."""
+    live: dict | None = None
+    """``ok.LiveMonitor.summary()`` of the run (rank 0); None with ``~live``."""
 
 
 def gather_dispatch(model: nn.Module, world_size: int) -> list[dict] | None:
@@ -149,6 +151,9 @@ def summarize(
         tensorboard_dir=str(tensorboard_dir),
         checkpoint=str(record.checkpoint) if record.checkpoint else None,
     )
+    if record.live is not None:
+        summary.live = {k: v for k, v in record.live.items() if k != "stragglers"}
+        summary.stragglers = record.live["stragglers"]
     if prediction is not None:
         summary.planned_layout = prediction.record()
         summary.predicted_step_s = prediction.step_s

@@ -38,6 +38,22 @@ from overlapkit.train.parallel.wrappers import (
 from overlapkit.train.run.data import BatchStream, DataSource
 
 
+class Phases(Protocol):
+    """Times the step's phases (``ok.LiveMonitor`` offers it): ``data``, ``forward``,
+    ``backward``, ``sync`` (the wrapper's end of backward), ``optimizer``."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]: ...
+
+
+class _Untimed:
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+UNTIMED: Phases = _Untimed()
+"""Phases that time nothing (a step without a live monitor)."""
+
+
 class StepConfig(Protocol):
     """What a step reads of the ``train`` group (``loop.TrainConfig`` offers it)."""
 
@@ -131,30 +147,48 @@ def train_step(
     cfg: StepConfig,
     device: torch.device,
     split: WholeSequences | SequenceSplit = WHOLE_SEQUENCES,
+    phases: Phases = UNTIMED,
 ) -> tuple[float, float | None]:
     """One optimizer step of overlapkit-train; returns (mean micro-batch loss, gradient norm
     before clipping).
 
     ``split`` gives each micro-batch's model inputs and targets (this rank's chunks under
-    context parallelism) and averages the loss over the ranks that split the sequences."""
-    optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
+    context parallelism) and averages the loss over the ranks that split the sequences;
+    ``phases`` times the step's phases (a pipeline schedule's micro-batches are one
+    ``forward`` phase, forward and backward together)."""
+    with phases.phase("optimizer"):
+        optimizer.zero_grad(set_to_none=par.zero_grad_to_none)
     if par.forward_backward is not None:  # a pipeline schedule runs the micro-batches
-        batches = [tuple(t.to(device) for t in stream.next()) for _ in range(cfg.grad_accum)]
-        loss_sum = par.forward_backward(batches)
+        with phases.phase("data"):
+            batches = [tuple(t.to(device) for t in stream.next()) for _ in range(cfg.grad_accum)]
+        with phases.phase("forward"):
+            loss_sum = par.forward_backward(batches)
     else:
         loss_sum = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
-            inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
+            with phases.phase("data"):
+                inputs, targets = (t.to(device, non_blocking=True) for t in stream.next())
             last = micro == cfg.grad_accum - 1
             with (
                 contextlib.nullcontext() if last else par.no_sync(),
                 split.shard(inputs, targets) as (model_inputs, targets),
             ):
-                loss = source.loss(par.model(*model_inputs), targets) / cfg.grad_accum
-                loss.backward()
+                with phases.phase("forward"):
+                    loss = source.loss(par.model(*model_inputs), targets) / cfg.grad_accum
+                with phases.phase("backward"):
+                    loss.backward()
             loss_sum += loss.detach()
-        loss_sum = split.average_loss(loss_sum)
-    par.finish_backward()
+        with phases.phase("sync"):  # under cp, an all-reduce
+            loss_sum = split.average_loss(loss_sum)
+    with phases.phase("sync"):
+        par.finish_backward()
+    with phases.phase("optimizer"):
+        return _optimizer_step(par, optimizer, cfg, loss_sum)
+
+
+def _optimizer_step(
+    par: Parallelized, optimizer: torch.optim.Optimizer, cfg: StepConfig, loss_sum: torch.Tensor
+) -> tuple[float, float | None]:
     if par.optimizer is not None:  # the wrapper clips and applies the optimizer per bucket
         # Reading the norm waits for every bucket's all-reduce (not for the updates).
         return loss_sum.item(), par.grad_norm()

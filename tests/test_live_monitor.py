@@ -1,0 +1,135 @@
+"""The live monitor (``overlapkit.live``) on real steps: one 2-rank gloo launch runs
+overlapkit-train's own step (``train_step``, ok.ddp on the trainer's MLP) under ``ok.LiveMonitor``
+while the test fault hook (``bench.harness.slow_rank``, torch's global hooks: from outside the
+loop) slows rank 1 by a sleep (a host gap), then rank 0's data loading, then rank 1's compute,
+each for 15 steps (100 ms: several times the noise the monitor measures), with clean steps
+between; it checks the naming, the cause, the onset and the recovery of each, and that nothing
+else is named (no false positive over the clean steps). Plus the rule on an asymmetric layout
+and the config's refusals, without a process group.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from overlapkit.live import LiveConfig, StragglerRule
+from overlapkit.live.steps import BUSY, FIELDS, STEP, WAIT, WAIT_KINDS, WALL
+from tests.multiproc import run_on_ranks
+from tests.train_steps import TRAIN_SMALL
+
+EVERY = 5
+STEPS = 110
+DELAY_MS = 100.0
+SLOWED = [  # (rank, mode, first step, last step, the cause the monitor should name)
+    (1, "sleep", 21, 35, "host_gap"),
+    (0, "data", 51, 65, "data_loading"),
+    (1, "compute", 81, 95, "compute"),
+]
+JITTER_MULTIPLE = 3.0
+"""The delay is at least this many times the per-step noise the monitor measured itself."""
+
+
+def _slowed_steps(rank: int, world_size: int, spec: str) -> dict | None:
+    import torch
+
+    from bench.harness.slow_rank import SLOW_ENV, install_slow_from_env
+    from overlapkit.live import LiveMonitor
+    from overlapkit.train.run.step import train_step
+    from tests.train_steps import build_step
+
+    os.environ[SLOW_ENV] = spec
+    install_slow_from_env(rank)
+    built = build_step(rank, *TRAIN_SMALL, "train.grad_accum=1", f"train.steps={STEPS}")
+    live = LiveMonitor(LiveConfig(every=EVERY))
+    exposed = []
+    for step in range(1, STEPS + 1):
+        train_step(
+            built["par"],
+            built["optimizer"],
+            built["stream"],
+            built["source"],
+            built["train_cfg"],
+            torch.device("cpu"),
+            phases=live,
+        )
+        live.end_step(step)
+        exposed.append(live.exposed_ms(1))
+    live.close()
+    return {"summary": live.summary(), "exposed": exposed} if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def slowed_run():
+    spec = ",".join(f"{r}:{DELAY_MS:g}:{m}:{a}:{b}" for r, m, a, b, _ in SLOWED)
+    return run_on_ranks(_slowed_steps, 2, spec, total_timeout_s=240)[0]
+
+
+def test_each_slowed_rank_is_named_with_cause_onset_cost_and_recovery_and_nothing_else(
+    slowed_run,
+):
+    live = slowed_run["summary"]
+    named = live["stragglers"]
+    print(f"noise {live['noise_ms']:.2f} ms/step, threshold {live['threshold_ms']:.2f}", named)
+    assert JITTER_MULTIPLE * live["noise_ms"] <= DELAY_MS, live
+    # Zero false positives: only the three slow spells are named, each once.
+    assert len(named) == len(SLOWED), named
+    by_onset = sorted(named, key=lambda s: s["step"])
+    for s, (rank, _, first, last, cause) in zip(by_onset, SLOWED, strict=True):
+        assert (s["rank"], s["cause"], s["collective"]) == (rank, cause, "all_reduce"), s
+        # The change point: the first slow step (a noisy step just before it can pass for it).
+        assert first - 1 <= s["step"] <= first + 2, s
+        assert s["named_at"] <= first + 3 * EVERY, s  # within a few windows
+        # Recovered within two windows (below the threshold for two windows in a row).
+        assert s["last_step"] is not None and last - EVERY <= s["last_step"] <= last + 2 * EVERY, s
+        # The others waited about the delay per step, for it.
+        assert 0.5 * DELAY_MS <= s["cost_ms"] <= 1.5 * DELAY_MS, s
+    assert [r["steps"] for r in live["per_rank"]] == [STEPS, STEPS]
+
+
+def test_rank_0s_exposed_comm_is_its_wait_for_the_slowed_rank_every_step(slowed_run):
+    # Rank 0 waits for rank 1's sleep (steps 21-35) at the all-reduce; not in clean steps.
+    exposed = np.array(slowed_run["exposed"])
+    slow, clean = exposed[20:35], exposed[5:20]
+    assert np.median(slow) >= np.median(clean) + 0.5 * DELAY_MS, (slow, clean)
+
+
+def _window(start: int, offsets: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Four ranks of a pipeline-like layout: each waits ``offsets`` more than rank 0 by
+    structure, plus 1 ms of noise; nobody is slow."""
+    rows = np.zeros((4, EVERY, len(FIELDS)))
+    rows[..., STEP] = np.arange(start, start + EVERY)
+    rows[..., BUSY] = 20.0 + rng.normal(0.0, 1.0, (4, EVERY))
+    rows[..., WAIT] = 5.0 + offsets[:, None] + rng.normal(0.0, 1.0, (4, EVERY)).clip(-4, None)
+    rows[..., WAIT_KINDS.start] = rows[..., WAIT]
+    rows[..., WALL] = rows[..., BUSY] + rows[..., WAIT]
+    return rows
+
+
+def test_an_asymmetric_layout_is_its_own_baseline_and_a_later_delay_is_named():
+    rng = np.random.default_rng(0)
+    offsets = np.array([0.0, 12.0, 3.0, 25.0])  # stages that wait differently by design
+    rule = StragglerRule()
+    for start in range(1, 200, EVERY):
+        assert rule.observe(_window(start, offsets, rng)) == [], start
+    late = offsets.copy()
+    late[[0, 1, 3]] += 15.0  # rank 2 arrives 15 ms late: the others wait that much more
+    named = [s for start in range(200, 230, EVERY) for s in rule.observe(_window(start, late, rng))]
+    assert [(s.rank, s.step) for s in named] == [(2, 200)]
+    assert named[0].cost_ms == pytest.approx(15.0, abs=2.0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("every", 1, "live.every must be >= 2"),
+        ("capacity", 4, r"live.capacity \(4\) must be >= live.every \(10\)"),
+        ("noise_factor", 0.0, "live.noise_factor must be > 0"),
+        ("floor_ms", -1.0, "live.floor_ms must be >= 0 ms"),
+    ],
+)
+def test_bad_live_settings_are_refused_by_name(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        LiveConfig(**{key: value})
