@@ -4,8 +4,12 @@ while the test fault hook (``bench.harness.slow_rank``, torch's global hooks: fr
 loop) slows rank 1 by a sleep (a host gap), then rank 0's data loading, then rank 1's compute,
 each for 15 steps (100 ms: several times the noise the monitor measures), with clean steps
 between; it checks the naming, the cause, the onset and the recovery of each, and that nothing
-else is named (no false positive over the clean steps). Plus the rule on an asymmetric layout
-and the config's refusals, without a process group.
+else is named (no false positive over the clean steps). The same launch then runs
+overlapkit-train's tp (``parallel=tp_dp``, ``tp_comm=sync``: functional collectives, waited in
+``wait_tensor`` inside ``comm_wait``) with rank 1 late to each step, and a ``Work.wait`` inside a
+``comm_wait`` block (chunked ep's form): both are counted, under their kind, once. Plus the rule
+on an asymmetric layout, the device path's queue (on CPU, with stand-in events) and the config's
+refusals, without a process group.
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ from tests.train_steps import TRAIN_SMALL
 EVERY = 5
 STEPS = 110
 DELAY_MS = 100.0
+TP_STEPS, TP_LATE_MS = 4, 40.0
+"""The tp run: rank 1 arrives this late to each of its steps."""
+TP_SMALL = [
+    "parallel=tp_dp",
+    "model.config.n_layer=1",
+    "model.config.n_embd=32",
+    "model.config.block_size=16",
+    "train.batch_size=2",
+    f"train.steps={TP_STEPS}",
+]
 SLOWED = [  # (rank, mode, first step, last step, the cause the monitor should name)
     (1, "sleep", 21, 35, "host_gap"),
     (0, "data", 51, 65, "data_loading"),
@@ -58,7 +72,74 @@ def _slowed_steps(rank: int, world_size: int, spec: str) -> dict | None:
         live.end_step(step)
         exposed.append(live.exposed_ms(1))
     live.close()
-    return {"summary": live.summary(), "exposed": exposed} if rank == 0 else None
+    # The slow spells are over (last step 95); the tp run's lateness is its own.
+    tp, nested = _tp_waits(rank), _nested_wait(rank)
+    if rank != 0:
+        return None
+    return {"summary": live.summary(), "exposed": exposed, "tp": tp, "nested": nested}
+
+
+def _waits_by_kind(live) -> dict[str, float]:
+    """The monitor's closed steps' waits per kind, ms in all."""
+    from overlapkit.live.waits import KINDS
+
+    rows = live.clock.last(live.clock.closed)
+    return dict(zip(KINDS, rows[:, WAIT_KINDS].sum(axis=0).tolist(), strict=True))
+
+
+def _tp_waits(rank: int) -> dict[str, float]:
+    """overlapkit-train's tp=2 (sync) steps under a monitor, rank 1 late to each step."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from overlapkit.live import LiveMonitor
+    from overlapkit.train.run.step import train_step
+    from tests.train_steps import build_step
+
+    built = build_step(rank, *TP_SMALL, topology="cpu-gloo")
+    live = LiveMonitor(LiveConfig(every=TP_STEPS))
+    for step in range(1, TP_STEPS + 1):
+        dist.barrier()
+        if rank == 1:
+            time.sleep(TP_LATE_MS / 1e3)  # outside the phases: rank 0 waits in its first tp wait
+        train_step(
+            built["par"],
+            built["optimizer"],
+            built["stream"],
+            built["source"],
+            built["train_cfg"],
+            torch.device("cpu"),
+            phases=live,
+        )
+        live.end_step(step)
+    live.close()
+    return _waits_by_kind(live)
+
+
+def _nested_wait(rank: int) -> dict[str, float]:
+    """One all-to-all waited as chunked ep waits (``Work.wait`` in ``comm_wait``), rank 1 late."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from overlapkit.group.dim_labels import comm_wait
+    from overlapkit.live import LiveMonitor
+
+    live = LiveMonitor(LiveConfig(every=2))
+    dist.barrier()
+    with live.phase("forward"):
+        if rank == 1:
+            time.sleep(TP_LATE_MS / 1e3)
+        out = torch.empty(2)
+        work = dist.all_to_all_single(out, torch.ones(2), async_op=True)
+        with comm_wait("all_to_all"):
+            work.wait()
+    live.end_step(1)
+    live.stop()
+    return _waits_by_kind(live)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +175,22 @@ def test_rank_0s_exposed_comm_is_its_wait_for_the_slowed_rank_every_step(slowed_
     exposed = np.array(slowed_run["exposed"])
     slow, clean = exposed[20:35], exposed[5:20]
     assert np.median(slow) >= np.median(clean) + 0.5 * DELAY_MS, (slow, clean)
+
+
+def test_tp_waits_in_wait_tensor_are_seen_under_their_kind(slowed_run):
+    tp = slowed_run["tp"]
+    print("tp waits (ms)", {k: round(v, 1) for k, v in tp.items()})
+    # Without comm_wait in the tp collectives these would be 0: wait_tensor is a C++ op.
+    assert tp["all_gather"] > 0 and tp["reduce_scatter"] > 0, tp
+    # Rank 0 waits for late rank 1 in tp's collectives, about the lateness per step.
+    in_tp = tp["all_gather"] + tp["reduce_scatter"]
+    assert 0.5 * TP_LATE_MS * TP_STEPS <= in_tp <= 1.5 * TP_LATE_MS * TP_STEPS + 50.0, tp
+
+
+def test_a_work_wait_inside_comm_wait_counts_once(slowed_run):
+    nested = slowed_run["nested"]
+    assert 0.5 * TP_LATE_MS <= nested["all_to_all"] <= 1.5 * TP_LATE_MS, nested
+    assert sum(nested.values()) == nested["all_to_all"], nested
 
 
 def _window(start: int, offsets: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -109,14 +109,19 @@ class LiveMonitor:
         config (LiveConfig | None): settings. Defaults to ``LiveConfig()``.
         group (ProcessGroup | None): the ranks watched (all of them call ``end_step``).
             Defaults to the default group.
+        device (torch.device | None): where the collectives run, which chooses how waits are
+            timed (CUDA: on the device, by events). Defaults to the current CUDA device when the
+            group's backend is NCCL, else the CPU.
     """
 
-    def __init__(self, config: LiveConfig | None = None, *, group: Any = None) -> None:
+    def __init__(
+        self, config: LiveConfig | None = None, *, group: Any = None, device: Any = None
+    ) -> None:
         self.config = config or LiveConfig()
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.timer = WaitTimer()
+        self.timer = WaitTimer(device if device is not None else _collective_device(group))
         self.timer.install()
         self.clock = StepClock(self.timer, self.config.capacity)
         self.rule = StragglerRule(
@@ -151,7 +156,8 @@ class LiveMonitor:
 
     def exposed_ms(self, steps: int | None = None) -> float | None:
         """This rank's median collective wait over its newest ``steps`` steps (default: a window),
-        ms per step; None before the first step."""
+        ms per step; None before the first step (device waits: those done by now)."""
+        self.clock.settle_device_waits(self.clock.closed - self._pending)
         rows = self.clock.last(steps or self.config.every)
         return float(np.median(rows[:, WAIT])) if len(rows) else None
 
@@ -175,6 +181,7 @@ class LiveMonitor:
 
     def _gather_window(self) -> LiveWindow | None:
         every = self.config.every
+        self.clock.settle_device_waits(self.clock.closed - self._pending)
         mine = torch.full((every, len(FIELDS)), float("nan"), dtype=torch.float64)
         mine[: self._pending] = torch.from_numpy(self.clock.last(self._pending))
         self._pending = 0
@@ -228,6 +235,12 @@ class LiveMonitor:
             "per_rank": per_rank,
             "stragglers": [s.to_dict() for s in self.rule.stragglers()],
         }
+
+
+def _collective_device(group: Any) -> torch.device:
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _log_change(straggler: LiveStraggler) -> None:
