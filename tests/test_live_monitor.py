@@ -21,6 +21,7 @@ import pytest
 
 from overlapkit.live import LiveConfig, StragglerRule
 from overlapkit.live.steps import BUSY, FIELDS, STEP, WAIT, WAIT_KINDS, WALL
+from tests.cuda import NCCL_ONE_HOST_ENV, requires_cuda
 from tests.multiproc import run_on_ranks
 from tests.train_steps import TRAIN_SMALL
 
@@ -216,6 +217,146 @@ def test_an_asymmetric_layout_is_its_own_baseline_and_a_later_delay_is_named():
     named = [s for start in range(200, 230, EVERY) for s in rule.observe(_window(start, late, rng))]
     assert [(s.rank, s.step) for s in named] == [(2, 200)]
     assert named[0].cost_ms == pytest.approx(15.0, abs=2.0)
+
+
+class _StandInEvent:
+    """A CUDA timing event on the CPU: recorded at ``now`` ms, done once ``done_until`` has
+    passed it (what the device path reads of an event: ``record``, ``query``, ``elapsed_time``)."""
+
+    now = 0.0
+    done_until = float("-inf")
+    created = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        type(self).created += 1
+        self.at = float("nan")
+
+    def record(self) -> None:
+        self.at = type(self).now
+
+    def query(self) -> bool:
+        return self.at <= type(self).done_until
+
+    def elapsed_time(self, end: _StandInEvent) -> float:
+        assert self.query() and end.query(), "read before done: a real one would raise"
+        return end.at - self.at
+
+
+def _stream_wait(kind: str, stall_ms: float, nested: bool = False) -> None:
+    """A ``comm_wait`` whose stream-wait stalls the (stand-in) stream ``stall_ms``."""
+    from overlapkit.group.dim_labels import comm_wait
+
+    with comm_wait(kind):
+        if nested:  # a Work.wait inside chunked ep's comm_wait: the outer block counts
+            with comm_wait("other"):
+                pass
+        _StandInEvent.now += stall_ms
+
+
+def test_the_device_path_reads_done_pairs_into_their_steps_and_carries_the_rest(monkeypatch):
+    """The CUDA path's bookkeeping, dry-run on the CPU with stand-in events (the device itself
+    is checked by the cuda test below)."""
+    import torch
+
+    from overlapkit.live.device_waits import DeviceWaits
+    from overlapkit.live.steps import StepClock
+    from overlapkit.live.waits import KINDS, WaitTimer
+
+    monkeypatch.setattr(torch.cuda, "Event", _StandInEvent)
+    monkeypatch.setattr(_StandInEvent, "now", 0.0)
+    monkeypatch.setattr(_StandInEvent, "done_until", float("-inf"))
+    monkeypatch.setattr(_StandInEvent, "created", 0)
+    timer = WaitTimer(torch.device("cuda"))
+    timer.install()
+    try:
+        clock = StepClock(timer, 4)
+        with clock.phase("forward"):
+            _stream_wait("all_gather", 5.0, nested=True)  # step index 0: t 0 -> 5
+        clock.close_step(1)
+        _StandInEvent.now = 10.0
+        with clock.phase("backward"):
+            _stream_wait("reduce_scatter", 7.0)  # step index 1: t 10 -> 17
+        clock.close_step(2)
+        assert clock.last(2)[:, WAIT].tolist() == [0.0, 0.0]  # nothing read yet
+        _StandInEvent.done_until = 6.0  # the device has passed the first pair only
+        clock.settle_device_waits(since=0)
+        first, second = clock.last(2)
+        assert first[WAIT] == 5.0 and first[WAIT_KINDS.start + KINDS.index("all_gather")] == 5.0
+        assert second[WAIT] == 0.0 and len(timer.device_waits.pending) == 1  # carried forward
+        _StandInEvent.done_until = float("inf")
+        clock.settle_device_waits(since=2)  # both steps gathered already: late, not lost
+        third = clock.close_step(3)
+        assert third[WAIT] == 7.0 and third[WAIT_KINDS.start + KINDS.index("reduce_scatter")] == 7
+        assert _StandInEvent.created == 4  # two pairs; the nested wait recorded none
+        with clock.phase("forward"):
+            _stream_wait("all_reduce", 1.0)
+        assert _StandInEvent.created == 4  # read events are recorded again
+    finally:
+        timer.uninstall()
+    bounded = DeviceWaits(capacity=2)
+    for _ in range(3):
+        bounded.end(bounded.begin(0), 0)
+    assert len(bounded.pending) == 2 and bounded.dropped == 1
+
+
+CUDA_LATE_MS = 200.0
+
+
+def _cuda_stream_wait(rank: int, world_size: int) -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from overlapkit.live import LiveMonitor
+    from overlapkit.live.waits import KINDS
+    from tests.cuda import nccl_rank_device
+
+    device = nccl_rank_device(rank, world_size)
+    live = LiveMonitor(LiveConfig(every=10), device=device)  # windows over its gloo group
+    x = torch.ones(1 << 20, device=device)
+    dist.all_reduce(x)  # NCCL's communicator set up, outside the timed step
+    torch.cuda.synchronize()
+    dist.barrier(group=live.gather_group)
+    if rank == 1:
+        time.sleep(CUDA_LATE_MS / 1e3)  # rank 0's all-reduce waits for this one on the GPU
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in here raises
+    try:
+        start = time.perf_counter()
+        with live.phase("backward"):
+            dist.all_reduce(x, async_op=True).wait()
+            x.mul_(0.5)
+        host_ms = (time.perf_counter() - start) * 1e3
+        live.end_step(1)
+        live.exposed_ms(1)  # reads what is done by now, without waiting
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    wait_ms = live.exposed_ms(1)
+    by_kind = dict(zip(KINDS, live.clock.last(1)[0, WAIT_KINDS].tolist(), strict=True))
+    live.close()
+    return {"host_ms": host_ms, "wait_ms": wait_ms, "by_kind": by_kind}
+
+
+@requires_cuda
+@pytest.mark.timeout(300)
+def test_on_cuda_the_stream_wait_is_timed_on_the_device_without_a_host_sync():
+    first, second = run_on_ranks(
+        _cuda_stream_wait,
+        2,
+        collective_timeout_s=60,
+        total_timeout_s=240,
+        env=NCCL_ONE_HOST_ENV,
+        backend="nccl",
+    )
+    print(first, second)
+    # Rank 0's host went on (the wait only made its stream wait); its stream stood still
+    # until late rank 1 joined the all-reduce, and that stall is what the monitor counts.
+    assert first["host_ms"] < 0.5 * CUDA_LATE_MS, first
+    assert 0.5 * CUDA_LATE_MS <= first["wait_ms"] <= 2.0 * CUDA_LATE_MS, first
+    assert first["by_kind"]["all_reduce"] == first["wait_ms"], first
+    assert second["wait_ms"] < 0.5 * CUDA_LATE_MS, second
 
 
 @pytest.mark.parametrize(
