@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "other")
-"""The kinds of collective a wait is on, as the trace report names them."""
+"""The kinds of collective a wait is on; the trace report's ``COLLECTIVE_KINDS`` too."""
 
 
 class WaitObserver(Protocol):
