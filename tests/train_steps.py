@@ -30,13 +30,15 @@ def compose_config(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-def build_step(rank: int, *overrides: str) -> dict:
+def build_step(rank: int, *overrides: str, topology: str | None = None) -> dict:
     """What ``train_step`` takes, built from the config ``overrides`` on this rank: ``par``,
     ``optimizer``, ``scheduler``, ``stream``, ``source``, ``train_cfg``, the ``initial``
-    parameters."""
+    parameters. With a ``topology`` (an ``ok.load_topology`` name) ``parallel.plan``'s layout
+    is built on it (tp, ep); without one the wrapper runs over the whole world."""
     from hydra.utils import instantiate
 
-    from overlapkit.train.parallel.mesh import split_parallel
+    import overlapkit as ok
+    from overlapkit.train.parallel.mesh import build_layout, split_parallel
     from overlapkit.train.parallel.wrappers import apply_parallel, check_run_optimizer
     from overlapkit.train.run.data import BatchStream
 
@@ -49,9 +51,13 @@ def build_step(rank: int, *overrides: str) -> dict:
     plan, factory = split_parallel(cfg.parallel)
     check_run_optimizer(factory, plan=plan)
     make_optimizer = instantiate(cfg.optim.optimizer)
+    layout = None
+    if topology is not None:
+        layout = build_layout(plan, ok.load_topology(topology), torch.device("cpu"))
     par = apply_parallel(
         model,
         instantiate(factory),
+        layout,
         make_optimizer=make_optimizer,
         clip_grad_norm=train_cfg.clip_grad_norm,
     )

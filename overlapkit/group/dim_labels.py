@@ -11,8 +11,10 @@ enqueue op. ``overlapkit report`` reads the ranges back (``dim_of_label``) and a
 collective to a dimension (the report's per-step ``dims``).
 
 A thread that blocks on a collective's ``wait()`` inside an operator's range (an autograd
-node's backward that waits for its exchange) would look busy to the report; ``comm_wait()``
-marks the wait (``overlapkit.wait``), and the report does not count it as compute.
+node's backward that waits for its exchange) would look busy to the report; ``comm_wait(kind)``
+marks the wait (``overlapkit.wait``), and the report does not count it as compute. The same
+block tells the live monitor (``wait_hooks``' observer) how long the thread, or on CUDA the
+stream, waited: every wait overlapkit issues itself is marked so.
 
 Outside a profiled region a range costs one ``record_function`` enter and exit (about a
 microsecond on the host), so it is left on in every run.
@@ -27,6 +29,8 @@ import contextlib
 from collections.abc import Iterator
 
 from torch.profiler import record_function
+
+from overlapkit.group import wait_hooks
 
 COMM_DIMS = ("tp", "cp", "ep", "pp", "dp", "other")
 """The keys of the report's ``dims``: a layout's dimensions, and ``other`` for the rest."""
@@ -61,10 +65,22 @@ def comm_dim(dim: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def comm_wait() -> Iterator[None]:
-    """Mark a thread's wait for a collective (``work.wait()`` inside), which is not compute."""
-    with record_function(WAIT_LABEL):
-        yield
+def comm_wait(kind: str) -> Iterator[None]:
+    """Mark a thread's wait for a collective of ``kind`` (``work.wait()`` or ``wait_tensor``
+    inside), which is not compute; the observer of ``wait_hooks`` times it.
+
+    Raises:
+        ValueError: ``kind`` is not one of ``wait_hooks.KINDS``.
+    """
+    index = wait_hooks.kind_index(kind)
+    observer = wait_hooks.observer()
+    token = observer.begin(index) if observer is not None else None
+    try:
+        with record_function(WAIT_LABEL):
+            yield
+    finally:
+        if observer is not None:
+            observer.end(token)
 
 
 def dim_of_label(name: str) -> str | None:

@@ -23,7 +23,7 @@ the process group's own stream and ``wait()`` makes the compute stream wait on t
 host sync); on gloo they run on the group's worker threads. ``chunks=1`` is the synchronous
 dispatch (issue, then wait at once), by the same code.
 
-Every exchange is issued inside ``comm_dim("ep")`` and waited inside ``comm_wait()``, so
+Every exchange is issued inside ``comm_dim("ep")`` and waited inside ``comm_wait("all_to_all")``, so
 ``overlapkit report`` attributes it to ``ep`` on any backend and does not count the waits as
 compute.
 """
@@ -98,7 +98,8 @@ class _Link:
         assert self.pending is not None, "an exchange is waited for once, after it started"
         work, out = self.pending
         self.pending = None
-        with comm_wait():  # not compute, even inside an autograd node (the report)
+        # Not compute, even inside an autograd node (the report); timed by the live monitor.
+        with comm_wait("all_to_all"):
             work.wait()
         return out
 

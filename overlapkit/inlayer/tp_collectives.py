@@ -16,7 +16,8 @@ after the compute stream by a CUDA event at issue, and ``wait_tensor`` makes the
 wait on the work's end event (no host sync). ``shift`` is an ``all_to_all_single`` whose only
 non-empty split is the neighbour's (the functional ops have no send/recv): one point-to-point
 transfer each way. Every exchange is issued inside ``comm_dim("tp")`` so ``overlapkit report``
-attributes it to ``tp``.
+attributes it to ``tp``, and waited for inside ``comm_wait(kind)`` so the live monitor counts
+the wait (``wait_tensor`` is a C++ op no Python wrap sees).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from overlapkit.group.dim_labels import comm_dim
+from overlapkit.group.dim_labels import comm_dim, comm_wait
 
 SEQ_DIM = 1
 """The sequence dimension of the activations the tp collectives move."""
@@ -45,10 +46,14 @@ class Pending:
     and returns its result in the caller's layout."""
 
     raw: torch.Tensor
+    kind: str
+    """The collective's kind (``wait_hooks.KINDS``), what the live monitor counts the wait as."""
     finish: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     def wait(self) -> torch.Tensor:
-        return self.finish(_functional.wait_tensor(self.raw))
+        with comm_wait(self.kind):
+            done = _functional.wait_tensor(self.raw)
+        return self.finish(done)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +82,9 @@ class TpGroup:
         batch = shard.shape[0]
         # Gathered along dim 0 as (tp·B, T/tp, ...): put each rank's tokens back in sequence.
         return Pending(
-            raw, lambda t: t.unflatten(0, (self.size, batch)).movedim(0, 1).flatten(1, 2)
+            raw,
+            "all_gather",
+            lambda t: t.unflatten(0, (self.size, batch)).movedim(0, 1).flatten(1, 2),
         )
 
     def reduce_scatter(self, partial: torch.Tensor) -> Pending:
@@ -88,7 +95,7 @@ class TpGroup:
             raw = _functional.reduce_scatter_tensor(
                 by_rank.contiguous().flatten(0, 1), "sum", self.size, self.name
             )
-        return Pending(raw)
+        return Pending(raw, "reduce_scatter")
 
     def shift(self, tensor: torch.Tensor) -> Pending:
         """Start sending ``tensor`` to rank ``r+1`` and receiving one of its shape from ``r-1``
@@ -99,10 +106,11 @@ class TpGroup:
         with comm_dim("tp"):
             raw = _functional.all_to_all_single(tensor.reshape(-1), recv, send, self.name)
         shape = tensor.shape
-        return Pending(raw, lambda t: t.view(shape))
+        # An all-to-all to torch and to the trace report, whatever its splits.
+        return Pending(raw, "all_to_all", lambda t: t.view(shape))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum of ``tensor`` over the group (waited for)."""
         with comm_dim("tp"):
             raw = _functional.all_reduce(tensor, "sum", self.name)
-        return Pending(raw).wait()
+        return Pending(raw, "all_reduce").wait()

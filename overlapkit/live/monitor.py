@@ -5,7 +5,9 @@ collectives); every ``every`` steps one fixed-size ``gather`` (``every x len(FIE
 float64 per rank) brings the window to rank 0, which applies the ``StragglerRule``, logs one
 warning line when it names a rank (and one when the rank recovers), and keeps per-rank totals.
 Memory is bounded: the ring of ``capacity`` steps, one window, the rule's few windows and at
-most ``HISTORY`` stragglers.
+most ``HISTORY`` stragglers. On CUDA the waits are timed on the device (``waits``) and the
+windows gathered over a gloo group of the same ranks, CPU tensors: the monitor never syncs the
+host with the device.
 
 Example::
 
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from overlapkit.group.process_group import backend_device_type, backend_of, inherit_timeout
 from overlapkit.live.detect import LiveStraggler, StragglerRule
 from overlapkit.live.steps import (
     BUSY,
@@ -109,14 +112,24 @@ class LiveMonitor:
         config (LiveConfig | None): settings. Defaults to ``LiveConfig()``.
         group (ProcessGroup | None): the ranks watched (all of them call ``end_step``).
             Defaults to the default group.
+        device (torch.device | None): where the collectives run, which chooses how waits are
+            timed (CUDA: on the device, by events). Defaults to the current CUDA device when the
+            default group communicates on CUDA (``backend_device_type``), else the CPU.
+
+    On a backend without CPU tensors (NCCL) every rank of the default group constructs one: it
+    creates the gloo group its windows are gathered over.
     """
 
-    def __init__(self, config: LiveConfig | None = None, *, group: Any = None) -> None:
+    def __init__(
+        self, config: LiveConfig | None = None, *, group: Any = None, device: Any = None
+    ) -> None:
         self.config = config or LiveConfig()
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.timer = WaitTimer()
+        self.timer = WaitTimer(device if device is not None else _collective_device())
+        self.gather_group = _window_group(group)
+        """The group the windows go to rank 0 over: ``group``, or gloo's on its ranks."""
         self.timer.install()
         self.clock = StepClock(self.timer, self.config.capacity)
         self.rule = StragglerRule(
@@ -151,7 +164,8 @@ class LiveMonitor:
 
     def exposed_ms(self, steps: int | None = None) -> float | None:
         """This rank's median collective wait over its newest ``steps`` steps (default: a window),
-        ms per step; None before the first step."""
+        ms per step; None before the first step (device waits: those done by now)."""
+        self.clock.settle_device_waits(self.clock.closed - self._pending)
         rows = self.clock.last(steps or self.config.every)
         return float(np.median(rows[:, WAIT])) if len(rows) else None
 
@@ -175,13 +189,14 @@ class LiveMonitor:
 
     def _gather_window(self) -> LiveWindow | None:
         every = self.config.every
+        self.clock.settle_device_waits(self.clock.closed - self._pending)
         mine = torch.full((every, len(FIELDS)), float("nan"), dtype=torch.float64)
         mine[: self._pending] = torch.from_numpy(self.clock.last(self._pending))
         self._pending = 0
         gathered = (
             [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
         )
-        dist.gather(mine, gathered, group=self.group, group_dst=0)
+        dist.gather(mine, gathered, group=self.gather_group, group_dst=0)
         if gathered is None:
             return None
         window = torch.stack(gathered).numpy()
@@ -228,6 +243,20 @@ class LiveMonitor:
             "per_rank": per_rank,
             "stragglers": [s.to_dict() for s in self.rule.stragglers()],
         }
+
+
+def _collective_device() -> torch.device:
+    if backend_device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _window_group(group: Any) -> Any:
+    backend = backend_of(group if group is not None else dist.group.WORLD)
+    if backend == "gloo" or "cpu:gloo" in backend:
+        return group
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return inherit_timeout(dist.new_group(ranks, backend="gloo"))
 
 
 def _log_change(straggler: LiveStraggler) -> None:

@@ -89,6 +89,19 @@ class StepClock:
         """Count a wait the timer cannot see (the DDP reducer's, in C++) in the open step."""
         self.current[WAIT_KINDS.start + kind] += ms
 
+    def settle_device_waits(self, since: int) -> None:
+        """Count the device waits done by now (``WaitTimer.resolved``: no host sync) in their
+        steps' rows; a wait whose step is before closed index ``since`` (already gathered) or
+        out of the ring is counted in the open step instead, late rather than lost."""
+        oldest = max(since, self.closed - len(self.rows))
+        for index, kind, ms in self.timer.resolved():
+            if oldest <= index < self.closed:
+                row = self.rows[index % len(self.rows)]
+                row[WAIT] += ms
+            else:
+                row = self.current  # its WAIT is summed when it closes
+            row[WAIT_KINDS.start + kind] += ms
+
     def close_step(self, step: int) -> np.ndarray:
         """Close the open step as ``step``; returns its row (a view into the ring)."""
         row = self.current

@@ -11,9 +11,19 @@ by the collective's kind (the trace report's ``COLLECTIVE_KINDS`` names). Torch 
 process-group hook on gloo (``_register_on_completion_hook`` is NCCL-only) and the Flight
 Recorder keeps only when a collective was created, not how long anyone waited; hence the wrap.
 
-What it does not see: a wait inside C++ (plain ``DistributedDataParallel``'s reducer with a
-built-in hook; functional collectives' ``wait_tensor``) and, on CUDA, time the device rather
-than the host waits.
+overlapkit's own waits that no Python wrap sees (tensor parallel's functional collectives wait
+in ``wait_tensor``, a C++ op) are marked with ``group.dim_labels.comm_wait(kind)``, whose
+observer (``wait_hooks``) this module sets to the waiting thread's timer: one mechanism for all
+of overlapkit's waits. A timer counts only the outermost of nested waits (a ``Work.wait`` inside
+a ``comm_wait`` block counts once).
+
+The timing path is chosen once, from the device the collectives run on: the host's blocked
+wall time on the CPU; on CUDA, where a wait only makes the current stream wait, the stream's
+stall, from CUDA events read without a host sync (``device_waits``).
+
+What it does not see: a wait inside C++ that overlapkit does not mark (plain
+``DistributedDataParallel``'s reducer with a built-in hook; torch's own tensor and context
+parallel's functional collectives).
 """
 
 from __future__ import annotations
@@ -27,8 +37,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import OpType
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "other")
-"""The kinds a wait is counted under, as the trace report names them."""
+from overlapkit.group import wait_hooks
+from overlapkit.group.wait_hooks import KINDS
+from overlapkit.live.device_waits import DeviceWaits
+
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND_RECV, OTHER = range(len(KINDS))
 
 _KIND_OF_OP_TYPE = {
@@ -83,33 +95,71 @@ class ThreadRunTime:
 
 
 class WaitTimer:
-    """Blocked milliseconds of one thread's collective waits, by kind, while ``active``.
+    """Milliseconds of one thread's collective waits, by kind, while ``active``.
 
     Create and install it (``install()``) on the thread to time; it counts only while ``active``
     is True (the monitor's phases), so its own gathers and a checkpoint's collectives are left
-    out. A wait counts its wall time less the thread's run time meanwhile (``run_time``): on an
-    oversubscribed host a thread woken by the collective's end may queue for a CPU, and that is
-    not waiting on the collective. ``drain()`` returns the counts since the last drain and zeroes
-    them.
+    out. On the host path a wait counts its wall time less the thread's run time meanwhile
+    (``run_time``): on an oversubscribed host a thread woken by the collective's end may queue
+    for a CPU, and that is not waiting on the collective. ``drain()`` closes a step: it returns
+    the host counts since the last drain and zeroes them. On the device path (``device`` CUDA)
+    the waits are event pairs that ``resolved()`` reads later, tagged with their step.
+
+    Args:
+        device (torch.device | None): where the collectives run; CUDA chooses the device path.
     """
 
-    __slots__ = ("active", "ms", "run_time", "thread")
+    __slots__ = ("active", "closed", "depth", "device_waits", "ms", "run_time", "thread")
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.active = False
         self.ms = [0.0] * len(KINDS)
         self.thread = threading.get_ident()
         self.run_time = ThreadRunTime()
+        self.depth = 0
+        """Waits open on the thread (a ``Work.wait`` inside a ``comm_wait`` block: 2)."""
+        self.closed = 0
+        """Steps drained so far: the index of the step a wait now is in."""
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        self.device_waits = DeviceWaits() if on_cuda else None
 
     def add(self, kind: int, ms: float) -> None:
         """Count ``ms`` of waiting on a collective of ``kind`` (a ``KINDS`` index)."""
         if self.active:
             self.ms[kind] += ms
 
+    def begin(self, kind: int) -> Any:
+        """A wait on a collective of ``kind`` starts on this thread; the token for ``end``
+        (None: not counted, being inactive or inside another wait)."""
+        self.depth += 1
+        if not self.active or self.depth > 1:
+            return None
+        if self.device_waits is not None:
+            return self.device_waits.begin(kind)
+        return kind, time.perf_counter(), self.run_time.ms()
+
+    def end(self, token: Any) -> None:
+        """The wait ``begin`` returned ``token`` for has ended."""
+        self.depth -= 1
+        if token is None:
+            return
+        if self.device_waits is not None:
+            self.device_waits.end(token, self.closed)
+            return
+        kind, start, ran = token
+        wall = (time.perf_counter() - start) * 1e3
+        self.add(kind, max(wall - (self.run_time.ms() - ran), 0.0))
+
     def drain(self) -> list[float]:
-        """The ms waited per kind since the last drain; zeroes the counts."""
+        """Close a step: the host ms waited per kind since the last drain; zeroes the counts."""
         out, self.ms = self.ms, [0.0] * len(KINDS)
+        self.closed += 1
         return out
+
+    def resolved(self) -> list[tuple[int, int, float]]:
+        """Device waits done since the last call, ``(step index, kind, ms)``; none on the host
+        path. Never waits for the device."""
+        return self.device_waits.resolve() if self.device_waits is not None else []
 
     def install(self) -> None:
         """Time the waits of the thread that calls this (one timer per thread)."""
@@ -134,15 +184,30 @@ def _timed(original: Any, kind_of: Any) -> Any:
         timer = _timers.get(threading.get_ident())
         if timer is None or not timer.active:
             return original(self, *args, **kwargs)
-        start, ran = time.perf_counter(), timer.run_time.ms()
+        token = timer.begin(kind_of(self))
         try:
             return original(self, *args, **kwargs)
         finally:
-            wall = (time.perf_counter() - start) * 1e3
-            timer.add(kind_of(self), max(wall - (timer.run_time.ms() - ran), 0.0))
+            timer.end(token)
 
     wait.__doc__ = original.__doc__
     return wait
+
+
+class _ThreadsTimer:
+    """``comm_wait``'s observer: the waiting thread's timer, if it has one."""
+
+    def begin(self, kind: int) -> Any:
+        timer = _timers.get(threading.get_ident())
+        return None if timer is None else (timer, timer.begin(kind))
+
+    def end(self, token: Any) -> None:
+        if token is not None:
+            timer, inner = token
+            timer.end(inner)
+
+
+_OBSERVER = _ThreadsTimer()
 
 
 def _work_kind(work: Any) -> int:
@@ -162,9 +227,11 @@ def _wrap() -> None:
     for cls, kind_of in ((dist.Work, _work_kind), (torch._C.Future, _future_kind)):
         _originals[cls] = cls.wait
         cls.wait = _timed(cls.wait, kind_of)
+    wait_hooks.set_observer(_OBSERVER)
 
 
 def _unwrap() -> None:
+    wait_hooks.set_observer(None)
     for cls, original in _originals.items():
         cls.wait = original
     _originals.clear()

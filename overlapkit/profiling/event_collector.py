@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from overlapkit.group.dim_labels import LABEL_PREFIX, WAIT_LABEL, dim_of_label
+from overlapkit.group.wait_hooks import KINDS
 from overlapkit.profiling.record_store import RecordTable, SpillStore
 from overlapkit.profiling.trace_events import (
     LAUNCH_CATEGORIES,
@@ -33,14 +34,8 @@ from overlapkit.profiling.trace_events import (
     shown,
 )
 
-COLLECTIVE_KINDS = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "send_recv",
-    "other",
-)
+COLLECTIVE_KINDS = KINDS
+"""The kinds a collective is reported under (the live monitor counts waits under the same)."""
 # First match wins: NCCL runs all-to-all on SendRecv kernels, named by their metadata.
 _KIND_PATTERNS = (
     ("all_reduce", re.compile(r"all_?reduce", re.IGNORECASE)),
