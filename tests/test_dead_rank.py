@@ -9,6 +9,7 @@ import gc
 import os
 import re
 import signal
+import tempfile
 import time
 
 import pytest
@@ -28,6 +29,9 @@ FAULT_STEP = 2
 TIMEOUT_S = 4.0
 GRACE_S = 2.0
 ENV = {"OVERLAPKIT_CHECKIN_GRACE_S": str(GRACE_S)}
+LEFT_ENV = "OVERLAPKIT_TEST_SURVIVORS_LEFT"
+"""A file a survivor creates once it has reported and left its group, so that a stalled rank
+need not sleep out its whole stall (set by the tests that stall a rank)."""
 # Spawn-free slack for a loaded 2-core machine: the survivor's own clock starts at its step.
 MARGIN_S = 5.0
 SMALL_BUCKET_MB = 0.004
@@ -43,8 +47,12 @@ def _fault(mode: str):
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         # Well past the peer's timeout and grace period (so it cannot check in in time, even
-        # on a loaded machine); then this rank goes on and fails in turn.
-        time.sleep(TIMEOUT_S + 2 * GRACE_S + 4)
+        # on a loaded machine), or until the survivors have reported and left; then this rank
+        # goes on and fails in turn.
+        deadline = time.monotonic() + TIMEOUT_S + 2 * GRACE_S + 4
+        left = os.environ.get(LEFT_ENV)
+        while time.monotonic() < deadline and not (left and os.path.exists(left)):
+            time.sleep(0.05)
 
     return armed, hook
 
@@ -86,7 +94,10 @@ def _train_until_failure(rank, step_fn, mlp, mode, world_size=2, after_failure=N
             report = _report(error, start) | {"step": step}
             if after_failure is not None:
                 report |= after_failure()
-            return report | {"exit_s": _destroy_group_after(start)}
+            report |= {"exit_s": _destroy_group_after(start)}
+            if os.environ.get(LEFT_ENV):
+                open(os.environ[LEFT_ENV], "w").close()
+            return report
     return None
 
 
@@ -291,9 +302,17 @@ def _survivor_report(fn, mode):
         assert 0 in failure.value.results, str(failure.value)
         report = failure.value.results[0]
     else:
-        report = run_on_ranks(fn, 2, mode, collective_timeout_s=TIMEOUT_S, env=ENV)[0]
+        with _stall_env() as env:
+            report = run_on_ranks(fn, 2, mode, collective_timeout_s=TIMEOUT_S, env=env)[0]
     assert report is not None and report["step"] == FAULT_STEP, report
     return report
+
+
+@contextlib.contextmanager
+def _stall_env():
+    """``ENV`` with a fresh path for the survivors' file (``LEFT_ENV``), removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="ovk-dead-rank-") as scratch:
+        yield ENV | {LEFT_ENV: os.path.join(scratch, "left")}
 
 
 @pytest.mark.slow
@@ -516,9 +535,15 @@ def test_fsdp_step_after_a_failure_resets_fsdp2_and_fails_again(request, run):
 @pytest.mark.slow
 def test_planned_mesh_groups_time_out_like_the_default_group_not_after_30_min():
     # Without the planner setting it, the dp group of the mesh waits torch's 30 minutes.
-    results = run_on_ranks(
-        _planned_mesh_run, 4, "stall", collective_timeout_s=TIMEOUT_S, env=ENV, total_timeout_s=60
-    )
+    with _stall_env() as env:
+        results = run_on_ranks(
+            _planned_mesh_run,
+            4,
+            "stall",
+            collective_timeout_s=TIMEOUT_S,
+            env=env,
+            total_timeout_s=60,
+        )
     (peer,) = [r for g in results[0]["dp_groups"] if 1 in g for r in g if r != 1]
     report = results[peer]["report"]
     assert report is not None and report["step"] == FAULT_STEP, report
