@@ -55,8 +55,11 @@ import overlapkit as ok
 from bench.harness.json_report import write_json_report
 from bench.harness.train_layout import LayoutRun, compose_run, layout_run, planned_layout
 from bench.harness.two_node_bench import (
+    CALIBRATION_FLAGS,
+    add_calibration_arguments,
     add_two_node_arguments,
     calibrated_topology,
+    forwarded_flags,
     run_workers,
     two_node_main,
 )
@@ -316,18 +319,8 @@ def render(report: dict, tables: dict[str, list[dict]], args: argparse.Namespace
 
 
 def launch(args: argparse.Namespace) -> dict:
-    forwarded = [
-        "--batch", str(args.batch),
-        "--rounds", str(args.rounds),
-        "--warmup", str(args.warmup),
-        "--models", *args.models,
-        "--calibrate-steps", str(args.calibrate_steps),
-        "--latency-probes", str(args.latency_probes),
-        "--probe-work", str(args.probe_work),
-        "--overlap-trials", str(args.overlap_trials),
-        "--optimizer-steps", str(args.optimizer_steps),
-    ]  # fmt: skip
-    return run_workers("bench.inlayer_overlap", args, forwarded)
+    flags = forwarded_flags(args, ("batch", "rounds", "warmup", "models", *CALIBRATION_FLAGS))
+    return run_workers("bench.inlayer_overlap", args, flags)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -339,11 +332,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models", nargs="+", default=list(CASES), choices=list(CASES), help="models"
     )
-    parser.add_argument("--calibrate-steps", type=int, default=5, help=argparse.SUPPRESS)
-    parser.add_argument("--latency-probes", type=int, default=20, help=argparse.SUPPRESS)
-    parser.add_argument("--probe-work", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--overlap-trials", type=int, default=3, help=argparse.SUPPRESS)
-    parser.add_argument("--optimizer-steps", type=int, default=11, help=argparse.SUPPRESS)
+    add_calibration_arguments(
+        parser,
+        calibrate_steps=5,
+        latency_probes=20,
+        probe_work=2,
+        overlap_trials=3,
+        optimizer_steps=11,
+    )
     add_two_node_arguments(parser, timeout_s=1200)
     return parser.parse_args(argv)
 

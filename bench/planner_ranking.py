@@ -70,8 +70,11 @@ import overlapkit as ok
 from bench.harness.json_report import write_json_report
 from bench.harness.train_layout import PHASES, LayoutRun, compose_run, layout_run, planned_layout
 from bench.harness.two_node_bench import (
+    CALIBRATION_FLAGS,
+    add_calibration_arguments,
     add_two_node_arguments,
     calibrated_topology,
+    forwarded_flags,
     run_workers,
     two_node_main,
 )
@@ -404,19 +407,10 @@ def render(report: dict, args: argparse.Namespace) -> str:
 
 def launch(args: argparse.Namespace) -> dict:
     """Run the workers on two emulated nodes; rank 0's report."""
-    forwarded = [
-        "--batch", str(args.batch),
-        "--micro-batches", str(args.micro_batches),
-        "--rounds", str(args.rounds),
-        "--warmup", str(args.warmup),
-        "--models", *args.models,
-        "--calibrate-steps", str(args.calibrate_steps),
-        "--latency-probes", str(args.latency_probes),
-        "--probe-work", str(args.probe_work),
-        "--overlap-trials", str(args.overlap_trials),
-        "--optimizer-steps", str(args.optimizer_steps),
-    ]  # fmt: skip
-    return run_workers("bench.planner_ranking", args, forwarded)
+    flags = forwarded_flags(
+        args, ("batch", "micro_batches", "rounds", "warmup", "models", *CALIBRATION_FLAGS)
+    )
+    return run_workers("bench.planner_ranking", args, flags)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -438,11 +432,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), help="models"
     )
-    parser.add_argument("--calibrate-steps", type=int, default=11, help=argparse.SUPPRESS)
-    parser.add_argument("--latency-probes", type=int, default=30, help=argparse.SUPPRESS)
-    parser.add_argument("--probe-work", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--overlap-trials", type=int, default=5, help=argparse.SUPPRESS)
-    parser.add_argument("--optimizer-steps", type=int, default=31, help=argparse.SUPPRESS)
+    add_calibration_arguments(
+        parser,
+        calibrate_steps=11,
+        latency_probes=30,
+        probe_work=2,
+        overlap_trials=5,
+        optimizer_steps=31,
+    )
     add_two_node_arguments(parser, timeout_s=900)
     args = parser.parse_args(argv)
     if args.micro_batches < 2:

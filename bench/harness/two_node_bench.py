@@ -79,6 +79,35 @@ def two_node_main(
     return drive(args)
 
 
+CALIBRATION_FLAGS = (
+    "calibrate_steps",
+    "latency_probes",
+    "probe_work",
+    "overlap_trials",
+    "optimizer_steps",
+)
+"""How much the workers measure before the benchmark proper (the host terms the planner prices
+with, ``collective_overhead``'s probes): hidden flags, forwarded to the workers."""
+
+
+def add_calibration_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """The ``CALIBRATION_FLAGS``, hidden from ``--help``, each with its default in ``defaults``."""
+    for name in CALIBRATION_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=int, default=defaults[name], help=argparse.SUPPRESS)
+
+
+def forwarded_flags(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """The options ``names`` of ``args`` as the command-line flags that set them (a list
+    option's values after its flag), for ``run_workers``."""
+    flags: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        values = value if isinstance(value, list) else [value]
+        flags += ["--" + name.replace("_", "-"), *map(str, values)]
+    return flags
+
+
 def run_workers(module: str, args: argparse.Namespace, worker_arguments: Sequence[str]) -> dict:
     """Run ``python -m <module> --worker`` as 2 gloo ranks on each of two emulated nodes.
 
