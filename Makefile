@@ -13,9 +13,6 @@ VENV := .venv-$(shell printf '%s' '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.' '-' | tr 
 TORCH_PIN := "$(TORCH_SPEC)"
 endif
 PY := $(VENV)/bin/python
-# --no-compile: pip would byte-compile every module of every package (torch alone: 17 s of a
-# fresh install, 5 s without); Python compiles the ones a run imports, once, on first import.
-PIP_INSTALL := $(PY) -m pip install --quiet --no-compile
 BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
@@ -28,8 +25,8 @@ install: $(STAMP)
 $(BASE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Keep a torch that is already installed; only a missing one is installed (never a CUDA build by accident).
-	$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "$(TORCH_SPEC)"
-	$(PIP_INSTALL) -e . $(TORCH_PIN)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e . $(TORCH_PIN)
 	touch $@
 
 # torchtitan (pyproject's torchtitan extra) for the hand-off's acceptance test, without its
@@ -43,16 +40,16 @@ TORCHTITAN_DEPS := tyro==1.0.17 "datasets>=3.6.0,<4.8.0"
 # `make test` adds the test tools, the docs tools, HTA, the frameworks of overlapkit.integrations
 # and torchtitan.
 $(STAMP): $(BASE_STAMP)
-	$(PIP_INSTALL) -e ".[dev,docs,hta,integrations]" $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e ".[dev,docs,hta,integrations]" $(TORCH_PIN)
 	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
-	  $(PIP_INSTALL) --no-deps "$(TORCHTITAN)" $(TORCHTITAN_NO_DEPS) && \
-	  $(PIP_INSTALL) $(TORCHTITAN_DEPS) $(TORCH_PIN); \
+	  $(PY) -m pip install --quiet --no-deps "$(TORCHTITAN)" $(TORCHTITAN_NO_DEPS) && \
+	  $(PY) -m pip install --quiet $(TORCHTITAN_DEPS) $(TORCH_PIN); \
 	else echo "torchtitan needs Python >= 3.11: tests/test_torchtitan_handoff.py skips its acceptance"; fi
 	touch $@ $(DOCS_STAMP)
 
 # `make docs` needs Zensical only.
 $(DOCS_STAMP): $(BASE_STAMP)
-	$(PIP_INSTALL) -e ".[docs]" $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e ".[docs]" $(TORCH_PIN)
 	touch $@
 
 # The docs are built first (strict): a broken link or a page missing from nav fails `make test`.
