@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -58,9 +57,9 @@ from bench.harness.two_node_bench import (
     CALIBRATION_FLAGS,
     add_calibration_arguments,
     add_two_node_arguments,
-    calibrated_topology,
     forwarded_flags,
     run_workers,
+    start_calibrated_worker,
     two_node_main,
 )
 from bench.planner_ranking import (
@@ -76,7 +75,7 @@ from overlapkit.autoplan.models import train_model_spec
 from overlapkit.autoplan.step_time import StepOptions, predict_step
 from overlapkit.profiling.analysis import analyze_run
 from overlapkit.train.parallel.mesh import split_parallel
-from overlapkit.train.planning.host_calibration import collective_overhead, one_rank_group
+from overlapkit.train.planning.host_calibration import one_rank_group
 
 CASES = {
     "moe_tiny": {
@@ -214,12 +213,9 @@ def measure(name: str, runs: dict[str, LayoutRun], traces: Path, args) -> dict[s
 
 
 def worker(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
-    topology = ok.detect_topology()
-    predictor, calibration = calibrated_topology(
-        topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
-    )
-    overhead = collective_overhead(topology, probes=args.latency_probes, work=args.probe_work)
+    started = start_calibrated_worker(args)
+    topology, predictor, calibration = started.topology, started.predictor, started.calibration
+    overhead = started.overhead_s
     alone = one_rank_group()
     report: dict = {
         "nodes": [list(n) for n in topology.nodes()],

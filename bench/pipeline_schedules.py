@@ -37,7 +37,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -56,9 +55,9 @@ from bench.harness.two_node_bench import (
     CALIBRATION_FLAGS,
     add_calibration_arguments,
     add_two_node_arguments,
-    calibrated_topology,
     forwarded_flags,
     run_workers,
+    start_calibrated_worker,
     two_node_main,
 )
 from bench.planner_ranking import ONE_BUCKET, calibrate, predictions
@@ -67,7 +66,7 @@ from overlapkit.autoplan.pipeline_schedule import SHAPES as PRICED
 from overlapkit.train.launch.cli import check_job
 from overlapkit.train.launch.elastic import LauncherConfig
 from overlapkit.train.models import GPTConfig
-from overlapkit.train.planning.host_calibration import collective_overhead, one_rank_group
+from overlapkit.train.planning.host_calibration import one_rank_group
 
 SHAPE = dict(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=128)
 CONFIG = GPTConfig(**SHAPE)
@@ -158,12 +157,9 @@ def measure(runs: dict[str, LayoutRun], args: argparse.Namespace, scratch: Path)
 
 
 def worker(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
-    topology = ok.detect_topology()
-    predictor, calibration = calibrated_topology(
-        topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
-    )
-    overhead = collective_overhead(topology, probes=args.latency_probes, work=args.probe_work)
+    started = start_calibrated_worker(args)
+    topology, predictor, calibration = started.topology, started.predictor, started.calibration
+    overhead = started.overhead_s
     measured = calibrate(CONFIG, one_rank_group(), args, tensor_parallel=False)
     runs, layouts, refused = build_runs(args, topology)
     if not runs:

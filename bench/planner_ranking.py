@@ -52,7 +52,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
 import json
@@ -73,9 +72,9 @@ from bench.harness.two_node_bench import (
     CALIBRATION_FLAGS,
     add_calibration_arguments,
     add_two_node_arguments,
-    calibrated_topology,
     forwarded_flags,
     run_workers,
+    start_calibrated_worker,
     two_node_main,
 )
 from overlapkit.autoplan.compute import measured_accelerator
@@ -88,7 +87,6 @@ from overlapkit.autoplan.step_time import StepOptions, predict_step
 from overlapkit.layout import TrainingLayout
 from overlapkit.train.models import GPT, GPTConfig, MoEConfig, MoEGPT
 from overlapkit.train.planning.host_calibration import (
-    collective_overhead,
     compute_calibration,
     one_rank_group,
     optimizer_calibration,
@@ -261,12 +259,9 @@ def measure_model(
 
 
 def worker(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
-    topology = ok.detect_topology()
-    predictor, calibration = calibrated_topology(
-        topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
-    )
-    overhead = collective_overhead(topology, probes=args.latency_probes, work=args.probe_work)
+    started = start_calibrated_worker(args)
+    topology, predictor, calibration = started.topology, started.predictor, started.calibration
+    overhead = started.overhead_s
     alone = one_rank_group()
     report = {
         "nodes": [list(n) for n in topology.nodes()],

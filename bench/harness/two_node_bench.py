@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import tempfile
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from overlapkit.cost.calibrate import (
     measure_all_reduce,
     sizes_between,
 )
+from overlapkit.train.planning.host_calibration import collective_overhead
 
 REPO = Path(__file__).resolve().parents[2]
 """The checkout: the ranks run ``python -m bench.<name>`` from here, wherever the driver runs."""
@@ -177,6 +179,32 @@ def calibrated_topology(
     }
     fits["scale_up_all_nodes_busy"] = {"latency_us": busy_latency_us, "bandwidth_GBps": busy_GBps}
     return predictor, fits
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibratedWorker:
+    """What every planner-pricing benchmark's worker measures before its runs."""
+
+    topology: ok.Topology
+    """The detected topology (two emulated nodes)."""
+    predictor: ok.Topology
+    """``topology`` with the cost model fitted here (``calibrated_topology``)."""
+    calibration: dict
+    """The fit's report."""
+    overhead_s: dict[str, float]
+    """Per tier, a small collective's cost between busy ranks (``collective_overhead``)."""
+
+
+def start_calibrated_worker(args: argparse.Namespace) -> CalibratedWorker:
+    """Join the gloo group (``--collective-timeout``), detect the topology, fit the cost model
+    to it and measure each tier's per-call overhead (``CALIBRATION_FLAGS``' probes)."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
+    topology = ok.detect_topology()
+    predictor, calibration = calibrated_topology(
+        topology, args.calibrate_min, args.calibrate_max, args.calibrate_budget
+    )
+    overhead_s = collective_overhead(topology, probes=args.latency_probes, work=args.probe_work)
+    return CalibratedWorker(topology, predictor, calibration, overhead_s)
 
 
 def _scale_up_with_all_nodes_busy(
