@@ -13,6 +13,12 @@ does, and must be equal bitwise:
 - in an Accelerate loop, after a warm-up and one more step each, right after each call where
   its users read weights: ``unwrap_model``, ``get_state_dict``, ``save_state``,
   ``save_model`` and, last, ``end_training``.
+
+Whether an update is still pending when ``step()`` returns is a race on CPU (``step()`` lands
+every bucket whose all-reduce has completed), so the per-bucket Accelerate run orders the ranks:
+per call one rank leads and reads its parameters before its peer starts that step's backward,
+which holds every all-reduce of the leader's step open. The leader's "still pending" control is
+then certain; the follower's is not asserted.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 
 import torch
 from accelerate import Accelerator
+from torch import distributed as dist
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -111,12 +118,20 @@ def _read_after(call: str, accelerator: Accelerator, model: nn.Module, root: str
     return model
 
 
+def leader_of(call: str) -> int:
+    """The rank that leads ``call``'s step in the per-bucket run (the ranks take turns)."""
+    return ACCELERATE_CALLS.index(call) % 2
+
+
 def accelerate_final(form: str, root: str) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     """After ``WARMUP`` steps, per call of ``ACCELERATE_CALLS``: one more step, the parameters
     read directly before the call (``"stepped"``) and right after it (``"read"``).
 
-    The plain form (Accelerate's DDP, whose parameters are final when ``step()`` returns) makes
-    no ``end_training`` call: it would destroy the process group the per-bucket form needs.
+    In the per-bucket form ``leader_of(call)`` reads ``"stepped"`` before its peer's backward
+    starts (a barrier on a group of its own), so the leader's step is certainly still pending.
+    The plain form (Accelerate's DDP, whose backward waits for its peer and whose parameters are
+    final when ``step()`` returns) is not ordered and makes no ``end_training`` call: it would
+    destroy the process group the per-bucket form needs.
     """
     accelerator = Accelerator(cpu=True)
     if form == "per_bucket":
@@ -127,15 +142,21 @@ def accelerate_final(form: str, root: str) -> dict[str, dict[str, dict[str, torc
     steps = WARMUP + len(ACCELERATE_CALLS)
     batches = _tokens(steps * PER_RANK, seed=13 + accelerator.process_index).split(PER_RANK)
     root = os.path.join(root, form)
+    turns = dist.new_group(backend="gloo") if form == "per_bucket" else None
     out = {}
     for step, batch in enumerate(batches):
+        call = ACCELERATE_CALLS[step - WARMUP] if step >= WARMUP else None
+        follows = turns is not None and call is not None and leader_of(call) != dist.get_rank()
+        if follows:
+            dist.barrier(group=turns)
         accelerator.backward(model(input_ids=batch, labels=batch).loss)
         optimizer.step()
         optimizer.zero_grad()
-        if step < WARMUP:
+        if call is None:
             continue
-        call = ACCELERATE_CALLS[step - WARMUP]
         stepped = _params(model)
+        if turns is not None and not follows:
+            dist.barrier(group=turns)
         read = model if form == "plain" and call == "end_training" else None
         read = read or _read_after(call, accelerator, model, root)
         out[call] = {"stepped": stepped, "read": _params(read)}
