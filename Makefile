@@ -21,12 +21,26 @@ DOCS_STAMP := $(VENV)/.installed-docs
 
 install: $(STAMP)
 
+# pip byte-compiles what it installs one file after another (about 30 s of a fresh `make
+# install`); installing without, then one compileall on every core, writes the same .pyc in
+# less. They must be written at install: with PYTHONDONTWRITEBYTECODE=1 (CI's shell sets it)
+# Python writes none on import, and every process would compile torch again. Like pip's, the
+# compile's errors are not the install's (torch ships a module only Python 3.12 parses).
+PIP_INSTALL := $(PY) -m pip install --quiet --no-compile
+COMPILE_SITE_PACKAGES := $(PY) -m compileall -q -j 0 \
+	"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
+
+# The venv, and torch where it has none (an installed torch is kept: never a CUDA build by accident).
+define VENV_WITH_TORCH
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) "$(TORCH_SPEC)"
+endef
+
 # What `make demo` needs: the package and its dependencies, none of the extras.
 $(BASE_STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# Keep a torch that is already installed; only a missing one is installed (never a CUDA build by accident).
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e . $(TORCH_PIN)
+	$(VENV_WITH_TORCH)
+	$(PIP_INSTALL) -e . $(TORCH_PIN)
+	$(COMPILE_SITE_PACKAGES)
 	touch $@
 
 # torchtitan (pyproject's torchtitan extra) for the hand-off's acceptance test, without its
@@ -38,33 +52,44 @@ TORCHTITAN_NO_DEPS := spmd_types==0.2.3 torchdata==0.11.0
 TORCHTITAN_DEPS := tyro==1.0.17 "datasets>=3.6.0,<4.8.0"
 
 # `make test` adds the test tools, the docs tools, HTA, the frameworks of overlapkit.integrations
-# and torchtitan.
-$(STAMP): $(BASE_STAMP)
-	$(PY) -m pip install --quiet -e ".[dev,docs,hta,integrations]" $(TORCH_PIN)
+# and torchtitan: what the base has and more, in one install and one compile (a fresh clone's
+# `make test` installs once, not the base first).
+$(STAMP): pyproject.toml
+	$(VENV_WITH_TORCH)
+	$(PIP_INSTALL) -e ".[dev,docs,hta,integrations]" $(TORCH_PIN)
 	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
-	  $(PY) -m pip install --quiet --no-deps "$(TORCHTITAN)" $(TORCHTITAN_NO_DEPS) && \
-	  $(PY) -m pip install --quiet $(TORCHTITAN_DEPS) $(TORCH_PIN); \
+	  $(PIP_INSTALL) --no-deps "$(TORCHTITAN)" $(TORCHTITAN_NO_DEPS) && \
+	  $(PIP_INSTALL) $(TORCHTITAN_DEPS) $(TORCH_PIN); \
 	else echo "torchtitan needs Python >= 3.11: tests/test_torchtitan_handoff.py skips its acceptance"; fi
-	touch $@ $(DOCS_STAMP)
+	$(COMPILE_SITE_PACKAGES)
+	touch $@ $(BASE_STAMP) $(DOCS_STAMP)
 
 # `make docs` needs Zensical only.
 $(DOCS_STAMP): $(BASE_STAMP)
-	$(PY) -m pip install --quiet -e ".[docs]" $(TORCH_PIN)
+	$(PIP_INSTALL) -e ".[docs]" $(TORCH_PIN)
+	$(COMPILE_SITE_PACKAGES)
 	touch $@
 
 # The docs are built first (strict): a broken link or a page missing from nav fails `make test`.
 # Property tests draw the same examples on every run (tests/conftest.py, profile "ci")...
+# The project's own modules compiled once up front, for the same reason as the venv's: under
+# PYTHONDONTWRITEBYTECODE=1 each of the suite's hundreds of processes would compile them again.
+COMPILE_PROJECT := $(PY) -m compileall -q -j 0 overlapkit tests bench recipes >/dev/null
+
 test: $(STAMP)
 	$(DOCS_BUILD)
+	$(COMPILE_PROJECT)
 	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
 
 test-fast: $(STAMP)
+	$(COMPILE_PROJECT)
 	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow"
 
 # On a GPU host: the whole suite, CUDA-only tests (marked `cuda`, skipped elsewhere) included;
 # refuses to start without CUDA, so none of them is skipped silently. Skips are listed (-rs).
 test-gpu: $(STAMP)
 	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: CUDA is not available here')"
+	$(COMPILE_PROJECT)
 	OVERLAPKIT_HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -rs
 
 # On a GPU host whose torch is installed and pinned (a cluster's container; the lent H200's image
