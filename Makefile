@@ -70,12 +70,12 @@ $(DOCS_STAMP): $(BASE_STAMP)
 	$(COMPILE_SITE_PACKAGES)
 	touch $@
 
-# The docs are built first (strict): a broken link or a page missing from nav fails `make test`.
-# Property tests draw the same examples on every run (tests/conftest.py, profile "ci")...
 # The project's own modules compiled once up front, for the same reason as the venv's: under
 # PYTHONDONTWRITEBYTECODE=1 each of the suite's hundreds of processes would compile them again.
 COMPILE_PROJECT := $(PY) -m compileall -q -j 0 overlapkit tests bench recipes >/dev/null
 
+# The docs are built first (strict): a broken link or a page missing from nav fails `make test`.
+# Property tests draw the same examples on every run (tests/conftest.py, profile "ci")...
 test: $(STAMP)
 	$(DOCS_BUILD)
 	$(COMPILE_PROJECT)
