@@ -12,7 +12,7 @@ torch's rendezvous and gloo find the nodes by name, as on a cluster. ``slurmd -N
 in each; ``slurmctld`` and the client commands run on node 1. munged listens on a socket in the
 cluster's temporary directory with a key of its own; the daemons run in the foreground as
 children of this process, and the configuration says ``proctrack/linuxproc`` and
-``task/none``: no cgroups, no systemd. Job credentials live 10 s (``cred_expire``, 120 s by
+``task/none``: no cgroups, no systemd. Job credentials live 5 s (``cred_expire``, 120 s by
 default), which is also how long Slurm holds a requeued job back.
 
 Everything is removed on exit, also after a failure: jobs, daemons (by their process ids),
@@ -190,7 +190,7 @@ SlurmctldHost={self.names[0]}({self.addresses[0]})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket},cred_expire=10
+AuthInfo=socket={self.munge_socket},cred_expire=5
 CredType=cred/munge
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n

@@ -156,7 +156,7 @@ def test_failed_job_requeued_resumes_from_its_newest_checkpoint(cluster, tmp_pat
     # The job can show its old state for a moment; then it is pending again.
     cluster.wait(job, timeout_s=60, states={"PENDING", "RUNNING", "COMPLETED"})
     assert cluster.job(job)["Restarts"] == "1"
-    # Slurm holds it back for the credential lifetime (cred_expire, 10 s here), until the node
+    # Slurm holds it back for the credential lifetime (cred_expire, 5 s here), until the node
     # forgets the revoked credential of the last run; starting earlier, the launch fails.
     state = cluster.wait(job, timeout_s=JOB_TIMEOUT_S)
     output = _output(tmp_path, job)  # --open-mode=append: both runs
