@@ -107,10 +107,10 @@ def _destroy_group_after(start):
     return time.monotonic() - start
 
 
-def _bucketer_run(rank, world_size, mode):
-    # 8 buckets, all pending on rank 0 when rank 1 stalls.
+def _bucketer_run(rank, world_size, mode, process_group=None):
+    # 8 buckets, all pending on rank 1's peer when rank 1 stalls.
     model = make_mlp(layers=9)
-    bucketer = ok.GradBucketer(model, bucket_mb=SMALL_BUCKET_MB)
+    bucketer = ok.GradBucketer(model, bucket_mb=SMALL_BUCKET_MB, process_group=process_group)
 
     def step(batch):
         x, y = batch
@@ -278,32 +278,17 @@ def _planned_mesh_run(rank, world_size, mode):
     """GradBucketer over the dp group of a planned 2x2 (dp x tp) mesh; rank 1 faults."""
     placement = ok.plan(ok.load_topology("cpu-gloox2"), tp=2)
     mesh = placement.device_mesh("cpu")
-    model = make_mlp()
-    bucketer = ok.GradBucketer(
-        model, bucket_mb=SMALL_BUCKET_MB, process_group=mesh["dp"].get_group()
-    )
-
-    def step(batch):
-        x, y = batch
-        model.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        bucketer.wait()
-
-    report = _train_until_failure(rank, step, model, mode)
+    report = _bucketer_run(rank, world_size, mode, process_group=mesh["dp"].get_group())
     return {"report": report, "dp_groups": placement.groups("dp")}
 
 
-def _survivor_report(fn, mode):
-    """Rank 0's report; with ``mode="kill"`` the harness must also report rank 1's death."""
-    if mode == "kill":
-        with pytest.raises(RankFailure) as failure:
-            run_on_ranks(fn, 2, mode, collective_timeout_s=TIMEOUT_S, env=ENV)
-        assert "rank 1 returned nothing: killed by signal 9" in str(failure.value)
-        assert 0 in failure.value.results, str(failure.value)
-        report = failure.value.results[0]
-    else:
-        with _stall_env() as env:
-            report = run_on_ranks(fn, 2, mode, collective_timeout_s=TIMEOUT_S, env=env)[0]
+def _survivor_report(fn):
+    """Rank 0's report after rank 1 of two was killed; the harness must report the death."""
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(fn, 2, "kill", collective_timeout_s=TIMEOUT_S, env=ENV)
+    assert "rank 1 returned nothing: killed by signal 9" in str(failure.value)
+    assert 0 in failure.value.results, str(failure.value)
+    report = failure.value.results[0]
     assert report is not None and report["step"] == FAULT_STEP, report
     return report
 
@@ -315,14 +300,37 @@ def _stall_env():
         yield ENV | {LEFT_ENV: os.path.join(scratch, "left")}
 
 
+@pytest.fixture(scope="module")
+def planned_mesh_stall():
+    """Rank 1's peer in the dp group of a planned 2x2 (dp x tp) mesh of four ranks, after rank
+    1 stalled in the bucketer's backward: the peer, its report and the group."""
+    # Without the planner setting it, the dp group of the mesh waits torch's 30 minutes.
+    with _stall_env() as env:
+        results = run_on_ranks(
+            _planned_mesh_run,
+            4,
+            "stall",
+            collective_timeout_s=TIMEOUT_S,
+            env=env,
+            total_timeout_s=60,
+        )
+    (group,) = [g for g in results[0]["dp_groups"] if 1 in g]
+    (peer,) = set(group) - {1}
+    return peer, results[peer]["report"], list(group)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["kill", "stall"])
-def test_bucketer_survivor_names_all_reduce_bucket_and_missing_rank(mode):
-    report = _survivor_report(_bucketer_run, mode)
+def test_bucketer_survivor_names_all_reduce_bucket_and_missing_rank(request, mode):
+    if mode == "kill":
+        peer, report, group = 0, _survivor_report(_bucketer_run), [0, 1]
+    else:  # the planned mesh's launch: its dp group is a group of the mesh, not the default
+        peer, report, group = request.getfixturevalue("planned_mesh_stall")
+    assert report is not None and report["step"] == FAULT_STEP, report
     assert report["type"] == "CollectiveFailure"
     assert re.search(
-        rf"ok\.GradBucketer: all_reduce of bucket \d+ \(step {FAULT_STEP}\) failed on rank 0: "
-        r"rank\(s\) \[1\] of the group \[0, 1\] never checked in",
+        rf"ok\.GradBucketer: all_reduce of bucket \d+ \(step {FAULT_STEP}\) failed on rank "
+        rf"{peer}: rank\(s\) \[1\] of the group {re.escape(str(group))} never checked in",
         report["message"],
     ), report["message"]
     assert report["missing"] == (1,)
@@ -403,13 +411,13 @@ def test_ddp_step_after_a_failure_raises_collective_failure_again(ddp_survivors,
 @pytest.fixture(scope="module")
 def fsdp_survivors():
     """Rank 0 of two, after rank 1 was SIGKILLed in the middle of ``ok.fsdp``'s backward."""
-    return {0: _survivor_report(_fsdp_run, "kill")}
+    return {0: _survivor_report(_fsdp_run)}
 
 
 @pytest.fixture(scope="module")
 def fsdp_own_reduce_scatter_survivors():
     """The same with FSDP2's own reduce-scatter (``overlap_reduce_scatter=False``)."""
-    return {0: _survivor_report(_fsdp_own_reduce_scatter_run, "kill")}
+    return {0: _survivor_report(_fsdp_own_reduce_scatter_run)}
 
 
 @pytest.fixture(scope="module")
@@ -533,19 +541,10 @@ def test_fsdp_step_after_a_failure_resets_fsdp2_and_fails_again(request, run):
 
 
 @pytest.mark.slow
-def test_planned_mesh_groups_time_out_like_the_default_group_not_after_30_min():
-    # Without the planner setting it, the dp group of the mesh waits torch's 30 minutes.
-    with _stall_env() as env:
-        results = run_on_ranks(
-            _planned_mesh_run,
-            4,
-            "stall",
-            collective_timeout_s=TIMEOUT_S,
-            env=env,
-            total_timeout_s=60,
-        )
-    (peer,) = [r for g in results[0]["dp_groups"] if 1 in g for r in g if r != 1]
-    report = results[peer]["report"]
+def test_planned_mesh_groups_time_out_like_the_default_group_not_after_30_min(
+    planned_mesh_stall,
+):
+    _, report, _ = planned_mesh_stall
     assert report is not None and report["step"] == FAULT_STEP, report
     assert report["type"] == "CollectiveFailure"
     assert report["missing"] == (1,), report["message"]
