@@ -144,7 +144,7 @@ class SdpaKernelRecompute:
     """overlapkit-train's selective recomputation: only the SDPA kernel reruns (module doc)."""
 
     name: str = "SDPA kernel"
-    tp_all_gathers_recomputed: int = 0  # its tp has no sequence parallelism
+    tp_all_gathers_recomputed: int = 0  # the rerun kernel takes the saved q, k, v
     recomputes_attention_core: bool = False
     """Without flash attention SDPA's math path is not a kernel the policy reruns."""
 
