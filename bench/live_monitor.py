@@ -65,7 +65,7 @@ def train(directory: Path, args: list[str], env: dict[str, str] | None = None) -
         [
             sys.executable,
             "-m",
-            "overlapkit.train.launch.cli",
+            "overlapkit.train.launch.entry",
             *RUN,
             *args,
             f"hydra.run.dir={directory}",

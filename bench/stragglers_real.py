@@ -50,7 +50,7 @@ def train(directory: Path, steps: int, env: dict[str, str]) -> Path:
         [
             sys.executable,
             "-m",
-            "overlapkit.train.launch.cli",
+            "overlapkit.train.launch.entry",
             *RUN,
             f"train.steps={steps}",
             f"hydra.run.dir={directory}",

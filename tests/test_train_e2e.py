@@ -1,6 +1,6 @@
 """``overlapkit-train`` end to end: the real Hydra app, torch elastic, 2 gloo ranks, small gpt_tiny.
 
-Each test starts ``python -m overlapkit.train.launch.cli`` (what the console script runs) in a
+Each test starts ``python -m overlapkit.train.launch.entry`` (what the console script runs) in a
 temporary directory and reads what the run left: ``summary.json``, the TensorBoard event files,
 the profiler traces and the DCP checkpoints.
 """
@@ -71,7 +71,7 @@ def _start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> sub
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
     return subprocess.Popen(
-        [sys.executable, "-m", "overlapkit.train.launch.cli", *flags, *SMALL, *overrides],
+        [sys.executable, "-m", "overlapkit.train.launch.entry", *flags, *SMALL, *overrides],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -14,11 +14,16 @@ The price is that a worker inherits the server's environment, working directory 
 ``sys.path`` from when the server started, not the parent's at the time of the launch. A parent
 therefore sends its current ones (``ParentState.capture()``) and the worker adopts them first
 (``ParentState.adopt()``), which gives it what a spawned worker would have had.
+
+The server starts with the first worker, or earlier through ``start_server()``: ``overlapkit-train``
+starts it before it imports anything heavy itself, so that the server's imports run on another
+core beside the launcher's own (Hydra, the training loop's modules) instead of after them.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 from dataclasses import dataclass
@@ -42,6 +47,14 @@ def context() -> ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def start_server() -> None:
+    """Start this process's server now, importing ``PRELOAD`` in the background; the workers
+    started later (by ``context()`` or torch elastic's forkserver start method) fork from it.
+    Returns at once; a no-op where the server runs already."""
+    context()
+    multiprocessing.forkserver.ensure_running()
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,7 +243,7 @@ def _checked_job(cfg: DictConfig, launcher: LauncherConfig, run_dir: Path) -> Di
 
 
 def main() -> None:
-    """Console entry point: ``overlapkit-train [overrides] [-m]``."""
+    """``overlapkit-train [overrides] [-m]`` once its fork server has started (``entry.main``)."""
     node_rank = process_index(sys.argv[1:])
     if node_rank == 0:
         run()
