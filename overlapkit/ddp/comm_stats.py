@@ -191,6 +191,13 @@ class CommRecorder:
         else:
             future.add_done_callback(lambda _fut: self._mark_done_cuda(slot))
 
+    def callbacks_pending(self) -> bool:
+        """Whether the completion callback of a watched collective has not run yet (its
+        record has no completion time)."""
+        return any(
+            step >= 0 and done is None for step, done in zip(self._step, self._done, strict=True)
+        )
+
     def _mark_done(self, slot: int) -> None:
         self._done[slot] = time.perf_counter() * 1e3
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -62,9 +63,26 @@ def _wait_in_flight_at_exit() -> None:
     ``std::terminate``: the process dies of SIGABRT ("terminate called without an active
     exception") after the script has finished. ``atexit`` runs before finalization, while
     threads can still take the GIL, so waiting here lets every callback run in time.
+
+    Waiting for the all-reduce is not enough on its own: a waiter wakes before the future's
+    callbacks run, and after each callback the worker takes the GIL once more to release it.
+    So this also waits, the GIL released, until every callback has run, and a little longer.
     """
-    for reducer in list(_live):
+    reducers = list(_live)
+    for reducer in reducers:
         reducer.wait_in_flight()
+    deadline = time.monotonic() + EXIT_CALLBACKS_TIMEOUT_S
+    while time.monotonic() < deadline and any(r.recorder.callbacks_pending() for r in reducers):
+        time.sleep(0.001)
+    if reducers:
+        time.sleep(EXIT_CALLBACK_RELEASE_S)
+
+
+EXIT_CALLBACKS_TIMEOUT_S = 5.0
+"""At exit, how long to wait for the completion callbacks of finished all-reduces (a failed
+group's may never run)."""
+EXIT_CALLBACK_RELEASE_S = 0.05
+"""At exit, how long the worker threads get after the last callback to release it."""
 
 
 def tail_launch_order(num_buckets: int, tail: int) -> list[int]:
