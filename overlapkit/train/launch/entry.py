@@ -12,16 +12,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from overlapkit.train.launch.slurm import ranks_are_tasks
 from overlapkit.workers.forkserver import start_server
 
 
 def starts_local_workers(env: Mapping[str, str] | None = None) -> bool:
-    """Whether this launch may start local workers: False inside a Slurm step with more tasks
-    than nodes, where each task is one rank (``launcher=slurm``; uneven steps are refused
-    later), so that no idle server is kept for a whole run; True otherwise."""
+    """Whether this launch may start local workers: False inside a Slurm step whose tasks are
+    each one rank (``slurm.ranks_are_tasks``; uneven steps are refused later), so that no idle
+    server is kept for a whole run; True otherwise."""
     env = os.environ if env is None else env
     tasks, nodes = env.get("SLURM_STEP_NUM_TASKS", ""), env.get("SLURM_STEP_NUM_NODES", "")
-    return not (tasks.isdigit() and nodes.isdigit() and int(tasks) > int(nodes))
+    return not (tasks.isdigit() and nodes.isdigit() and ranks_are_tasks(int(tasks), int(nodes)))
 
 
 def main() -> None:

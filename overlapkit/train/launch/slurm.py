@@ -28,8 +28,10 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from overlapkit.train.launch.elastic import LauncherConfig
+if TYPE_CHECKING:
+    from overlapkit.train.launch.elastic import LauncherConfig
 
 _MAX_HOSTS = 1_000_000
 """Bigger expansions are refused: no allocation has that many nodes, a typo might."""
@@ -143,6 +145,13 @@ def expand_tasks_per_node(text: str, *, variable: str = "SLURM_TASKS_PER_NODE") 
             )
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
     return counts
+
+
+def ranks_are_tasks(ntasks: int, nnodes: int) -> bool:
+    """Whether each task of a step of ``ntasks`` tasks on ``nnodes`` nodes is one rank (several
+    tasks per node: each joins the group itself); else one task per node starts its node's
+    ranks through torch elastic."""
+    return ntasks > nnodes
 
 
 def rendezvous_port(job_id: int) -> int:
@@ -337,10 +346,14 @@ def slurm_launcher(
         ValueError: a missing, malformed or inconsistent ``SLURM_*`` variable, or a launcher
             value that contradicts the allocation.
     """
+    # Imported here, not above: the console script reads ranks_are_tasks before it starts the
+    # workers' fork server (overlapkit.train.launch.entry), and elastic imports torch.
+    from overlapkit.train.launch.elastic import LauncherConfig
+
     env = os.environ if env is None else env
     step = SlurmStep.from_env(env)
     per_node = step.tasks_per_node[0]
-    if per_node > 1:
+    if ranks_are_tasks(step.ntasks, len(step.nodes)):
         if nproc_per_node is not None and nproc_per_node != per_node:
             raise ValueError(
                 f"launcher.nproc_per_node={nproc_per_node}, but srun started {per_node} tasks "
